@@ -1,0 +1,9 @@
+"""vitgraph: the Qwen2-VL vision encoder, replayed from CUDA graphs."""
+
+from .config import VisionConfig
+from .encoder import GraphedVisionEncoder
+from .models.qwen2_vl import Qwen2VisionTower, VisionBatch
+
+__version__ = "0.1.0"
+
+__all__ = ["GraphedVisionEncoder", "Qwen2VisionTower", "VisionBatch", "VisionConfig", "__version__"]

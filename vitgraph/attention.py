@@ -1,0 +1,90 @@
+"""Attention backends for packed (varlen) vision sequences.
+
+Every backend takes ``q, k, v`` of shape ``[T, heads, head_dim]`` and a
+:class:`~vitgraph.models.qwen2_vl.VisionBatch`, and returns ``[T, heads, head_dim]``.
+Each is capturable in a CUDA graph: segment boundaries are read from device
+tensors and ``max_seqlen`` is a Python int fixed for the graph.
+
+Rows outside every segment (bucket padding) are left unwritten by the varlen
+kernels and hold garbage; every later op is row-local, so they never reach a
+real output row.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .models.qwen2_vl import VisionBatch
+
+BACKENDS = ("varlen", "flash", "sdpa")
+
+
+def _has_torch_varlen() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _has_flash_attn() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Backends that can run on ``device``, fastest first."""
+    device = torch.device(device)
+    found = []
+    if device.type == "cuda":
+        if _has_torch_varlen():
+            found.append("varlen")
+        if _has_flash_attn():
+            found.append("flash")
+    found.append("sdpa")
+    return found
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """Turn ``"auto"`` into the best available backend, and check an explicit choice."""
+    available = available_backends(device)
+    if name == "auto":
+        return available[0]
+    if name not in BACKENDS:
+        raise ValueError(f"attention must be 'auto' or one of {BACKENDS}, got {name!r}")
+    if name not in available:
+        raise ValueError(f"attention backend {name!r} is not available on {device}; available: {available}")
+    return name
+
+
+def _sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    # [T, H, D] -> [1, H, T, D]: torch picks cuDNN / flash / efficient kernels itself.
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch") -> torch.Tensor:
+    """Non-causal attention inside each segment of ``batch.cu_seqlens``."""
+    if batch.dense:
+        # One segment covers every row: plain SDPA, no mask (cuDNN on Hopper).
+        return _sdpa_dense(q, k, v, None)
+    if backend == "varlen":
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen)
+    if backend == "flash":
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(q, k, v, batch.cu_seqlens, batch.cu_seqlens,
+                                      batch.max_seqlen, batch.max_seqlen, causal=False)
+    if backend == "sdpa":
+        # Block-diagonal mask built on the device; padding rows (id -1) attend to
+        # each other only, so they stay finite and never touch a real row.
+        ids = batch.segment_ids
+        return _sdpa_dense(q, k, v, ids[:, None] == ids[None, :])
+    raise ValueError(f"unknown attention backend {backend!r}")

@@ -1,0 +1,168 @@
+"""Host-side planning: buckets, the budget ladder, and packing a call into replays.
+
+Pure Python: nothing here touches a GPU.
+
+A bucket is one captured graph. Its capacities are checked for every replay:
+
+* ``tokens``: patch rows (the static pixel buffer's height);
+* ``max_segments``: attention segments, i.e. frames (the length of ``cu_seqlens`` minus one);
+* ``max_seqlen``: the longest segment the attention kernel is launched for. It is
+  baked in at capture. It equals ``tokens``, the only bound that holds for every
+  packing; the kernels skip the empty query tiles past each segment's end, so a
+  loose value costs launch slots, not math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+Grid = tuple[int, int, int]
+
+MAX_PADDING_WASTE = 0.125  # the automatic ladder keeps (bucket - tokens) / bucket under this
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    tokens: int
+    max_segments: int
+
+    @property
+    def max_seqlen(self) -> int:
+        return self.tokens
+
+
+@dataclass
+class Step:
+    """One forward of a plan: a replay of ``bucket``, or an eager run when ``bucket`` is None."""
+
+    grids: list[Grid]  # whole items, or runs of consecutive frames of one item
+    bucket: Bucket | None
+    tokens: int
+    segments: int
+    token_offset: int  # first pixel row of this step in the call's input
+    reason: str | None = None  # why eager
+
+    @property
+    def padded_tokens(self) -> int:
+        return 0 if self.bucket is None else self.bucket.tokens - self.tokens
+
+
+@dataclass
+class Plan:
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.tokens for s in self.steps)
+
+
+def budget_ladder(min_budget: int, max_budget: int, align: int = 4) -> list[int]:
+    """Budgets from ``min_budget`` to ``max_budget``, each step small enough that
+    any token count above ``min_budget`` (a multiple of ``align``) wastes at most 12.5% of its bucket.
+
+    Steps are rounded down to a power of two (at most 256) so that larger budgets
+    stay friendly to GEMM tiling.
+    """
+    if min_budget <= 0 or min_budget % align:
+        raise ValueError(f"min_budget must be a positive multiple of {align}, got {min_budget}")
+    if max_budget < min_budget:
+        raise ValueError(f"max_budget ({max_budget}) must be >= min_budget ({min_budget})")
+    budgets = [min_budget]
+    while budgets[-1] < max_budget:
+        b = budgets[-1]
+        # n = b + align is the worst case; need (next - n) / next <= 1/8  <=>  next <= 8/7 * n.
+        limit = (8 * (b + align)) // 7
+        step = limit - b
+        granule = 1 << (step.bit_length() - 1)
+        granule = max(align, min(granule, 256))
+        next_budget = b + max(align, (step // granule) * granule)
+        power = 1 << b.bit_length()  # the next power of two above b
+        if power <= next_budget:
+            # Powers of two are common patch counts (224 px -> 256, 448 px -> 1024): snap to them.
+            next_budget = power
+        budgets.append(min(next_budget, max_budget))
+    return budgets
+
+
+def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int) -> list[Bucket]:
+    """One bucket per budget; a segment holds at least ``merge_unit`` tokens, which bounds
+    how many segments a small bucket can ever see."""
+    if not budgets:
+        raise ValueError("budgets must not be empty")
+    if isinstance(max_items, bool) or not isinstance(max_items, int) or max_items <= 0:
+        raise ValueError(f"max_items must be a positive int, got {max_items!r}")
+    seen = set()
+    for b in budgets:
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % merge_unit:
+            raise ValueError(f"budgets must be positive ints divisible by {merge_unit}, got {b!r}")
+        if b in seen:
+            raise ValueError(f"budgets lists {b} twice")
+        seen.add(b)
+    return sorted(Bucket(b, min(max_items, b // merge_unit)) for b in budgets)
+
+
+def smallest_fit(buckets: Sequence[Bucket], tokens: int, segments: int) -> Bucket | None:
+    for bucket in buckets:  # sorted ascending by tokens
+        if bucket.tokens >= tokens and bucket.max_segments >= segments:
+            return bucket
+    return None
+
+
+def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket]) -> Plan:
+    """Pack frames greedily, in order, into replays no larger than the largest bucket.
+
+    Frames are the unit of packing: each is its own attention segment and its own
+    set of merger groups, so a long video may span replays and its rows still come
+    back in order. A single frame larger than every bucket runs eagerly; consecutive
+    eager items share one eager step. The concatenated step outputs are the call's
+    output in item order.
+    """
+    plan = Plan()
+    if not buckets:
+        tokens = sum(t * h * w for t, h, w in grids)
+        if grids:
+            plan.steps.append(Step(list(grids), None, tokens, sum(t for t, _, _ in grids), 0, "no_graphs"))
+        return plan
+    largest = max(buckets, key=lambda b: b.tokens)
+    cap_tokens = largest.tokens
+    cap_segments = max(b.max_segments for b in buckets)
+
+    offset = 0
+    chunk: list[Grid] = []
+    chunk_tokens = chunk_segments = 0
+
+    def flush() -> None:
+        nonlocal chunk, chunk_tokens, chunk_segments, offset
+        if chunk:
+            bucket = smallest_fit(buckets, chunk_tokens, chunk_segments)
+            plan.steps.append(Step(chunk, bucket, chunk_tokens, chunk_segments, offset))
+            offset += chunk_tokens
+        chunk, chunk_tokens, chunk_segments = [], 0, 0
+
+    for t, h, w in grids:
+        frame = h * w
+        if frame > cap_tokens:
+            flush()
+            last = plan.steps[-1] if plan.steps else None
+            if last is not None and last.bucket is None and last.reason == "oversize":
+                last.grids.append((t, h, w))
+                last.tokens += t * frame
+                last.segments += t
+            else:
+                plan.steps.append(Step([(t, h, w)], None, t * frame, t, offset, "oversize"))
+            offset += t * frame
+            continue
+        left = t
+        while left:
+            room = min((cap_tokens - chunk_tokens) // frame, cap_segments - chunk_segments)
+            if room == 0:
+                flush()
+                continue
+            take = min(left, room)
+            chunk.append((take, h, w))
+            chunk_tokens += take * frame
+            chunk_segments += take
+            left -= take
+    flush()
+    return plan

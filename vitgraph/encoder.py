@@ -1,0 +1,272 @@
+"""``GraphedVisionEncoder``: validate, plan, replay (or run eagerly), return rows in item order."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .attention import resolve_backend
+from .capture.graphs import GraphBank
+from .capture.planner import Bucket, Plan, Step, budget_ladder, make_buckets, plan_call
+from .config import PRESETS, VisionConfig
+from .loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
+from .models.qwen2_vl import Qwen2VisionTower
+from .validation import check_out, check_pixels, check_rows, normalize_grid
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "graph", "eager")
+
+
+@dataclass
+class EngineOptions:
+    """How the encoder buckets, captures and runs. Every field is validated."""
+
+    mode: str = "auto"  # "auto": graphs on CUDA, eager elsewhere
+    budgets: Sequence[int] | None = None  # patch-token budgets; None = automatic ladder
+    min_budget: int = 256
+    max_budget: int = 16384
+    max_items: int = 64  # most segments (frames) one replay holds
+    attention: str = "auto"  # "auto" | "varlen" | "flash" | "sdpa"
+    capture: bool = True  # capture on construction; else call encoder.capture()
+    pool_limit_bytes: int | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("min_budget", "max_budget", "max_items"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.pool_limit_bytes is not None and (
+                isinstance(self.pool_limit_bytes, bool) or not isinstance(self.pool_limit_bytes, int)
+                or self.pool_limit_bytes <= 0):
+            raise ValueError(f"pool_limit_bytes must be a positive int or None, got {self.pool_limit_bytes!r}")
+        if self.budgets is not None and (isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence)
+                                         or len(self.budgets) == 0):
+            raise ValueError(f"budgets must be a non-empty list of ints or None, got {self.budgets!r}")
+
+
+@dataclass
+class BucketStats:
+    replays: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+
+
+@dataclass
+class _Counters:
+    buckets: dict[int, BucketStats] = field(default_factory=dict)
+    eager: Counter = field(default_factory=Counter)
+    calls: int = 0
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device {device!r} is not a valid torch device: {err}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device} was requested but CUDA is not available")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device} does not exist ({torch.cuda.device_count()} CUDA device(s))")
+        return torch.device("cuda", index)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device}")
+    return device
+
+
+def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        named = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                 "float16": torch.float16, "half": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+        if dtype not in named:
+            raise ValueError(f"dtype must be one of {sorted(named)}, got {dtype!r}")
+        return named[dtype]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    return dtype
+
+
+class GraphedVisionEncoder:
+    """The Qwen2-VL vision encoder (ViT + patch merger), replayed from CUDA graphs.
+
+    ``encode(pixels, grid_thw)`` validates the input, plans it into bucket replays
+    on the host, copies each step into static buffers, replays, and returns the
+    merged embeddings ``[N / 4, hidden_size]`` in item order. Inputs larger than
+    the largest bucket (one frame) run eagerly; empty input returns ``[0, hidden]``.
+
+    Threads and streams: ``encode`` may be called from several threads. Graph
+    replays are serialised by one lock per encoder; each replays on the caller's
+    current CUDA stream, and a replay waits (on the device, not the host) for the
+    previous replay's output copy, so streams never race on the static buffers.
+    The returned tensor is owned by the caller and produced on the caller's
+    current stream. Eager steps run outside the lock.
+    """
+
+    def __init__(self, tower: Qwen2VisionTower, *, device=None, dtype=None, **options: Any) -> None:
+        self.options = EngineOptions(**options)
+        self.device = _resolve_device(device)
+        self.dtype = _resolve_dtype(dtype, self.device)
+        if self.options.mode == "graph" and self.device.type != "cuda":
+            raise ValueError(f"mode='graph' needs a CUDA device, got {self.device}")
+        self.tower = tower.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.tower.inv_freq = self.tower.inv_freq.float()  # rotary stays fp32 whatever the weight dtype
+        self.attention = resolve_backend(self.options.attention, self.device)
+        self.tower.set_attention_backend(self.attention)
+        self.config: VisionConfig = tower.config
+
+        self.use_graphs = self.options.mode == "graph" or (self.options.mode == "auto" and self.device.type == "cuda")
+        budgets = self.options.budgets
+        if budgets is None:
+            budgets = budget_ladder(self.options.min_budget, self.options.max_budget, align=tower.merge_unit)
+        self.requested_buckets = make_buckets(list(budgets), self.options.max_items, tower.merge_unit)
+        self.bank: GraphBank | None = None
+        self._lock = threading.Lock()
+        self._idle: torch.cuda.Event | None = None
+        self._counters = _Counters()
+        if self.use_graphs:
+            self.bank = GraphBank(self.tower, self.requested_buckets, self.device, self.dtype)
+            if self.options.capture:
+                self.capture()
+
+    # -- construction ---------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, source, *, device=None, dtype=None, revision: str | None = None, cache_dir=None,
+                        local_files_only: bool = False, token=None, **options: Any) -> "GraphedVisionEncoder":
+        """Load from a local checkpoint directory or a Hub repo id (vision shards only)."""
+        device = _resolve_device(device)
+        dtype = _resolve_dtype(dtype, device)
+        files = find_checkpoint(source, revision=revision, cache_dir=cache_dir,
+                                local_files_only=local_files_only, token=token)
+        tower = load_tower(files, read_config(files), device, dtype)
+        return cls(tower, device=device, dtype=dtype, **options)
+
+    @classmethod
+    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: VisionConfig | Mapping, *,
+                        device=None, dtype=None, **options: Any) -> "GraphedVisionEncoder":
+        """Build from weights already in memory (``visual.``-prefixed, ``model.visual.``-prefixed or bare)."""
+        config = config if isinstance(config, VisionConfig) else VisionConfig.from_dict(dict(config))
+        device = _resolve_device(device)
+        dtype = _resolve_dtype(dtype, device)
+        return cls(tower_from_state_dict(state_dict, config, device, dtype), device=device, dtype=dtype, **options)
+
+    @classmethod
+    def from_config(cls, config: VisionConfig | str, *, device=None, dtype=None, seed: int = 0,
+                    **options: Any) -> "GraphedVisionEncoder":
+        """Random weights of a given shape (a :class:`VisionConfig` or a preset name), for demos and benchmarks."""
+        if isinstance(config, str):
+            if config not in PRESETS:
+                raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {config!r}")
+            config = PRESETS[config]
+        device = _resolve_device(device)
+        dtype = _resolve_dtype(dtype, device)
+        torch.manual_seed(seed)
+        return cls(build_tower(config, device, torch.float32), device=device, dtype=dtype, **options)
+
+    def capture(self) -> None:
+        """Capture every bucket (largest first, one shared pool). Idempotent."""
+        if self.bank is None:
+            raise ValueError(f"capture() needs graph mode on CUDA; this encoder runs eagerly on {self.device}")
+        with self._lock:
+            self.bank.capture(pool_limit_bytes=self.options.pool_limit_bytes, progress=self.options.progress)
+
+    # -- the face -------------------------------------------------------------------
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The buckets that have a captured graph."""
+        return self.bank.buckets if self.bank is not None else []
+
+    def plan(self, grid_thw) -> Plan:
+        """The host-side plan ``encode`` would follow (no GPU work)."""
+        grids = normalize_grid(grid_thw, self.config.spatial_merge_size)
+        if not self.use_graphs:
+            return plan_call(grids, [])
+        return plan_call(grids, self.buckets)
+
+    @torch.inference_mode()
+    def encode(self, pixels: torch.Tensor, grid_thw, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``pixels [N, C*T*P*P]`` + ``grid_thw [k, 3]`` -> ``[N / 4, hidden_size]`` on the encoder's device."""
+        check_pixels(pixels, self.tower.input_width)
+        grids = normalize_grid(grid_thw, self.config.spatial_merge_size)
+        tokens = check_rows(pixels, grids)
+        rows = tokens // self.tower.merge_unit
+        if out is not None:
+            check_out(out, rows, self.tower.output_width, self.device, self.dtype)
+        result = out if out is not None else torch.empty(rows, self.tower.output_width, device=self.device,
+                                                         dtype=self.dtype)
+        with self._lock:
+            self._counters.calls += 1
+        if tokens == 0:
+            return result
+        plan = plan_call(grids, self.buckets if self.use_graphs else [])
+        if not self.use_graphs:
+            plan.steps[0].reason = "eager_mode"
+        unit = self.tower.merge_unit
+        for step in plan.steps:
+            step_pixels = pixels[step.token_offset:step.token_offset + step.tokens]
+            target = result[step.token_offset // unit:(step.token_offset + step.tokens) // unit]
+            if step.bucket is None:
+                self._run_eager(step, step_pixels, target)
+            else:
+                self._run_graph(step, step_pixels, target)
+        return result
+
+    def _run_eager(self, step: Step, pixels: torch.Tensor, target: torch.Tensor) -> None:
+        batch = self.tower.build_batch(step.grids)
+        batch = batch.to(self.device, non_blocking=True)
+        target.copy_(self.tower(pixels.to(self.device, non_blocking=True), batch))
+        with self._lock:
+            self._counters.eager[step.reason or "eager"] += 1
+
+    def _run_graph(self, step: Step, pixels: torch.Tensor, target: torch.Tensor) -> None:
+        bucket = step.bucket
+        host_batch = self.tower.build_batch(step.grids, num_tokens=bucket.tokens, num_segments=bucket.max_segments,
+                                            max_seqlen=bucket.max_seqlen)
+        with self._lock:
+            stream = torch.cuda.current_stream(self.device)
+            if self._idle is not None:
+                stream.wait_event(self._idle)  # the previous replay's output copy is done reading the pool
+            self.bank.load(bucket, pixels, host_batch)
+            output = self.bank.replay(bucket)
+            target.copy_(output[:step.tokens // self.tower.merge_unit])
+            self._idle = torch.cuda.Event()
+            self._idle.record(stream)
+            stats = self._counters.buckets.setdefault(bucket.tokens, BucketStats())
+            stats.replays += 1
+            stats.real_tokens += step.tokens
+            stats.padded_tokens += step.padded_tokens
+
+    def stats(self) -> dict[str, Any]:
+        """Replays and padding per bucket, eager fallbacks by reason, capture seconds and pool bytes."""
+        with self._lock:
+            buckets = {
+                b.tokens: {"max_segments": b.max_segments, **vars(self._counters.buckets.get(b.tokens, BucketStats()))}
+                for b in self.buckets
+            }
+            return {
+                "device": str(self.device),
+                "dtype": str(self.dtype).replace("torch.", ""),
+                "attention": self.attention,
+                "mode": "graph" if self.use_graphs else "eager",
+                "calls": self._counters.calls,
+                "buckets": buckets,
+                "dropped_buckets": {b.tokens: why for b, why in (self.bank.dropped.items() if self.bank else [])},
+                "eager_fallbacks": dict(self._counters.eager),
+                "capture_seconds": self.bank.capture_seconds if self.bank else 0.0,
+                "pool_bytes": self.bank.pool_bytes if self.bank else 0,
+            }

@@ -1,0 +1,205 @@
+"""Find and load the vision tower's weights from a local directory or the Hugging Face Hub.
+
+Only ``config.json``, the shard index and the shards that hold vision keys are
+read or downloaded. Weights are safetensors only (no pickle) and go straight to
+the target device and dtype, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from safetensors import safe_open
+
+from .config import VisionConfig
+from .models.qwen2_vl import Qwen2VisionTower
+
+logger = logging.getLogger(__name__)
+
+VISION_PREFIXES = ("model.visual.", "visual.")  # longest first
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+@dataclass
+class CheckpointFiles:
+    config: Path
+    shards: dict[Path, list[str]]  # shard file -> the vision keys (full names) it holds
+
+
+def _vision_name(key: str) -> str | None:
+    for prefix in VISION_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return None
+
+
+def _shards_from_index(index_path: Path) -> dict[str, list[str]]:
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{index_path} is not a valid safetensors index (needs a 'weight_map'): {err}") from None
+    shards: dict[str, list[str]] = {}
+    for key, shard in weight_map.items():
+        if _vision_name(key) is not None:
+            shards.setdefault(shard, []).append(key)
+    if not shards:
+        raise ValueError(f"{index_path} lists no vision keys (expected names starting with {VISION_PREFIXES})")
+    return shards
+
+
+def _keys_in_file(path: Path) -> list[str]:
+    with safe_open(str(path), framework="pt") as f:
+        return [k for k in f.keys() if _vision_name(k) is not None]
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def find_local(directory: Path) -> CheckpointFiles:
+    config = directory / "config.json"
+    if not config.is_file():
+        raise ValueError(f"checkpoint directory {directory} has no config.json")
+    index = directory / INDEX_FILE
+    if index.is_file():
+        shards = {directory / name: keys for name, keys in _shards_from_index(index).items()}
+        for shard in shards:
+            if not shard.is_file():
+                raise ValueError(f"{index} names shard {shard.name}, which is missing from {directory}")
+        return CheckpointFiles(config, shards)
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        return CheckpointFiles(config, {single: _keys_in_file(single)})
+    raise ValueError(f"checkpoint directory {directory} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+def find_on_hub(repo_id: str, *, revision: str | None, cache_dir: str | Path | None,
+                local_files_only: bool, token: str | bool | None) -> CheckpointFiles:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    local_files_only = local_files_only or _offline()
+
+    def fetch(filename: str) -> Path:
+        return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
+                                    local_files_only=local_files_only, token=token))
+
+    config = fetch("config.json")
+    try:
+        index = fetch(INDEX_FILE)
+    except EntryNotFoundError:
+        single = fetch(SINGLE_FILE)
+        return CheckpointFiles(config, {single: _keys_in_file(single)})
+    shards = {fetch(name): keys for name, keys in _shards_from_index(index).items()}
+    logger.info("%s: downloaded %d vision shard(s) of the checkpoint", repo_id, len(shards))
+    return CheckpointFiles(config, shards)
+
+
+def find_checkpoint(source: str | os.PathLike, *, revision: str | None = None, cache_dir=None,
+                    local_files_only: bool = False, token=None) -> CheckpointFiles:
+    """A local directory if ``source`` is one, otherwise a Hub repo id."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return find_local(path)
+    text = str(source)
+    if path.exists() or not _REPO_ID.fullmatch(text):
+        raise ValueError(f"model source {text!r} is neither a checkpoint directory nor a Hub repo id")
+    return find_on_hub(text, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
+
+
+def read_config(files: CheckpointFiles) -> VisionConfig:
+    return VisionConfig.from_json_file(files.config)
+
+
+def _check_names_and_shapes(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    wrong = sorted(f"{n}: expected {list(expected[n])}, got {list(shapes[n])}"
+                   for n in set(expected) & set(shapes) if expected[n] != shapes[n])
+    problems = []
+    if missing:
+        problems.append(f"missing vision key(s): {missing}")
+    if unexpected:
+        problems.append(f"unexpected vision key(s): {unexpected}")
+    if wrong:
+        problems.append(f"wrongly shaped key(s): {wrong}")
+    if problems:
+        raise ValueError("checkpoint does not match the vision config: " + "; ".join(problems))
+
+
+def _strip_prefixes(keys) -> dict[str, str]:
+    """Map full key -> tower-relative name, refusing a checkpoint that mixes both prefixes."""
+    names = {}
+    prefixes_seen = set()
+    for key in keys:
+        for prefix in VISION_PREFIXES:
+            if key.startswith(prefix):
+                names[key] = key[len(prefix):]
+                prefixes_seen.add(prefix)
+                break
+    if len(prefixes_seen) > 1:
+        raise ValueError(f"checkpoint mixes vision key prefixes {sorted(prefixes_seen)}")
+    return names
+
+
+def build_tower(config: VisionConfig, device: torch.device, dtype: torch.dtype) -> Qwen2VisionTower:
+    """A tower with random weights of the given shape (for demos and benchmarks)."""
+    with torch.device(device):
+        tower = Qwen2VisionTower(config)
+    return tower.to(dtype=dtype).eval().requires_grad_(False)
+
+
+def load_tower(files: CheckpointFiles, config: VisionConfig, device: torch.device,
+               dtype: torch.dtype) -> Qwen2VisionTower:
+    with torch.device("meta"):
+        tower = Qwen2VisionTower(config)
+    all_keys = [k for keys in files.shards.values() for k in keys]
+    names = _strip_prefixes(all_keys)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for shard, keys in files.shards.items():
+        with safe_open(str(shard), framework="pt") as f:
+            for key in keys:
+                shapes[names[key]] = tuple(f.get_slice(key).get_shape())
+    _check_names_and_shapes(tower, shapes)
+
+    # safe_open(device=...) places each tensor directly on the target device.
+    open_device = "cpu" if device.type == "cpu" else str(device)
+    state: dict[str, torch.Tensor] = {}
+    for shard, keys in files.shards.items():
+        with safe_open(str(shard), framework="pt", device=open_device) as f:
+            for key in keys:
+                state[names[key]] = f.get_tensor(key).to(dtype)
+    return _assign(tower, state)
+
+
+def tower_from_state_dict(state_dict: Mapping[str, torch.Tensor], config: VisionConfig, device: torch.device,
+                          dtype: torch.dtype) -> Qwen2VisionTower:
+    """Build from tensors already in memory; keys may carry ``visual.`` / ``model.visual.`` or no prefix."""
+    prefixed = _strip_prefixes(state_dict.keys())
+    if prefixed:
+        state = {name: state_dict[key] for key, name in prefixed.items()}
+    else:
+        state = dict(state_dict)
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] must be a torch.Tensor, got {type(value).__name__}")
+    with torch.device("meta"):
+        tower = Qwen2VisionTower(config)
+    _check_names_and_shapes(tower, {n: tuple(t.shape) for n, t in state.items()})
+    return _assign(tower, {n: t.to(device=device, dtype=dtype) for n, t in state.items()})
+
+
+def _assign(tower: Qwen2VisionTower, state: dict[str, torch.Tensor]) -> Qwen2VisionTower:
+    tower.load_state_dict(state, strict=True, assign=True)
+    tower.reset_buffers()
+    return tower.eval().requires_grad_(False)

@@ -1,0 +1,268 @@
+"""The Qwen2-VL vision tower: patch embed, 2-D rotary, pre-norm blocks, patch merger.
+
+The work is split in two so that the forward can be captured in a CUDA graph:
+
+* :meth:`Qwen2VisionTower.build_batch` (host, numpy, no GPU work) turns a list of
+  ``(t, h, w)`` grids into a :class:`VisionBatch`: token positions, segment ids,
+  ``cu_seqlens`` and ``max_seqlen``, optionally padded to a fixed layout.
+* :meth:`Qwen2VisionTower.forward` runs from pixel rows plus a ``VisionBatch``.
+  It never syncs with the host and has no data-dependent shapes or branches;
+  rotary cos/sin are computed inside it (fp32) from the positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..attention import attend
+from ..config import VisionConfig
+
+Grid = tuple[int, int, int]
+
+
+@dataclass
+class VisionBatch:
+    """Everything the forward needs besides the pixels.
+
+    Shapes: ``positions [T, 2]`` (h, w of each token), ``segment_ids [T]`` (-1 on
+    padding rows), ``cu_seqlens [S + 1]`` int32. ``max_seqlen`` and ``dense`` are
+    Python values and are baked into a captured graph.
+    """
+
+    positions: torch.Tensor
+    segment_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    dense: bool = False  # exactly one segment spanning every row
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "VisionBatch":
+        moved = {name: t.to(device, non_blocking=non_blocking) for name, t in self.tensors().items()}
+        return replace(self, **moved)
+
+
+@lru_cache(maxsize=1024)
+def _block_major_positions(h: int, w: int, merge: int) -> np.ndarray:
+    """(h, w) of each token of one frame, ordered block-major over merge x merge blocks: ``[h*w, 2]``."""
+    hpos, wpos = np.meshgrid(np.arange(h, dtype=np.int32), np.arange(w, dtype=np.int32), indexing="ij")
+    block = (h // merge, merge, w // merge, merge)
+    hpos = hpos.reshape(block).transpose(0, 2, 1, 3).reshape(-1)
+    wpos = wpos.reshape(block).transpose(0, 2, 1, 3).reshape(-1)
+    out = np.stack([hpos, wpos], axis=1)
+    out.flags.writeable = False
+    return out
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate q and k (``[T, H, D]``) in fp32 and cast back, as the reference does."""
+    dtype = q.dtype
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    q, k = q.float(), k.float()
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    return q.to(dtype), k.to(dtype)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+_ACTIVATIONS = {
+    "quick_gelu": quick_gelu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.embed_dim, kernel_size=kernel, stride=kernel, bias=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        # A stride == kernel Conv3d over one patch per row is a plain GEMM: [T, C*t*p*p] @ W^T.
+        weight = self.proj.weight
+        return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.qkv = nn.Linear(cfg.embed_dim, 3 * cfg.embed_dim, bias=True)
+        self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=True)
+        self.backend = "sdpa"
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv(x).view(tokens, 3, self.num_heads, -1).unbind(1)  # 3 x [T, H, D]
+        q, k = apply_rotary(q, k, cos, sin)
+        out = attend(self.backend, q, k, v.contiguous(), batch)  # [T, H, D]
+        return self.proj(out.reshape(tokens, -1))
+
+
+class VisionMlp(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.embed_dim, cfg.mlp_dim)
+        self.fc2 = nn.Linear(cfg.mlp_dim, cfg.embed_dim)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.attn = VisionAttention(cfg)
+        self.mlp = VisionMlp(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, batch)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.merged_dim = cfg.embed_dim * cfg.merge_unit
+        self.ln_q = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(), nn.Linear(self.merged_dim, cfg.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Each merge_unit consecutive rows are one 2x2 block: [T, E] -> [T/4, 4E] -> [T/4, hidden].
+        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
+
+
+class Qwen2VisionTower(nn.Module):
+    """Qwen2-VL ViT plus patch merger. Knows nothing of CUDA graphs.
+
+    The contract the graph engine relies on:
+
+    * ``input_width`` / ``output_width`` / ``merge_unit``: row widths and patches per output row;
+    * ``segments(grid)``: the attention segment lengths an item contributes;
+    * ``build_batch(grids, num_tokens=, num_segments=, max_seqlen=)``: host metadata, padded to a layout;
+    * ``forward(pixels, batch)``: ``[T, input_width] -> [T / merge_unit, output_width]``.
+    """
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
+        half = self.config.head_dim // 2  # h and w each rotate half of the head
+        exponent = torch.arange(0, half, 2, dtype=torch.float, device=device) / half
+        return 1.0 / (self.config.rope_theta ** exponent)
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (after loading weights with ``assign=True``)."""
+        device = self.patch_embed.proj.weight.device
+        self.inv_freq = self._inv_freq().to(device)
+
+    # -- the engine's contract ------------------------------------------------------
+
+    @property
+    def input_width(self) -> int:
+        return self.config.patch_width
+
+    @property
+    def output_width(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def merge_unit(self) -> int:
+        return self.config.merge_unit
+
+    @staticmethod
+    def segments(grid: Grid) -> list[int]:
+        """Each temporal slice is its own attention segment: frames do not see each other."""
+        t, h, w = grid
+        return [h * w] * t
+
+    def set_attention_backend(self, backend: str) -> None:
+        for block in self.blocks:
+            block.attn.backend = backend
+
+    def build_batch(
+        self,
+        grids: Sequence[Grid],
+        *,
+        num_tokens: int | None = None,
+        num_segments: int | None = None,
+        max_seqlen: int | None = None,
+    ) -> VisionBatch:
+        """Host-side metadata for ``grids``, padded to ``num_tokens`` rows and ``num_segments`` segments.
+
+        Padding rows get position (0, 0) and segment id -1 and lie past ``cu_seqlens[-1]``;
+        unused segment slots repeat the last offset (empty segments, never zeros).
+        Returns CPU tensors; move them with :meth:`VisionBatch.to`.
+        """
+        merge = self.config.spatial_merge_size
+        frames = [_block_major_positions(h, w, merge) for t, h, w in grids for _ in range(t)]
+        seqlens = np.array([len(f) for f in frames], dtype=np.int64)
+        real_tokens = int(seqlens.sum())
+        num_tokens = real_tokens if num_tokens is None else num_tokens
+        num_segments = len(seqlens) if num_segments is None else num_segments
+        if num_tokens < real_tokens or num_segments < len(seqlens):
+            raise ValueError(
+                f"layout of {num_tokens} tokens / {num_segments} segments cannot hold "
+                f"{real_tokens} tokens / {len(seqlens)} segments")
+        longest = int(seqlens.max(initial=0))
+        if max_seqlen is None:
+            max_seqlen = longest
+        elif max_seqlen < longest:
+            raise ValueError(f"max_seqlen {max_seqlen} is shorter than the longest segment ({longest})")
+
+        positions = np.zeros((num_tokens, 2), dtype=np.int32)
+        if frames:
+            positions[:real_tokens] = np.concatenate(frames)
+        segment_ids = np.full(num_tokens, -1, dtype=np.int32)
+        segment_ids[:real_tokens] = np.repeat(np.arange(len(seqlens), dtype=np.int32), seqlens)
+        cu_seqlens = np.full(num_segments + 1, real_tokens, dtype=np.int32)
+        cu_seqlens[0] = 0
+        cu_seqlens[1:len(seqlens) + 1] = np.cumsum(seqlens)
+        dense = len(seqlens) == 1 and num_segments == 1 and real_tokens == num_tokens
+        return VisionBatch(torch.from_numpy(positions), torch.from_numpy(segment_ids),
+                           torch.from_numpy(cu_seqlens), max(max_seqlen, 1), dense)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin ``[T, head_dim]``: angles ``[h*f | w*f]``, repeated twice."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [T, 2, head_dim/4]
+        angles = freqs.flatten(1)  # [T, head_dim/2] = [h*f | w*f]
+        emb = torch.cat((angles, angles), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def forward(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
+        x = self.patch_embed(pixels)  # [T, E]
+        cos, sin = self.rotary(batch.positions)
+        for block in self.blocks:
+            x = block(x, cos, sin, batch)
+        return self.merger(x)  # [T / merge_unit, hidden]

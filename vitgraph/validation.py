@@ -1,0 +1,81 @@
+"""Input checks for ``encode``: every one runs before anything touches the GPU."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+Grid = tuple[int, int, int]
+
+
+def _is_int(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    try:  # numpy integer scalars
+        import numpy as np
+        return isinstance(value, np.integer)
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def normalize_grid(grid_thw, merge_size: int) -> list[Grid]:
+    """``grid_thw`` as a list of ``(t, h, w)`` ints, checked."""
+    if isinstance(grid_thw, torch.Tensor):
+        if grid_thw.dtype.is_floating_point or grid_thw.dtype.is_complex or grid_thw.dtype == torch.bool:
+            raise TypeError(f"grid_thw must be an integer tensor, got dtype {grid_thw.dtype}")
+        if grid_thw.ndim != 2 or grid_thw.shape[1] != 3:
+            raise ValueError(f"grid_thw must have shape [k, 3], got {list(grid_thw.shape)}")
+        rows = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
+    elif isinstance(grid_thw, Sequence) and not isinstance(grid_thw, (str, bytes)):
+        rows = []
+        for i, row in enumerate(grid_thw):
+            if isinstance(row, torch.Tensor):
+                row = row.tolist()
+            if not isinstance(row, Sequence) or isinstance(row, (str, bytes)) or len(row) != 3:
+                raise ValueError(f"grid_thw[{i}] must be a (t, h, w) triple, got {row!r}")
+            if not all(_is_int(v) for v in row):
+                raise TypeError(f"grid_thw[{i}] must hold ints, got {row!r}")
+            rows.append(tuple(int(v) for v in row))
+    else:
+        raise TypeError(f"grid_thw must be an int tensor [k, 3] or a list of (t, h, w), got {type(grid_thw).__name__}")
+    for i, (t, h, w) in enumerate(rows):
+        if t <= 0 or h <= 0 or w <= 0:
+            raise ValueError(f"grid_thw[{i}] must be positive, got (t={t}, h={h}, w={w})")
+        if h % merge_size or w % merge_size:
+            raise ValueError(
+                f"grid_thw[{i}] h and w must be divisible by the merge size {merge_size}, got (h={h}, w={w})")
+    return rows
+
+
+def check_pixels(pixels, width: int) -> None:
+    if not isinstance(pixels, torch.Tensor):
+        raise TypeError(f"pixels must be a torch.Tensor, got {type(pixels).__name__}")
+    if not pixels.dtype.is_floating_point:
+        raise TypeError(f"pixels must be floating point, got dtype {pixels.dtype}")
+    if pixels.ndim != 2:
+        raise ValueError(f"pixels must be 2-D [N, {width}], got shape {list(pixels.shape)}")
+    if pixels.shape[1] != width:
+        raise ValueError(f"pixels must have {width} values per row (C*T*P*P), got {pixels.shape[1]}")
+    if pixels.device.type == "meta":
+        raise ValueError("pixels is on the meta device and holds no data")
+
+
+def check_rows(pixels: torch.Tensor, grids: list[Grid]) -> int:
+    tokens = sum(t * h * w for t, h, w in grids)
+    if pixels.shape[0] != tokens:
+        raise ValueError(f"pixels has {pixels.shape[0]} rows but grid_thw sums to {tokens} (sum of t*h*w)")
+    return tokens
+
+
+def check_out(out, rows: int, width: int, device: torch.device, dtype: torch.dtype) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != (rows, width):
+        raise ValueError(f"out must have shape [{rows}, {width}], got {list(out.shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"out must have dtype {dtype}, got {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"out must be on {device}, got {out.device}")
