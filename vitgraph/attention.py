@@ -5,9 +5,10 @@ Every backend takes ``q, k, v`` of shape ``[T, heads, head_dim]`` and a
 Each is capturable in a CUDA graph: segment boundaries are read from device
 tensors and ``max_seqlen`` is a Python int fixed for the graph.
 
-Rows outside every segment (bucket padding) are left unwritten by the varlen
-kernels and hold garbage; every later op is row-local, so they never reach a
-real output row.
+Rows outside every segment (bucket padding) are never read by the varlen
+kernels and their outputs are left unwritten; the masked-SDPA fallback zeroes
+them before its matmuls. Every later op is row-local, so padding never reaches
+a real output row, whatever the memory holds.
 """
 
 from __future__ import annotations
@@ -49,15 +50,21 @@ def available_backends(device: torch.device | str) -> list[str]:
     return found
 
 
-def resolve_backend(name: str, device: torch.device | str) -> str:
-    """Turn ``"auto"`` into the best available backend, and check an explicit choice."""
+def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Turn ``"auto"`` into the best available backend, and check an explicit choice.
+
+    The flash kernels (``varlen``, ``flash``) take fp16/bf16 only; fp32 uses ``sdpa``.
+    """
     available = available_backends(device)
+    if dtype not in (torch.float16, torch.bfloat16):
+        available = [b for b in available if b == "sdpa"]
     if name == "auto":
         return available[0]
     if name not in BACKENDS:
         raise ValueError(f"attention must be 'auto' or one of {BACKENDS}, got {name!r}")
     if name not in available:
-        raise ValueError(f"attention backend {name!r} is not available on {device}; available: {available}")
+        raise ValueError(
+            f"attention backend {name!r} is not available on {device} for {dtype}; available: {available}")
     return name
 
 
@@ -83,8 +90,10 @@ def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batc
         return flash_attn_varlen_func(q, k, v, batch.cu_seqlens, batch.cu_seqlens,
                                       batch.max_seqlen, batch.max_seqlen, causal=False)
     if backend == "sdpa":
-        # Block-diagonal mask built on the device; padding rows (id -1) attend to
-        # each other only, so they stay finite and never touch a real row.
+        # Block-diagonal mask built on the device. Padding rows (id -1) may hold NaN,
+        # and a masked-out NaN still poisons a matmul (0 * NaN = NaN), so zero them first.
         ids = batch.segment_ids
+        real = (ids >= 0)[:, None, None]
+        q, k, v = (torch.where(real, x, 0.0) for x in (q, k, v))
         return _sdpa_dense(q, k, v, ids[:, None] == ids[None, :])
     raise ValueError(f"unknown attention backend {backend!r}")

@@ -124,7 +124,7 @@ class GraphedVisionEncoder:
             raise ValueError(f"mode='graph' needs a CUDA device, got {self.device}")
         self.tower = tower.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.tower.inv_freq = self.tower.inv_freq.float()  # rotary stays fp32 whatever the weight dtype
-        self.attention = resolve_backend(self.options.attention, self.device)
+        self.attention = resolve_backend(self.options.attention, self.device, self.dtype)
         self.tower.set_attention_backend(self.attention)
         self.config: VisionConfig = tower.config
 

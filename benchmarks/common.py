@@ -1,0 +1,126 @@
+"""Shared pieces of the benchmarks: systems under test, timing, ceilings, the cost model, output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from vitgraph import GraphedVisionEncoder, VisionConfig
+
+Grid = tuple[int, int, int]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> float:
+    """Median wall time of ``fn`` in ms, synchronising the device before and after each call."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device) -> dict[str, float]:
+    """Dense bf16 GEMM rate (TFLOP/s) and device copy bandwidth (TB/s, bytes read + written)."""
+    if device.type != "cuda":
+        n, dtype, nbytes = 1024, torch.float32, 64 << 20
+    else:
+        n, dtype, nbytes = 8192, torch.bfloat16, 2 << 30
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    gemm_ms = median_ms(lambda: a @ b, device, iters=10, warmup=3)
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src), device, iters=10, warmup=3)
+    return {"gemm_tflops": 2 * n ** 3 / gemm_ms / 1e9, "copy_tbps": 2 * nbytes / copy_ms / 1e9}
+
+
+def case_flops(cfg: VisionConfig, grids: list[Grid]) -> float:
+    """FLOPs of one forward: linear layers per token, attention per segment, the merger per output row."""
+    e, m = cfg.embed_dim, cfg.mlp_dim
+    tokens = sum(t * h * w for t, h, w in grids)
+    per_token = cfg.depth * 2 * (e * 3 * e + e * e + 2 * e * m) + 2 * cfg.patch_width * e
+    attention = cfg.depth * sum(t * 4 * (h * w) ** 2 * e for t, h, w in grids)
+    merged = cfg.embed_dim * cfg.merge_unit
+    merger = tokens // cfg.merge_unit * 2 * (merged * merged + merged * cfg.hidden_size)
+    return tokens * per_token + attention + merger
+
+
+def floor_ms(flops: float, weight_bytes: int, ceilings: dict[str, float]) -> float:
+    return max(flops / (ceilings["gemm_tflops"] * 1e9), weight_bytes / (ceilings["copy_tbps"] * 1e9))
+
+
+def make_encoder(args, **options) -> GraphedVisionEncoder:
+    device = args.device
+    if args.model:
+        return GraphedVisionEncoder.from_pretrained(args.model, device=device, dtype=args.dtype, **options)
+    return GraphedVisionEncoder.from_config(args.preset, device=device, dtype=args.dtype, seed=0, **options)
+
+
+def hf_tower_like(encoder: GraphedVisionEncoder):
+    """transformers' tower (sdpa) holding the same weights, or None without transformers."""
+    try:
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+    except ImportError:
+        return None
+    cfg = encoder.config
+    hf_cfg = Qwen2VLVisionConfig(depth=cfg.depth, embed_dim=cfg.embed_dim, num_heads=cfg.num_heads,
+                                 mlp_ratio=int(cfg.mlp_ratio) if float(cfg.mlp_ratio).is_integer() else cfg.mlp_ratio,
+                                 hidden_size=cfg.hidden_size, hidden_act=cfg.hidden_act,
+                                 patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+                                 spatial_merge_size=cfg.spatial_merge_size, in_channels=cfg.in_channels)
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = Qwen2VisionTransformerPretrainedModel(hf_cfg)
+    model.load_state_dict(encoder.tower.state_dict(), strict=True, assign=True)
+    model.rotary_pos_emb.inv_freq = encoder.tower.inv_freq.clone()
+    return model.eval().requires_grad_(False)
+
+
+def hf_call(model, device: torch.device):
+    def run(pixels: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
+        with torch.inference_mode():
+            out = model(pixels, grid_thw=torch.tensor(grids, device=device))
+        return getattr(out, "pooler_output", out)
+    return run
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {"machine": machine, "torch": torch.__version__, "date": datetime.date.today().isoformat()}
+
+
+def write_json(result: dict, path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1))
+
+
+def print_table(headers: list[str], rows: list[list[object]]) -> None:
+    cells = [[f"{c:.2f}" if isinstance(c, float) else ("-" if c is None else str(c)) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for row in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))

@@ -1,0 +1,28 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    from helpers import hf_tower
+    return hf_tower(seed=0)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(hf_model, tmp_path_factory):
+    from helpers import write_checkpoint
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt"), hf_model, shards=2)

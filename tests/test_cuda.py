@@ -1,0 +1,250 @@
+"""GPU behaviour: parity on CUDA, graph replay exactness, poisoned memory, threads, fallbacks.
+
+Run on a CUDA machine with ``python -m pytest -m cuda -s`` (``-s`` shows the numbers).
+"""
+
+import random
+import threading
+
+import pytest
+import torch
+from helpers import diff_report, hf_forward, hf_tower, random_pixels, rel_err, vision_state
+
+from vitgraph import GraphedVisionEncoder
+from vitgraph.attention import available_backends
+from vitgraph.capture.planner import Bucket
+
+pytestmark = pytest.mark.cuda
+
+# head_dim 80 as in Qwen2-VL, small enough to capture in seconds.
+GPU_VISION = dict(depth=3, embed_dim=320, num_heads=4, mlp_ratio=4, hidden_size=256)
+BUDGETS = [64, 128, 256, 512, 1024]
+MAX_ITEMS = 8
+
+
+@pytest.fixture(scope="module")
+def hf_gpu():
+    return hf_tower(seed=2, **GPU_VISION)
+
+
+@pytest.fixture(scope="module")
+def weights(hf_gpu):
+    return vision_state(hf_gpu), {"vision_config": {**hf_gpu.config.to_dict()}}
+
+
+def make(weights, **options):
+    state, config = weights
+    options = {"device": "cuda", "dtype": torch.bfloat16, "budgets": BUDGETS, "max_items": MAX_ITEMS,
+               "progress": False, **options}
+    return GraphedVisionEncoder.from_state_dict(state, config, **options)
+
+
+@pytest.fixture(scope="module")
+def graph_enc(weights):
+    return make(weights, mode="graph")
+
+
+@pytest.fixture(scope="module")
+def eager_enc(weights):
+    return make(weights, mode="eager")
+
+
+def random_grids(rng, n, max_frames=3, max_side=16):
+    return [(rng.choice([1] * 4 + list(range(2, max_frames + 1))), 2 * rng.randint(1, max_side // 2),
+             2 * rng.randint(1, max_side // 2)) for _ in range(n)]
+
+
+def test_fp32_parity_every_backend(weights, hf_gpu):
+    grids = [(1, 8, 12), (2, 4, 4), (1, 2, 2)]
+    pixels = random_pixels(grids, seed=1)
+    ref = hf_forward(hf_gpu, pixels, grids)  # fp32 on CPU
+    for backend in available_backends("cuda"):
+        for dtype in (torch.float32, torch.bfloat16):
+            if dtype == torch.float32 and backend != "sdpa":
+                continue  # flash kernels are fp16/bf16 only
+            enc = make(weights, mode="eager", dtype=dtype, attention=backend)
+            got = enc.encode(pixels.cuda(), grids).float().cpu()
+            err = rel_err(got, ref)
+            print(f"\n[parity] backend={backend:6s} dtype={str(dtype):14s} vs transformers fp32: {diff_report(got, ref)}")
+            assert err <= (1e-5 if dtype == torch.float32 else 2e-2), diff_report(got, ref)
+
+
+def test_every_bucket_replay_is_bitwise_equal_to_eager_on_the_same_buffers(graph_enc):
+    bank = graph_enc.bank
+    assert [b.tokens for b in bank.buckets] == BUDGETS
+    rng = random.Random(0)
+    for bucket in bank.buckets:
+        grids = []
+        while True:  # fill about 3/4 of the bucket with random frames
+            g = random_grids(rng, 1, max_frames=1, max_side=min(16, int(bucket.tokens ** 0.5)))[0]
+            if sum(t * h * w for t, h, w in grids) + g[1] * g[2] > 0.75 * bucket.tokens or len(grids) == MAX_ITEMS:
+                break
+            grids.append(g)
+        grids = grids or [(1, 2, 2)]
+        tokens = sum(t * h * w for t, h, w in grids)
+        pixels = random_pixels(grids, width=1176, seed=bucket.tokens).cuda().bfloat16()
+        host = graph_enc.tower.build_batch(grids, num_tokens=bucket.tokens, num_segments=bucket.max_segments,
+                                           max_seqlen=bucket.max_seqlen)
+        bank.load(bucket, pixels, host)
+        replayed = bank.replay(bucket)[:tokens // 4].clone()
+        eager = bank.run_eager(bucket)[:tokens // 4]
+        assert torch.equal(replayed, eager), f"bucket {bucket.tokens}: {diff_report(replayed, eager)}"
+        print(f"\n[bitwise] bucket {bucket.tokens:5d}: {len(grids)} frames, {tokens} tokens, replay == eager")
+
+
+def test_replay_matches_unpadded_eager(graph_enc, eager_enc):
+    rng = random.Random(1)
+    for trial in range(20):
+        grids = random_grids(rng, rng.randint(1, 5))
+        pixels = random_pixels(grids, seed=trial).cuda()
+        got, ref = graph_enc.encode(pixels, grids), eager_enc.encode(pixels, grids)
+        assert rel_err(got, ref) <= 1e-2, diff_report(got, ref)
+
+
+def test_poisoned_pool_and_padding_never_reach_outputs(graph_enc, eager_enc):
+    bank = graph_enc.bank
+    largest = bank.buckets[-1]
+    # Run the largest graph on NaN pixels with no real segment: every activation in the
+    # shared pool becomes NaN. Then poison the static pixel buffer's padding rows too.
+    bank.static_pixels.fill_(float("nan"))
+    bank.load(largest, bank.static_pixels[:0], graph_enc.tower.build_batch(
+        [], num_tokens=largest.tokens, num_segments=largest.max_segments))
+    bank.replay(largest)
+    torch.cuda.synchronize()
+    bank.static_pixels.fill_(float("nan"))
+    rng = random.Random(2)
+    for trial in range(30):
+        grids = random_grids(rng, rng.randint(1, 4))
+        pixels = random_pixels(grids, seed=100 + trial).cuda()
+        got = graph_enc.encode(pixels, grids)
+        assert torch.isfinite(got).all(), f"NaN leaked for {grids}"
+        assert rel_err(got, eager_enc.encode(pixels, grids)) <= 1e-2
+
+
+def test_first_result_survives_second_call(graph_enc):
+    g1, g2 = [(1, 8, 8)], [(1, 8, 8)]
+    p1, p2 = random_pixels(g1, seed=7).cuda(), random_pixels(g2, seed=8).cuda()
+    first = graph_enc.encode(p1, g1)
+    snapshot = first.clone()
+    second = graph_enc.encode(p2, g2)
+    torch.cuda.synchronize()
+    assert torch.equal(first, snapshot) and not torch.equal(first, second)
+    assert first.data_ptr() not in {c.output.data_ptr() for c in graph_enc.bank.graphs.values()}
+
+
+def test_eight_threads(graph_enc):
+    rng = random.Random(3)
+    inputs = [(g, random_pixels(g, seed=200 + i).cuda()) for i, g in
+              enumerate(random_grids(rng, rng.randint(1, 4)) for _ in range(8))]
+    expected = [graph_enc.encode(p, g) for g, p in inputs]
+    torch.cuda.synchronize()
+    results = [None] * 8
+    errors = []
+
+    def worker(i):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                outs = [graph_enc.encode(inputs[i][1], inputs[i][0]) for _ in range(20)]
+            stream.synchronize()
+            results[i] = outs
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(8):
+        for out in results[i]:
+            assert torch.equal(out, expected[i]), f"thread {i}: {diff_report(out, expected[i])}"
+
+
+def test_replay_path_really_runs(weights, monkeypatch):
+    enc = make(weights, mode="graph")
+    grids = [(1, 8, 8), (2, 4, 4)]
+    pixels = random_pixels(grids, seed=9).cuda()
+    before = enc.encode(pixels, grids)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("eager forward called in graph mode")
+
+    monkeypatch.setattr(enc.tower, "forward", refuse)
+    after = enc.encode(pixels, grids)
+    assert torch.equal(before, after)
+    assert enc.stats()["buckets"][128]["replays"] == 2
+
+
+def test_oversize_item_takes_eager_fallback(graph_enc, eager_enc):
+    grids = [(1, 8, 8), (1, 40, 40), (1, 4, 4)]  # 1600 > 1024 tokens
+    pixels = random_pixels(grids, seed=10).cuda()
+    before = dict(graph_enc.stats()["eager_fallbacks"])
+    got = graph_enc.encode(pixels, grids)
+    after = graph_enc.stats()["eager_fallbacks"]
+    assert after.get("oversize", 0) == before.get("oversize", 0) + 1
+    assert rel_err(got, eager_enc.encode(pixels, grids)) <= 1e-2
+
+
+def test_many_frames_beyond_segment_capacity_are_split(graph_enc, eager_enc):
+    grids = [(20, 4, 4)]  # 20 frames > max_items 8
+    pixels = random_pixels(grids, seed=11).cuda()
+    assert rel_err(graph_enc.encode(pixels, grids), eager_enc.encode(pixels, grids)) <= 1e-2
+
+
+def test_empty_input_touches_nothing(graph_enc):
+    out = graph_enc.encode(torch.empty(0, 1176, device="cuda"), [])
+    assert out.shape == (0, 256) and out.device.type == "cuda"
+
+
+def test_out_of_memory_during_capture_drops_the_bucket(weights, monkeypatch, caplog):
+    from vitgraph.models.qwen2_vl import Qwen2VisionTower
+
+    real_forward = Qwen2VisionTower.forward
+
+    def flaky(self, pixels, batch):
+        if pixels.shape[0] == 512 and torch.cuda.is_current_stream_capturing():
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_forward(self, pixels, batch)
+
+    monkeypatch.setattr(Qwen2VisionTower, "forward", flaky)
+    enc = make(weights, mode="graph")
+    assert 512 not in [b.tokens for b in enc.buckets] and len(enc.buckets) == len(BUDGETS) - 1
+    assert "out of memory" in enc.stats()["dropped_buckets"][512]
+    monkeypatch.setattr(Qwen2VisionTower, "forward", real_forward)
+    grids = [(1, 16, 20)]  # 320 tokens: would have used 512, now 1024
+    out = enc.encode(random_pixels(grids, seed=12).cuda(), grids)
+    assert torch.isfinite(out).all() and enc.stats()["buckets"][1024]["replays"] == 1
+
+
+def test_pool_limit(weights):
+    enc = make(weights, mode="graph", pool_limit_bytes=1)
+    assert enc.buckets == [] and len(enc.stats()["dropped_buckets"]) == len(BUDGETS)
+    grids = [(1, 4, 4)]
+    out = enc.encode(random_pixels(grids).cuda(), grids)
+    assert torch.isfinite(out).all() and enc.stats()["eager_fallbacks"] == {"no_graphs": 1}
+
+
+def test_thousand_random_calls(graph_enc, eager_enc):
+    rng = random.Random(4)
+    mismatches = []
+    for call in range(1000):
+        grids = random_grids(rng, rng.randint(1, 6), max_frames=4, max_side=24)
+        pixels = torch.randn(sum(t * h * w for t, h, w in grids), 1176, device="cuda")
+        got, ref = graph_enc.encode(pixels, grids), eager_enc.encode(pixels, grids)
+        if not torch.isfinite(got).all() or rel_err(got, ref) > 1e-2:
+            mismatches.append((call, grids, diff_report(got, ref)))
+    stats = graph_enc.stats()
+    print(f"\n[1000 calls] mismatches={len(mismatches)} replays="
+          f"{sum(b['replays'] for b in stats['buckets'].values())} eager={stats['eager_fallbacks']}")
+    assert not mismatches, mismatches[:3]
+
+
+def test_stats_report(graph_enc):
+    stats = graph_enc.stats()
+    print(f"\n[stats] buckets={sorted(stats['buckets'])} capture_seconds={stats['capture_seconds']:.2f} "
+          f"pool_bytes={stats['pool_bytes']} attention={stats['attention']}")
+    assert stats["mode"] == "graph" and stats["pool_bytes"] > 0 and stats["capture_seconds"] > 0
+    used = [b for b in stats["buckets"].values() if b["replays"]]
+    assert used and all(b["real_tokens"] > 0 and b["padded_tokens"] >= 0 for b in used)

@@ -1,0 +1,164 @@
+"""Checkpoint loading: layouts, prefixes, the Hub cache (offline), and every error case."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TINY_VISION, hf_forward, hub_config, random_pixels, rel_err, vision_state, write_checkpoint
+
+from vitgraph import GraphedVisionEncoder, VisionConfig
+
+GRID = [(1, 4, 6), (2, 2, 2)]
+
+
+def _assert_matches(encoder, hf_model):
+    pixels = random_pixels(GRID, seed=3)
+    assert rel_err(encoder.encode(pixels, GRID), hf_forward(hf_model, pixels, GRID)) <= 1e-5
+
+
+def test_two_shards_with_index_and_lm_keys(checkpoint, hf_model):
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    shards_with_vision = {v for k, v in index["weight_map"].items() if k.startswith("visual.")}
+    assert len(shards_with_vision) == 2 and any(not k.startswith("visual.") for k in index["weight_map"])
+    _assert_matches(GraphedVisionEncoder.from_pretrained(checkpoint, device="cpu"), hf_model)
+
+
+def test_model_visual_prefix(tmp_path, hf_model):
+    write_checkpoint(tmp_path, hf_model, shards=2, prefix="model.visual.")
+    _assert_matches(GraphedVisionEncoder.from_pretrained(tmp_path, device="cpu"), hf_model)
+
+
+def test_single_file_bf16(tmp_path, hf_model):
+    write_checkpoint(tmp_path, hf_model, shards=1, dtype=torch.bfloat16)
+    enc = GraphedVisionEncoder.from_pretrained(tmp_path, device="cpu", dtype=torch.float32)
+    weight = enc.tower.blocks[0].attn.qkv.weight
+    assert weight.dtype == torch.float32
+    ref = hf_model.blocks[0].attn.qkv.weight.to(torch.bfloat16).float()
+    assert torch.equal(weight, ref)
+
+
+def test_in_memory_state_dict(hf_model):
+    for prefix in ("visual.", "model.visual.", ""):
+        enc = GraphedVisionEncoder.from_state_dict(vision_state(hf_model, prefix), hub_config(), device="cpu")
+        _assert_matches(enc, hf_model)
+
+
+def test_config_spellings_are_equivalent():
+    hub = VisionConfig.from_dict(hub_config())
+    native = VisionConfig.from_dict(dict(TINY_VISION))
+    assert hub == native and hub.patch_size == 14 and hub.in_channels == 3 and hub.patch_width == 1176
+
+
+def _make_hub_cache(cache: Path, repo_id: str, source: Path) -> Path:
+    """A huggingface_hub cache, laid out as the library itself writes it, holding ``source``'s files."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    for f in source.iterdir():
+        shutil.copy(f, snapshot / f.name)
+    return snapshot
+
+
+def test_hub_offline_opens_only_vision_shards(tmp_path, hf_model, monkeypatch):
+    import huggingface_hub
+
+    src = write_checkpoint(tmp_path / "src", hf_model, shards=3)
+    snapshot = _make_hub_cache(tmp_path / "cache", "Qwen/Tiny-VL", src)
+    lm_shard = "model-00003-of-00003.safetensors"
+    (snapshot / lm_shard).write_bytes(b"not a safetensors file: opening it would fail")
+
+    requested = []
+    real = huggingface_hub.hf_hub_download
+
+    def spy(repo_id, filename, **kwargs):
+        requested.append(filename)
+        return real(repo_id, filename, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", spy)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    enc = GraphedVisionEncoder.from_pretrained("Qwen/Tiny-VL", device="cpu", cache_dir=tmp_path / "cache")
+    assert sorted(requested) == sorted(["config.json", "model.safetensors.index.json",
+                                        "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"])
+    assert lm_shard not in requested
+    _assert_matches(enc, hf_model)
+
+
+def test_hub_offline_single_file(tmp_path, hf_model, monkeypatch):
+    src = write_checkpoint(tmp_path / "src", hf_model, shards=1)
+    _make_hub_cache(tmp_path / "cache", "Qwen/Tiny-VL-1", src)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    enc = GraphedVisionEncoder.from_pretrained("Qwen/Tiny-VL-1", device="cpu", cache_dir=tmp_path / "cache")
+    _assert_matches(enc, hf_model)
+
+
+def test_hub_offline_missing_repo(tmp_path, monkeypatch):
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(LocalEntryNotFoundError):
+        GraphedVisionEncoder.from_pretrained("Qwen/Not-Cached", device="cpu", cache_dir=tmp_path)
+
+
+def _rewrite(directory: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+    f = directory / "model.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f))
+
+
+def test_missing_key(tmp_path, hf_model):
+    write_checkpoint(tmp_path, hf_model, shards=1)
+    _rewrite(tmp_path, lambda t: t.pop("visual.blocks.1.mlp.fc2.bias"))
+    with pytest.raises(ValueError, match=r"missing vision key\(s\): \['blocks.1.mlp.fc2.bias'\]"):
+        GraphedVisionEncoder.from_pretrained(tmp_path, device="cpu")
+
+
+def test_unexpected_key(tmp_path, hf_model):
+    write_checkpoint(tmp_path, hf_model, shards=1)
+    _rewrite(tmp_path, lambda t: t.update({"visual.blocks.9.extra": torch.zeros(2)}))
+    with pytest.raises(ValueError, match=r"unexpected vision key\(s\): \['blocks.9.extra'\]"):
+        GraphedVisionEncoder.from_pretrained(tmp_path, device="cpu")
+
+
+def test_wrong_shape(tmp_path, hf_model):
+    write_checkpoint(tmp_path, hf_model, shards=1)
+    _rewrite(tmp_path, lambda t: t.update({"visual.merger.ln_q.weight": torch.zeros(65)}))
+    with pytest.raises(ValueError, match=r"merger.ln_q.weight: expected \[64\], got \[65\]"):
+        GraphedVisionEncoder.from_pretrained(tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda v: v.pop("depth"), "depth"),
+    (lambda v: v.update(num_heads=5), "num_heads"),
+    (lambda v: v.update(embed_dim=-64), "embed_dim"),
+    (lambda v: v.update(hidden_act="relu"), "hidden_act"),
+])
+def test_bad_config(tmp_path, hf_model, edit, field):
+    write_checkpoint(tmp_path, hf_model, shards=1)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    edit(cfg["vision_config"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=field):
+        GraphedVisionEncoder.from_pretrained(tmp_path, device="cpu")
+
+
+def test_missing_directory_and_files(tmp_path, hf_model):
+    with pytest.raises(ValueError, match="neither a checkpoint directory nor a Hub repo id"):
+        GraphedVisionEncoder.from_pretrained(str(tmp_path / "nope" / "deeper"), device="cpu")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        GraphedVisionEncoder.from_pretrained(empty, device="cpu")
+    (empty / "config.json").write_text(json.dumps(hub_config()))
+    with pytest.raises(ValueError, match="neither model.safetensors.index.json nor model.safetensors"):
+        GraphedVisionEncoder.from_pretrained(empty, device="cpu")
+    sharded = write_checkpoint(tmp_path / "sharded", hf_model, shards=2)
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="missing"):
+        GraphedVisionEncoder.from_pretrained(sharded, device="cpu")

@@ -1,0 +1,74 @@
+"""fp32 parity with transformers' Qwen2VisionTransformerPretrainedModel, loaded from a real checkpoint on disk."""
+
+import pytest
+import torch
+from helpers import diff_report, hf_forward, random_pixels, rel_err
+
+from vitgraph import GraphedVisionEncoder
+
+CASES = {
+    "one_image": [(1, 4, 6)],
+    "images_of_different_aspect": [(1, 4, 6), (1, 8, 2), (1, 2, 10), (1, 6, 6)],
+    "video": [(3, 4, 4)],
+    "mixed_images_and_video": [(1, 6, 4), (2, 4, 2), (1, 2, 2), (4, 2, 6)],
+    "minimal_grid": [(1, 2, 2)],
+}
+
+
+@pytest.fixture(scope="module")
+def encoder(checkpoint):
+    return GraphedVisionEncoder.from_pretrained(checkpoint, device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_matches_transformers(encoder, hf_model, name):
+    grid = CASES[name]
+    pixels = random_pixels(grid, seed=hash(name) % 1000)
+    ref = hf_forward(hf_model, pixels, grid)
+    got = encoder.encode(pixels, grid)
+    assert got.shape == ref.shape == (pixels.shape[0] // 4, 48)
+    assert rel_err(got, ref) <= 1e-5, diff_report(got, ref)
+
+
+def test_grid_as_tensor_equals_list(encoder):
+    grid = [(1, 4, 6), (2, 2, 2)]
+    pixels = random_pixels(grid)
+    a = encoder.encode(pixels, grid)
+    b = encoder.encode(pixels, torch.tensor(grid, dtype=torch.int32))
+    assert torch.equal(a, b)
+
+
+def test_metadata_matches_transformers_helpers(encoder):
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+
+    grid = [(1, 4, 6), (3, 2, 4), (1, 8, 2)]
+    batch = encoder.tower.build_batch(grid)
+    ref_pos = get_vision_position_ids(torch.tensor(grid), 2)
+    ref_cu = get_vision_cu_seqlens(torch.tensor(grid))
+    assert torch.equal(batch.positions.long(), ref_pos.long())
+    assert torch.equal(batch.cu_seqlens, ref_cu.to(torch.int32))
+    assert batch.max_seqlen == int((ref_cu[1:] - ref_cu[:-1]).max())
+    # The first tokens of an image walk the first 2x2 merge block.
+    assert batch.positions[:5].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2]]
+
+
+def test_rotary_matches_transformers(encoder, hf_model):
+    grid = [(1, 6, 4), (2, 2, 2)]
+    batch = encoder.tower.build_batch(grid)
+    cos, sin = encoder.tower.rotary(batch.positions)
+    ref_cos, ref_sin = hf_model.rotary_pos_emb(torch.zeros(1), batch.positions.long())
+    assert cos.dtype == torch.float32
+    torch.testing.assert_close(cos, ref_cos.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, ref_sin.float(), rtol=0, atol=1e-6)
+
+
+def test_padded_metadata_repeats_last_offset(encoder):
+    batch = encoder.tower.build_batch([(2, 2, 2), (1, 2, 4)], num_tokens=40, num_segments=6, max_seqlen=40)
+    assert batch.cu_seqlens.tolist() == [0, 4, 8, 16, 16, 16, 16]
+    assert batch.segment_ids.tolist()[:16] == [0] * 4 + [1] * 4 + [2] * 8
+    assert batch.segment_ids.tolist()[16:] == [-1] * 24
+    assert batch.max_seqlen == 40 and not batch.dense
+    with pytest.raises(ValueError, match="cannot hold"):
+        encoder.tower.build_batch([(1, 4, 4)], num_tokens=8)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        encoder.tower.build_batch([(1, 4, 4)], max_seqlen=8)

@@ -1,0 +1,111 @@
+"""Host-side planning: the ladder, bucket choice, packing, splitting and every capacity."""
+
+import random
+
+import pytest
+
+from vitgraph.capture.planner import MAX_PADDING_WASTE, Bucket, budget_ladder, make_buckets, plan_call, smallest_fit
+
+BUCKETS = make_buckets([64, 128, 256, 512], max_items=8, merge_unit=4)
+
+
+def test_ladder_waste_bound():
+    ladder = budget_ladder(256, 16384, align=4)
+    assert ladder[0] == 256 and ladder[-1] == 16384 and ladder == sorted(set(ladder))
+    assert {1024, 4096} <= set(ladder)
+    for tokens in range(260, 16384 + 1, 4):
+        bucket = next(b for b in ladder if b >= tokens)
+        assert (bucket - tokens) / bucket <= MAX_PADDING_WASTE, (tokens, bucket)
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 16), (6, 64), (256, 128)])
+def test_ladder_rejects_bad_bounds(lo, hi):
+    with pytest.raises(ValueError, match="budget"):
+        budget_ladder(lo, hi)
+
+
+@pytest.mark.parametrize("budgets, max_items, match", [
+    ([], 8, "budgets"), ([64, 66], 8, "budgets"), ([64, 64], 8, "twice"), ([64], 0, "max_items"),
+    ([True], 8, "budgets"),
+])
+def test_make_buckets_rejects(budgets, max_items, match):
+    with pytest.raises(ValueError, match=match):
+        make_buckets(budgets, max_items, 4)
+
+
+def test_small_buckets_cap_segments_by_merge_unit():
+    buckets = make_buckets([16, 1024], max_items=64, merge_unit=4)
+    assert buckets == [Bucket(16, 4), Bucket(1024, 64)]
+    assert buckets[1].max_seqlen == 1024
+
+
+def test_smallest_fit_checks_tokens_and_segments():
+    assert smallest_fit(BUCKETS, 64, 1) == Bucket(64, 8)
+    assert smallest_fit(BUCKETS, 65, 1) == Bucket(128, 8)
+    assert smallest_fit(BUCKETS, 513, 1) is None
+    assert smallest_fit(BUCKETS, 40, 9) is None
+
+
+def test_empty_plan():
+    assert plan_call([], BUCKETS).steps == []
+    assert plan_call([], []).steps == []
+
+
+def test_single_item_smallest_bucket():
+    (step,) = plan_call([(1, 8, 8)], BUCKETS).steps
+    assert step.bucket == Bucket(64, 8) and step.tokens == 64 and step.padded_tokens == 0
+    (step,) = plan_call([(1, 6, 12)], BUCKETS).steps
+    assert step.bucket == Bucket(128, 8) and step.padded_tokens == 128 - 72
+
+
+def test_total_over_largest_is_split_in_order():
+    grids = [(1, 16, 16), (1, 16, 16), (1, 8, 8)]  # 256 + 256 + 64 > 512
+    plan = plan_call(grids, BUCKETS)
+    assert [s.grids for s in plan.steps] == [[(1, 16, 16), (1, 16, 16)], [(1, 8, 8)]]
+    assert [s.bucket.tokens for s in plan.steps] == [512, 64]
+    assert [s.token_offset for s in plan.steps] == [0, 512]
+
+
+def test_segment_capacity_splits_a_long_video():
+    plan = plan_call([(20, 2, 2)], BUCKETS)  # 20 frames of 4 tokens; 8 segments per replay
+    assert [s.grids for s in plan.steps] == [[(8, 2, 2)], [(8, 2, 2)], [(4, 2, 2)]]
+    assert all(s.segments <= s.bucket.max_segments for s in plan.steps)
+    assert plan.total_tokens == 80
+
+
+def test_video_frames_spill_across_replays():
+    plan = plan_call([(1, 16, 16), (3, 8, 16)], BUCKETS)  # 256 + 3 x 128
+    assert [s.grids for s in plan.steps] == [[(1, 16, 16), (2, 8, 16)], [(1, 8, 16)]]
+
+
+def test_oversize_frame_goes_eager_and_neighbours_still_replay():
+    plan = plan_call([(1, 8, 8), (1, 32, 32), (2, 32, 32), (1, 4, 4)], BUCKETS)
+    kinds = [(s.bucket.tokens if s.bucket else s.reason) for s in plan.steps]
+    assert kinds == [64, "oversize", 64]
+    assert plan.steps[1].grids == [(1, 32, 32), (2, 32, 32)] and plan.steps[1].token_offset == 64
+
+
+def test_no_buckets_means_one_eager_step():
+    (step,) = plan_call([(1, 4, 4), (2, 2, 2)], []).steps
+    assert step.bucket is None and step.reason == "no_graphs" and step.tokens == 24
+
+
+def test_random_plans_respect_every_capacity():
+    rng = random.Random(0)
+    for _ in range(500):
+        grids = [(rng.choice([1, 1, 2, 5]), 2 * rng.randint(1, 12), 2 * rng.randint(1, 12))
+                 for _ in range(rng.randint(1, 12))]
+        plan = plan_call(grids, BUCKETS)
+        assert plan.total_tokens == sum(t * h * w for t, h, w in grids)
+        offset = 0
+        for s in plan.steps:
+            assert s.token_offset == offset
+            assert s.tokens == sum(t * h * w for t, h, w in s.grids)
+            offset += s.tokens
+            if s.bucket is not None:
+                assert s.tokens <= s.bucket.tokens and s.segments <= s.bucket.max_segments
+                assert max(h * w for _, h, w in s.grids) <= s.bucket.max_seqlen
+                assert smallest_fit(BUCKETS, s.tokens, s.segments) == s.bucket
+        # Frames come back in order: flatten each plan back to the per-frame sequence.
+        frames = [(h, w) for t, h, w in grids for _ in range(t)]
+        assert [(h, w) for s in plan.steps for t, h, w in s.grids for _ in range(t)] == frames
