@@ -33,6 +33,7 @@ class EngineOptions:
     max_budget: int = 16384
     max_items: int = 64  # most segments (frames) one replay holds
     attention: str = "auto"  # "auto" | "varlen" | "flash" | "sdpa"
+    fuse: bool | None = None  # torch.compile the blocks' elementwise work; None = on CUDA
     capture: bool = True  # capture on construction; else call encoder.capture()
     pool_limit_bytes: int | None = None
     progress: bool = True
@@ -44,6 +45,8 @@ class EngineOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.fuse not in (None, True, False):
+            raise ValueError(f"fuse must be True, False or None (auto), got {self.fuse!r}")
         if self.pool_limit_bytes is not None and (
                 isinstance(self.pool_limit_bytes, bool) or not isinstance(self.pool_limit_bytes, int)
                 or self.pool_limit_bytes <= 0):
@@ -126,6 +129,8 @@ class GraphedVisionEncoder:
         self.tower.inv_freq = self.tower.inv_freq.float()  # rotary stays fp32 whatever the weight dtype
         self.attention = resolve_backend(self.options.attention, self.device, self.dtype)
         self.tower.set_attention_backend(self.attention)
+        fuse = self.options.fuse if self.options.fuse is not None else self.device.type == "cuda"
+        self.tower.fuse(fuse)
         self.config: VisionConfig = tower.config
 
         self.use_graphs = self.options.mode == "graph" or (self.options.mode == "auto" and self.device.type == "cuda")
@@ -226,6 +231,26 @@ class GraphedVisionEncoder:
                 self._run_graph(step, step_pixels, target)
         return result
 
+    def encode_images(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
+                      min_pixels: int | None = None, max_pixels: int | None = None) -> list[torch.Tensor]:
+        """Preprocess like Qwen2-VL's processor, encode in one call, return one tensor per item
+        (images first, then videos, each in the order given)."""
+        from . import preprocess
+
+        sizes = {"min_pixels": min_pixels or preprocess.MIN_PIXELS, "max_pixels": max_pixels or preprocess.MAX_PIXELS}
+        parts = []
+        if images:
+            parts.append(preprocess.preprocess_images(images, **sizes))
+        for video in videos or []:
+            parts.append(preprocess.preprocess_video(video, **sizes))
+        if not parts:
+            return []
+        pixels = torch.cat([p for p, _ in parts])
+        grid = torch.cat([g for _, g in parts])
+        merged = self.encode(pixels, grid)
+        rows = [int(t * h * w) // self.tower.merge_unit for t, h, w in grid.tolist()]
+        return [chunk.clone() for chunk in merged.split(rows)]
+
     def _run_eager(self, step: Step, pixels: torch.Tensor, target: torch.Tensor) -> None:
         batch = self.tower.build_batch(step.grids)
         batch = batch.to(self.device, non_blocking=True)
@@ -262,6 +287,7 @@ class GraphedVisionEncoder:
                 "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""),
                 "attention": self.attention,
+                "fused": self.tower.fused,
                 "mode": "graph" if self.use_graphs else "eager",
                 "calls": self._counters.calls,
                 "buckets": buckets,

@@ -93,6 +93,21 @@ _ACTIVATIONS = {
 }
 
 
+def block_pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, cos, sin, num_heads: int):
+    """LayerNorm -> qkv GEMM -> fp32 rotary of q and k. Returns q, k, v ``[T, H, D]``."""
+    h = F.layer_norm(x, x.shape[-1:], ln_w, ln_b, eps=1e-6)
+    q, k, v = F.linear(h, qkv_w, qkv_b).view(x.shape[0], 3, num_heads, -1).unbind(1)
+    q, k = apply_rotary(q, k, cos, sin)
+    return q, k, v.contiguous()
+
+
+def block_post_attention(x, attn, proj_w, proj_b, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, act: str):
+    """proj GEMM + residual -> LayerNorm -> MLP + residual."""
+    x = x + F.linear(attn.reshape(x.shape[0], -1), proj_w, proj_b)
+    h = F.layer_norm(x, x.shape[-1:], ln_w, ln_b, eps=1e-6)
+    return x + F.linear(_ACTIVATIONS[act](F.linear(h, fc1_w, fc1_b)), fc2_w, fc2_b)
+
+
 class PatchEmbed(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -106,6 +121,8 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
+    """Parameters of the attention half of a block; the math lives in :func:`block_pre_attention`."""
+
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -113,36 +130,36 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=True)
         self.backend = "sdpa"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv(x).view(tokens, 3, self.num_heads, -1).unbind(1)  # 3 x [T, H, D]
-        q, k = apply_rotary(q, k, cos, sin)
-        out = attend(self.backend, q, k, v.contiguous(), batch)  # [T, H, D]
-        return self.proj(out.reshape(tokens, -1))
-
 
 class VisionMlp(nn.Module):
+    """Parameters of the MLP half of a block; the math lives in :func:`block_post_attention`."""
+
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.fc1 = nn.Linear(cfg.embed_dim, cfg.mlp_dim)
         self.fc2 = nn.Linear(cfg.mlp_dim, cfg.embed_dim)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class VisionBlock(nn.Module):
+    """Pre-norm block: ``x + proj(attn(LN1 x))``, then ``x + fc2(act(fc1(LN2 x)))``."""
+
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
         self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMlp(cfg)
+        self.act_name = cfg.hidden_act
+        # The two halves around attention: plain functions, or their torch.compile'd versions.
+        self.pre, self.post = block_pre_attention, block_post_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, batch)
-        return x + self.mlp(self.norm2(x))
+        attn, mlp = self.attn, self.mlp
+        q, k, v = self.pre(x, self.norm1.weight, self.norm1.bias, attn.qkv.weight, attn.qkv.bias, cos, sin,
+                           attn.num_heads)
+        out = attend(attn.backend, q, k, v, batch)  # [T, H, D]
+        return self.post(x, out, attn.proj.weight, attn.proj.bias, self.norm2.weight, self.norm2.bias,
+                         mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, self.act_name)
 
 
 class PatchMerger(nn.Module):
@@ -176,6 +193,7 @@ class Qwen2VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.fused = False
 
     def _inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
         half = self.config.head_dim // 2  # h and w each rotate half of the head
@@ -210,6 +228,17 @@ class Qwen2VisionTower(nn.Module):
     def set_attention_backend(self, backend: str) -> None:
         for block in self.blocks:
             block.attn.backend = backend
+
+    def fuse(self, enabled: bool = True) -> None:
+        """Run each block's elementwise work (LayerNorm, fp32 rotary, activation, residuals,
+        bias epilogues) through ``torch.compile(dynamic=True)``: one compile serves every
+        block and every token count. Attention stays outside, so the backend choice holds."""
+        pre, post = block_pre_attention, block_post_attention
+        if enabled:
+            pre, post = torch.compile(pre, dynamic=True), torch.compile(post, dynamic=True)
+        for block in self.blocks:
+            block.pre, block.post = pre, post
+        self.fused = enabled
 
     def build_batch(
         self,
