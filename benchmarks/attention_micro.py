@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.varlen import varlen_attn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from vitgraph.bench import common  # noqa: E402
 
 H, D = 16, 80
 dev = torch.device("cuda")

@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency import CASES  # noqa: E402
+from vitgraph.bench.latency import CASES  # noqa: E402
 
 from vitgraph import GraphedVisionEncoder  # noqa: E402
 

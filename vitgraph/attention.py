@@ -89,6 +89,11 @@ def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batc
 
         return flash_attn_varlen_func(q, k, v, batch.cu_seqlens, batch.cu_seqlens,
                                       batch.max_seqlen, batch.max_seqlen, causal=False)
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if backend == "sdpa" and batch.segment_lengths is not None and not capturing:
+        # Eager, unpadded: attend segment by segment instead of through a T x T mask.
+        parts = zip(*(x.split(batch.segment_lengths) for x in (q, k, v)))
+        return torch.cat([_sdpa_dense(qs, ks, vs, None) for qs, ks, vs in parts])
     if backend == "sdpa":
         # Block-diagonal mask built on the device. Padding rows (id -1) may hold NaN,
         # and a masked-out NaN still poisons a matmul (0 * NaN = NaN), so zero them first.

@@ -249,7 +249,7 @@ class GraphedVisionEncoder:
         grid = torch.cat([g for _, g in parts])
         merged = self.encode(pixels, grid)
         rows = [int(t * h * w) // self.tower.merge_unit for t, h, w in grid.tolist()]
-        return [chunk.clone() for chunk in merged.split(rows)]
+        return list(merged.split(rows))
 
     def _run_eager(self, step: Step, pixels: torch.Tensor, target: torch.Tensor) -> None:
         batch = self.tower.build_batch(step.grids)

@@ -41,6 +41,7 @@ class VisionBatch:
     cu_seqlens: torch.Tensor
     max_seqlen: int
     dense: bool = False  # exactly one segment spanning every row
+    segment_lengths: tuple[int, ...] | None = None  # host copy, only on unpadded (eager) batches
 
     @property
     def num_tokens(self) -> int:
@@ -278,9 +279,11 @@ class Qwen2VisionTower(nn.Module):
         cu_seqlens = np.full(num_segments + 1, real_tokens, dtype=np.int32)
         cu_seqlens[0] = 0
         cu_seqlens[1:len(seqlens) + 1] = np.cumsum(seqlens)
-        dense = len(seqlens) == 1 and num_segments == 1 and real_tokens == num_tokens
+        unpadded = real_tokens == num_tokens and num_segments == len(seqlens)
+        dense = unpadded and len(seqlens) == 1
         return VisionBatch(torch.from_numpy(positions), torch.from_numpy(segment_ids),
-                           torch.from_numpy(cu_seqlens), max(max_seqlen, 1), dense)
+                           torch.from_numpy(cu_seqlens), max(max_seqlen, 1), dense,
+                           tuple(seqlens.tolist()) if unpadded else None)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos/sin ``[T, head_dim]``: angles ``[h*f | w*f]``, repeated twice."""

@@ -12,7 +12,8 @@ from typing import Callable
 
 import torch
 
-from vitgraph import GraphedVisionEncoder, VisionConfig
+from ..config import VisionConfig
+from ..encoder import GraphedVisionEncoder
 
 Grid = tuple[int, int, int]
 

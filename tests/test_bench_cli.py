@@ -1,0 +1,100 @@
+"""The benchmarks (tiny preset, CPU) and the vitgraph command line."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from vitgraph import GraphedVisionEncoder
+from vitgraph.bench import latency, serving
+from vitgraph.cli import main as cli_main
+
+
+def test_latency_json_schema(tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    result = latency.main(["--preset", "tiny", "--device", "cpu", "--iters", "2", "--warmup", "1",
+                           "--cases", "1x256", "16x256", "--case", "mine=1,4,6+2,2,2", "--json", str(out)])
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last_line) == json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert {"machine", "torch", "date", "ceilings", "cases"} <= set(result)
+    assert result["ceilings"]["gemm_tflops"] > 0 and result["ceilings"]["copy_tbps"] > 0
+    assert [c["case"] for c in result["cases"]] == ["1x256", "16x256", "mine"]
+    for case in result["cases"]:
+        assert {"case", "grid", "tokens", "floor_ms", "ms", "compile_s"} <= set(case)
+        assert case["floor_ms"] > 0 and set(case["ms"]) == {"hf_eager", "vitgraph_eager"}
+        assert all(v > 0 for v in case["ms"].values())
+        assert set(case["check"]) == set(case["ms"]) and all(e < 1e-4 for e in case["check"].values())
+    assert result["cases"][2]["grid"] == [[1, 4, 6], [2, 2, 2]] and result["cases"][2]["tokens"] == 32
+
+
+def test_serving_reports_percentiles(tmp_path, capsys):
+    out = tmp_path / "serving.json"
+    result = serving.main(["--preset", "tiny", "--device", "cpu", "--loads", "2", "--requests", "4",
+                           "--json", str(out)])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(out.read_text())
+    assert {r["system"] for r in result["runs"]} == {"hf_eager", "vitgraph_eager"}
+    for run in result["runs"]:
+        assert 0 < run["p50_ms"] <= run["p90_ms"] <= run["p99_ms"] and run["throughput_rps"] > 0
+    assert all(e < 1e-4 for e in result["check"].values())
+
+
+def test_serving_is_seeded():
+    assert serving.request_grids(20, 3, 12845056) == serving.request_grids(20, 3, 12845056)
+
+
+@pytest.fixture
+def png_files(tmp_path):
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, (h, w) in enumerate([(60, 90), (40, 40)]):
+        path = tmp_path / f"img{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        paths.append(path)
+    return paths
+
+
+def test_cli_encode_matches_encode_images(tmp_path, png_files, checkpoint):
+    out = tmp_path / "emb.safetensors"
+    rc = cli_main(["encode", *map(str, png_files), "--model", str(checkpoint), "--out", str(out), "--device", "cpu"])
+    assert rc == 0
+    saved = load_file(str(out))
+    enc = GraphedVisionEncoder.from_pretrained(checkpoint, device="cpu")
+    expected = enc.encode_images([Image.open(p) for p in png_files])
+    assert list(saved) == ["img0.png", "img1.png"]
+    for key, ref in zip(saved, expected):
+        assert torch.equal(saved[key], ref)
+
+
+@pytest.mark.parametrize("make_args, words", [
+    (lambda d, png, ck: ["encode", str(d / "missing.png"), "--model", str(ck), "--out", str(d / "o.st")],
+     "no such file"),
+    (lambda d, png, ck: ["encode", str(d / "bad.png"), "--model", str(ck), "--out", str(d / "o.st")],
+     "not a readable image"),
+    (lambda d, png, ck: ["encode", str(png), "--model", str(d / "no" / "model"), "--out", str(d / "o.st")],
+     "neither a checkpoint directory"),
+])
+def test_cli_errors_are_one_line(tmp_path, png_files, checkpoint, make_args, words):
+    (tmp_path / "bad.png").write_text("not an image")
+    args = make_args(tmp_path, png_files[0], checkpoint)
+    proc = subprocess.run([sys.executable, "-m", "vitgraph", *args, "--device", "cpu"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert words in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_help_everywhere():
+    for sub in ([], ["demo"], ["encode"], ["info"], ["bench"], ["bench-serving"]):
+        proc = subprocess.run([sys.executable, "-m", "vitgraph", *sub, "--help"], capture_output=True, text=True)
+        assert proc.returncode == 0 and "usage" in proc.stdout.lower(), sub
+
+
+def test_cli_demo_and_info_on_cpu(capsys):
+    assert cli_main(["demo", "--device", "cpu"]) == 0
+    assert "output [1888, 48]" in capsys.readouterr().out
+    assert cli_main(["info", "--device", "cpu"]) == 0
+    assert "attention backends: sdpa" in capsys.readouterr().out

@@ -1,0 +1,1 @@
+"""Benchmarks shipped with vitgraph: ``latency`` (one call) and ``serving`` (Poisson arrivals)."""

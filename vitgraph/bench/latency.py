@@ -1,0 +1,209 @@
+"""Latency of one ``encode`` call: vitgraph against transformers' eager tower and torch.compile.
+
+    vitgraph bench                                     # qwen2-vl-2b random weights on GPU, tiny on CPU
+    vitgraph bench --model Qwen/Qwen2-VL-2B-Instruct
+    vitgraph bench --preset tiny --device cpu --iters 5
+    vitgraph bench --case mine=1,32,48+2,16,16         (or: python benchmarks/latency.py ...)
+
+Every system's output is checked against ``vitgraph_eager`` before it is timed. The
+timed region is the whole call as a user makes it (planning, metadata, copies).
+Prints a table, then one compact JSON line last; ``--json`` and ``--plot`` write files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..models.qwen2_vl import VisionBatch
+from . import common
+
+CASES = {
+    "1x256": [(1, 16, 16)],
+    "1x1024": [(1, 32, 32)],
+    "1x4096": [(1, 64, 64)],
+    "4x1024": [(1, 32, 32)] * 4,
+    "16x256": [(1, 16, 16)] * 16,
+    "video-8x16x28": [(8, 16, 28)],
+    "1x9604": [(1, 98, 98)],
+}
+SYSTEMS = ("hf_eager", "vitgraph_eager", "vitgraph_graph", "torch_compile")
+CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+def parse_case(text: str) -> tuple[str, list[tuple[int, int, int]]]:
+    """``name=t,h,w+t,h,w`` -> (name, grids)."""
+    try:
+        name, spec = text.split("=", 1)
+        grids = [tuple(int(v) for v in part.split(",")) for part in spec.split("+")]
+        if not name or any(len(g) != 3 for g in grids):
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--case must look like name=t,h,w+t,h,w, got {text!r}") from None
+    return name, grids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=("qwen2-vl-2b", "tiny"), default=None,
+                   help="random weights of this shape (default: qwen2-vl-2b on GPU, tiny on CPU)")
+    p.add_argument("--model", help="a checkpoint directory or Hub repo id instead of random weights")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="bf16 / fp16 / fp32 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--cases", nargs="*", default=None, help=f"case names from {list(CASES)}")
+    p.add_argument("--case", action="append", type=parse_case, default=[], help="an extra case: name=t,h,w+t,h,w")
+    p.add_argument("--systems", nargs="*", default=None, help=f"subset of {SYSTEMS}")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--max-budget", type=int, default=16384)
+    p.add_argument("--json", help="write the full result here")
+    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+    return p
+
+
+def compiled_system(encoder):
+    """torch.compile(mode="reduce-overhead") of vitgraph's eager tower, one compile per exact shape."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    tower, device = encoder.tower, encoder.device
+    compiled = {}
+    compile_seconds = {}
+
+    def run(pixels, grids):
+        key = tuple(grids)
+        batch = tower.build_batch(grids).to(device, non_blocking=True)
+        if key not in compiled:
+            max_seqlen, dense = batch.max_seqlen, batch.dense
+
+            def forward(px, positions, segment_ids, cu_seqlens):
+                return tower(px, VisionBatch(positions, segment_ids, cu_seqlens, max_seqlen, dense))
+
+            compiled[key] = torch.compile(forward, mode="reduce-overhead", dynamic=False)
+            start = time.perf_counter()
+            for _ in range(3):  # compile, then the warm-ups cudagraph trees need before recording
+                compiled[key](pixels, batch.positions, batch.segment_ids, batch.cu_seqlens)
+            common.sync(device)
+            compile_seconds[key] = time.perf_counter() - start
+        return compiled[key](pixels, batch.positions, batch.segment_ids, batch.cu_seqlens).clone()
+
+    return run, compile_seconds
+
+
+def plot(result: dict, path: str, systems: list[str]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install vitgraph[bench])", file=sys.stderr)
+        return
+    cases = sorted(result["cases"], key=lambda c: c["tokens"])
+    fig, ax = plt.subplots(figsize=(8, 5))
+    x = [c["tokens"] for c in cases]
+    for system in systems:
+        pts = [(c["tokens"], c["ms"][system]) for c in cases if c["ms"].get(system)]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=system)
+    ax.plot(x, [c["floor_ms"] for c in cases], "k--", label="hardware floor")
+    for c in cases:
+        ax.annotate(c["case"], (c["tokens"], c["floor_ms"]), fontsize=7, rotation=30)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("patch tokens per call")
+    ax.set_ylabel("median latency (ms)")
+    ax.set_title(f"{result['preset']} on {result['machine']} ({result['dtype']})")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = args.device.type == "cuda"
+    args.preset = args.preset or ("qwen2-vl-2b" if on_gpu else "tiny")
+    args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
+    unknown = set(args.cases or []) - set(CASES)
+    if unknown:
+        raise SystemExit(f"unknown case(s) {sorted(unknown)}; known: {list(CASES)}")
+    cases = {name: CASES[name] for name in (args.cases if args.cases is not None else CASES)}
+    cases.update(dict(args.case))
+    systems = args.systems or [s for s in SYSTEMS if on_gpu or s in ("hf_eager", "vitgraph_eager")]
+
+    capture_start = time.perf_counter()
+    graph_enc = common.make_encoder(args, mode="graph", max_budget=args.max_budget) if "vitgraph_graph" in systems \
+        else None
+    capture_s = time.perf_counter() - capture_start if graph_enc else None
+    if graph_enc is not None:
+        eager_enc = type(graph_enc)(graph_enc.tower, device=graph_enc.device, dtype=graph_enc.dtype, mode="eager")
+    else:
+        eager_enc = common.make_encoder(args, mode="eager")
+    device, dtype, cfg = eager_enc.device, eager_enc.dtype, eager_enc.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in eager_enc.tower.parameters())
+    ceilings = common.measure_ceilings(device)
+
+    runners = {"vitgraph_eager": eager_enc.encode}
+    if graph_enc is not None:
+        runners["vitgraph_graph"] = graph_enc.encode
+    if "hf_eager" in systems:
+        hf = common.hf_tower_like(eager_enc)
+        if hf is None:
+            print("transformers is not installed: hf_eager skipped", file=sys.stderr)
+        else:
+            runners["hf_eager"] = common.hf_call(hf, device)
+    compile_seconds = {}
+    if "torch_compile" in systems:
+        runners["torch_compile"], compile_seconds = compiled_system(eager_enc)
+
+    result = {**common.environment(device), "preset": args.model or args.preset, "dtype": str(dtype)[6:],
+              "ceilings": ceilings, "weight_bytes": weight_bytes, "capture_s": capture_s,
+              "buckets": [b.tokens for b in graph_enc.buckets] if graph_enc else [],
+              "pool_bytes": graph_enc.stats()["pool_bytes"] if graph_enc else None, "cases": []}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for name, grids in cases.items():
+        tokens = sum(t * h * w for t, h, w in grids)
+        pixels = torch.randn(tokens, cfg.patch_width, generator=gen).to(device, dtype)
+        reference = eager_enc.encode(pixels, grids)
+        entry = {"case": name, "grid": [list(g) for g in grids], "tokens": tokens,
+                 "floor_ms": common.floor_ms(common.case_flops(cfg, grids), weight_bytes, ceilings),
+                 "ms": {}, "check": {}, "compile_s": None}
+        for system in systems:
+            if system not in runners:
+                continue
+            run = runners[system]
+            out = run(pixels, grids)
+            err = common.rel_err(out.float(), reference.float())
+            entry["check"][system] = err
+            if not err <= CHECK_TOLERANCE[dtype]:
+                raise SystemExit(f"{system} on {name}: output differs from vitgraph_eager (rel err {err:.3e})")
+            entry["ms"][system] = common.median_ms(lambda: run(pixels, grids), device, args.iters, args.warmup)
+        if tuple(grids) in compile_seconds:
+            entry["compile_s"] = compile_seconds[tuple(grids)]
+        result["cases"].append(entry)
+        print(f"  {name}: " + ", ".join(f"{s} {v:.2f} ms" for s, v in entry["ms"].items()), file=sys.stderr)
+
+    print(f"\n{result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "
+          f"{result['date']}; GEMM {ceilings['gemm_tflops']:.3g} TFLOP/s, copy {ceilings['copy_tbps']:.3g} TB/s")
+    if graph_enc is not None:
+        print(f"captured {len(result['buckets'])} buckets in {capture_s:.1f} s, pool {result['pool_bytes'] / 2**20:.0f} MiB")
+    shown = [s for s in systems if s in runners]
+    common.print_table(["case", "tokens", "floor"] + shown + (["compile_s"] if compile_seconds else []),
+                       [[c["case"], c["tokens"], c["floor_ms"]] + [c["ms"].get(s) for s in shown]
+                        + ([c["compile_s"]] if compile_seconds else []) for c in result["cases"]])
+    common.write_json(result, args.json)
+    if args.plot:
+        plot(result, args.plot, shown)
+    print(json.dumps(result, separators=(",", ":")))
+    return result
+
+
+if __name__ == "__main__":
+    main()

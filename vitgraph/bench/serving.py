@@ -1,0 +1,178 @@
+"""Serving simulation: open-loop Poisson arrivals of realistic image/video requests.
+
+    vitgraph bench-serving                 # qwen2-vl-2b random weights on GPU, tiny on CPU
+    python benchmarks/serving.py --loads 10 25 50 --requests 300
+
+Requests arrive on a virtual clock (seeded Poisson process). An encoder loop takes
+every queued request, up to the largest bucket's token budget, into one ``encode``
+call; the call really runs on the device, synchronised, and the clock advances by
+its measured duration. Latency is completion minus arrival. Reports p50/p90/p99
+latency and throughput per system and load; prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from ..preprocess import MAX_PIXELS, MIN_PIXELS, smart_resize
+from . import common
+
+# (kind, width, height, frames, weight): photos, screenshots and short clips.
+MIX = [
+    ("thumbnail 224x224", 224, 224, 1, 0.15),
+    ("photo 640x480", 640, 480, 1, 0.20),
+    ("photo 1024x768", 1024, 768, 1, 0.15),
+    ("video 720p frame 1280x720", 1280, 720, 1, 0.15),
+    ("screenshot 1440x900", 1440, 900, 1, 0.10),
+    ("phone screenshot 828x1792", 828, 1792, 1, 0.10),
+    ("photo 1920x1080", 1920, 1080, 1, 0.05),
+    ("clip 8 frames 448x448", 448, 448, 8, 0.05),
+    ("clip 16 frames 336x252", 336, 252, 16, 0.05),
+]
+
+
+def request_grids(n: int, seed: int, max_pixels: int) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed)
+    weights = [m[-1] for m in MIX]
+    grids = []
+    for _ in range(n):
+        _, w, h, frames, _ = rng.choices(MIX, weights)[0]
+        rh, rw = smart_resize(h, w, 28, MIN_PIXELS, max_pixels)
+        grids.append((max(1, frames // 2), rh // 14, rw // 14))
+    return grids
+
+
+def simulate(run, pixels_for, grids, arrivals, max_tokens, device) -> dict:
+    """Discrete-event loop on a virtual clock; service times are measured for real."""
+    n = len(grids)
+    done = [0.0] * n
+    clock, nxt = 0.0, 0
+    busy = 0.0
+    while nxt < n:
+        clock = max(clock, arrivals[nxt])
+        batch = [nxt]
+        tokens = grids[nxt][0] * grids[nxt][1] * grids[nxt][2]
+        nxt += 1
+        while nxt < n and arrivals[nxt] <= clock:
+            t = grids[nxt][0] * grids[nxt][1] * grids[nxt][2]
+            if tokens + t > max_tokens:
+                break
+            batch.append(nxt)
+            tokens += t
+            nxt += 1
+        batch_grids = [grids[i] for i in batch]
+        pixels = torch.cat([pixels_for(grids[i]) for i in batch])
+        common.sync(device)
+        start = time.perf_counter()
+        run(pixels, batch_grids)
+        common.sync(device)
+        took = time.perf_counter() - start
+        busy += took
+        clock += took
+        for i in batch:
+            done[i] = clock
+    latencies = sorted((done[i] - arrivals[i]) * 1e3 for i in range(n))
+
+    def pct(p):
+        return float(np.percentile(latencies, p))
+
+    return {"p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99), "mean_ms": statistics.fmean(latencies),
+            "throughput_rps": n / max(done), "utilisation": busy / max(done)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=("qwen2-vl-2b", "tiny"), default=None)
+    p.add_argument("--model", help="a checkpoint directory or Hub repo id instead of random weights")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, help="bf16 / fp16 / fp32")
+    p.add_argument("--loads", type=float, nargs="*", default=None, help="offered loads, requests per second")
+    p.add_argument("--requests", type=int, default=None, help="requests per load")
+    p.add_argument("--systems", nargs="*", default=None, help="subset of hf_eager vitgraph_eager vitgraph_graph")
+    p.add_argument("--max-pixels", type=int, default=MAX_PIXELS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the full result here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = args.device.type == "cuda"
+    args.preset = args.preset or ("qwen2-vl-2b" if on_gpu else "tiny")
+    args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
+    loads = args.loads or ([5.0, 10.0, 20.0] if on_gpu else [0.5, 1.0])
+    n = args.requests or (300 if on_gpu else 8)
+    systems = args.systems or (["hf_eager", "vitgraph_eager", "vitgraph_graph"] if on_gpu
+                               else ["hf_eager", "vitgraph_eager"])
+    max_budget = 16384
+    graph_enc = common.make_encoder(args, mode="graph", max_budget=max_budget) if "vitgraph_graph" in systems \
+        else None
+    base = graph_enc or common.make_encoder(args, mode="eager")
+    eager_enc = type(base)(base.tower, device=base.device, dtype=base.dtype, mode="eager")
+    device, dtype = eager_enc.device, eager_enc.dtype
+    max_pixels = args.max_pixels if on_gpu else min(args.max_pixels, 200704)  # keep the CPU run short
+    runners = {"vitgraph_eager": eager_enc.encode}
+    if graph_enc is not None:
+        runners["vitgraph_graph"] = graph_enc.encode
+    if "hf_eager" in systems:
+        hf = common.hf_tower_like(eager_enc)
+        if hf is not None:
+            runners["hf_eager"] = common.hf_call(hf, device)
+
+    gen = torch.Generator().manual_seed(args.seed)
+    cache: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def pixels_for(grid):
+        if grid not in cache:
+            cache[grid] = torch.randn(grid[0] * grid[1] * grid[2], eager_enc.config.patch_width,
+                                      generator=gen).to(device, dtype)
+        return cache[grid]
+
+    result = {**common.environment(device), "preset": args.model or args.preset, "dtype": str(dtype)[6:],
+              "requests_per_load": n, "max_pixels": max_pixels, "mix": [m[0] for m in MIX], "runs": []}
+    grids = request_grids(n, args.seed, max_pixels)
+    result["mean_tokens_per_request"] = statistics.fmean(t * h * w for t, h, w in grids)
+    # Correctness first: every system on one mixed batch, against vitgraph_eager.
+    probe = grids[:6]
+    reference = eager_enc.encode(torch.cat([pixels_for(g) for g in probe]), probe)
+    result["check"] = {}
+    for name, run in runners.items():
+        err = common.rel_err(run(torch.cat([pixels_for(g) for g in probe]), probe).float(), reference.float())
+        result["check"][name] = err
+        if not err <= (1e-4 if dtype == torch.float32 else 3e-2):
+            raise SystemExit(f"{name}: output differs from vitgraph_eager (rel err {err:.3e})")
+    for g in set(grids):  # warm every shape (and each system's kernels) before the clock starts
+        for run in runners.values():
+            run(pixels_for(g), [g])
+    for load in loads:
+        rng = np.random.default_rng(args.seed + int(load * 1000))
+        arrivals = np.cumsum(rng.exponential(1.0 / load, size=n)).tolist()
+        for name in systems:
+            if name not in runners:
+                continue
+            stats = simulate(runners[name], pixels_for, grids, arrivals, max_budget, device)
+            result["runs"].append({"system": name, "load_rps": load, **stats})
+            print(f"  load {load:g}/s {name}: p50 {stats['p50_ms']:.1f} ms, p99 {stats['p99_ms']:.1f} ms",
+                  file=sys.stderr)
+
+    print(f"\nserving: {result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "
+          f"{result['date']}; {n} requests per load, mean {result['mean_tokens_per_request']:.0f} patch tokens")
+    common.print_table(["load/s", "system", "p50 ms", "p90 ms", "p99 ms", "req/s", "busy"],
+                       [[r["load_rps"], r["system"], r["p50_ms"], r["p90_ms"], r["p99_ms"], r["throughput_rps"],
+                         r["utilisation"]] for r in result["runs"]])
+    common.write_json(result, args.json)
+    print(json.dumps(result, separators=(",", ":")))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The ``vitgraph`` command: demo, encode, bench, bench-serving, info."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import __version__
+
+
+def _encoder_args(p: argparse.ArgumentParser, default_preset: bool = True) -> None:
+    p.add_argument("--model", help="checkpoint directory or Hub repo id (default: random weights)")
+    if default_preset:
+        p.add_argument("--preset", choices=("qwen2-vl-2b", "tiny"), default=None,
+                       help="random-weight shape when no --model (default: qwen2-vl-2b on GPU, tiny on CPU)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
+
+
+def _load(args, **options):
+    from .encoder import GraphedVisionEncoder
+
+    if args.model:
+        return GraphedVisionEncoder.from_pretrained(args.model, device=args.device, dtype=args.dtype, **options)
+    preset = getattr(args, "preset", None) or ("qwen2-vl-2b" if (args.device or "").startswith("cuda")
+                                               or (args.device is None and torch.cuda.is_available()) else "tiny")
+    return GraphedVisionEncoder.from_config(preset, device=args.device, dtype=args.dtype, **options)
+
+
+def cmd_demo(args) -> None:
+    """Encode a mixed batch (images and a clip) and print shapes, timing and engine stats."""
+    enc = _load(args)
+    grids = [(1, 16, 16), (1, 32, 44), (4, 16, 28), (1, 64, 64)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), enc.config.patch_width)
+    pixels = pixels.to(enc.device, enc.dtype)
+    enc.encode(pixels, grids)  # warm-up
+    times = []
+    for _ in range(5):
+        if enc.device.type == "cuda":
+            torch.cuda.synchronize(enc.device)
+        start = time.perf_counter()
+        out = enc.encode(pixels, grids)
+        if enc.device.type == "cuda":
+            torch.cuda.synchronize(enc.device)
+        times.append((time.perf_counter() - start) * 1e3)
+    stats = enc.stats()
+    print(f"vitgraph {__version__}: {args.model or 'random weights'} on {enc.device} ({stats['dtype']}), "
+          f"mode {stats['mode']}, attention {stats['attention']}, fused {stats['fused']}")
+    print(f"input  pixels {list(pixels.shape)}, grid_thw {grids}")
+    print(f"output {list(out.shape)}; median {sorted(times)[len(times) // 2]:.2f} ms per call")
+    if stats["mode"] == "graph":
+        used = {k: v["replays"] for k, v in stats["buckets"].items() if v["replays"]}
+        print(f"{len(stats['buckets'])} graphs captured in {stats['capture_seconds']:.1f} s, "
+              f"pool {stats['pool_bytes'] / 2**20:.0f} MiB; replays per bucket {used}")
+
+
+def cmd_encode(args) -> None:
+    """Encode image files; write one tensor per file, keyed by file name, to a safetensors file."""
+    from PIL import Image, UnidentifiedImageError
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    images = []
+    for name in args.files:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"{name}: no such file")
+        try:
+            with Image.open(path) as img:
+                images.append(img.convert("RGB"))
+        except (UnidentifiedImageError, OSError) as err:
+            raise ValueError(f"{name}: not a readable image ({err})") from None
+    keys = [Path(n).name for n in args.files]
+    if len(set(keys)) != len(keys):
+        raise ValueError("two inputs share a file name; rename one so each output key is unique")
+    enc = _load(args, progress=False)
+    tensors = {}
+    chunk = 16  # images per encode call
+    with tqdm(total=len(images), desc="encoding", unit="image", disable=len(images) <= chunk) as bar:
+        for start in range(0, len(images), chunk):
+            embeddings = enc.encode_images(images[start:start + chunk], min_pixels=args.min_pixels,
+                                           max_pixels=args.max_pixels)
+            for key, embedding in zip(keys[start:start + chunk], embeddings):
+                tensors[key] = embedding.to("cpu").contiguous()
+            bar.update(len(embeddings))
+    save_file(tensors, args.out)
+    print(f"wrote {len(tensors)} embedding(s) to {args.out}: " +
+          ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items()))
+
+
+def cmd_info(args) -> None:
+    """Device, torch, attention backends, buckets and pool bytes."""
+    from .attention import available_backends
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"vitgraph {__version__}, torch {torch.__version__}, device {device} ({name})")
+    print(f"attention backends: {', '.join(available_backends(device))}")
+    enc = _load(args, progress=False)
+    stats = enc.stats()
+    if stats["mode"] == "graph":
+        print(f"buckets ({len(enc.buckets)}): {', '.join(str(b.tokens) for b in enc.buckets)}")
+        print(f"pool bytes: {stats['pool_bytes']}, capture seconds: {stats['capture_seconds']:.2f}")
+    else:
+        print(f"eager mode on {device}: no graphs (buckets planned: "
+              f"{', '.join(str(b.tokens) for b in enc.requested_buckets)})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vitgraph", description="The Qwen2-VL vision encoder from CUDA graphs.")
+    parser.add_argument("--version", action="version", version=f"vitgraph {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="encode a sample batch and print shapes and timing")
+    _encoder_args(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("encode", help="encode image files to a safetensors file")
+    p.add_argument("files", nargs="+", help="image files (PNG, JPEG, ...)")
+    p.add_argument("--out", required=True, help="output .safetensors path")
+    p.add_argument("--min-pixels", type=int, default=None)
+    p.add_argument("--max-pixels", type=int, default=None)
+    _encoder_args(p)
+    p.set_defaults(func=cmd_encode)
+
+    p = sub.add_parser("info", help="device, torch, attention backends, buckets, pool bytes")
+    _encoder_args(p)
+    p.set_defaults(func=cmd_info)
+
+    sub.add_parser("bench", help="latency suite (see vitgraph bench --help)", add_help=False)
+    sub.add_parser("bench-serving", help="serving simulation (see vitgraph bench-serving --help)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("bench", "bench-serving"):  # the benchmarks own their arguments
+        from .bench import latency, serving
+        (latency if argv[0] == "bench" else serving).main(argv[1:])
+        return 0
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        args.func(args)
+    except (ValueError, TypeError, OSError) as err:
+        print(f"vitgraph {args.command}: error: {err}".splitlines()[0], file=sys.stderr)
+        return 2
+    except Exception as err:  # e.g. huggingface_hub's not-found errors
+        if type(err).__module__.startswith("huggingface_hub"):
+            print(f"vitgraph {args.command}: error: {type(err).__name__}: {err}".splitlines()[0], file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
