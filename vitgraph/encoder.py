@@ -31,7 +31,7 @@ class EngineOptions:
     budgets: Sequence[int] | None = None  # patch-token budgets; None = automatic ladder
     min_budget: int = 256
     max_budget: int = 16384
-    max_items: int = 64  # most segments (frames) one replay holds
+    max_items: int = 16  # most segments (frames) one replay holds; each empty slot costs attention launch slots
     attention: str = "auto"  # "auto" | "varlen" | "flash" | "sdpa"
     fuse: bool | None = None  # torch.compile the blocks' elementwise work; None = on CUDA
     capture: bool = True  # capture on construction; else call encoder.capture()
