@@ -146,6 +146,8 @@ def test_bad_out(encoder, out, error, words):
     (dict(budgets=[]), "budgets"),
     (dict(budgets=[30]), "budgets"),
     (dict(pool_limit_bytes=0), "pool_limit_bytes"),
+    (dict(dense_eager_above=-1), "dense_eager_above"),
+    (dict(fuse="yes"), "fuse"),
     (dict(attention="flash"), "not available"),
     (dict(device="cuda:0" if not torch.cuda.is_available() else "cuda:99"), "device"),
     (dict(device="tpu"), "device"),

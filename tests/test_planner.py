@@ -109,3 +109,13 @@ def test_random_plans_respect_every_capacity():
         # Frames come back in order: flatten each plan back to the per-frame sequence.
         frames = [(h, w) for t, h, w in grids for _ in range(t)]
         assert [(h, w) for s in plan.steps for t, h, w in s.grids for _ in range(t)] == frames
+
+
+def test_large_single_frame_steps_can_run_dense_eager():
+    plan = plan_call([(1, 16, 20), (1, 8, 8), (1, 8, 8)], BUCKETS, dense_eager_above=256)
+    assert [(s.bucket.tokens if s.bucket else s.reason) for s in plan.steps] == ["dense_eager", 128]
+    # A step of several frames stays a replay whatever its size; the threshold is exclusive.
+    plan = plan_call([(2, 16, 16)], BUCKETS, dense_eager_above=256)
+    assert [s.bucket.tokens for s in plan.steps] == [512]
+    plan = plan_call([(1, 16, 16)], BUCKETS, dense_eager_above=256)
+    assert plan.steps[0].bucket.tokens == 256

@@ -109,14 +109,16 @@ def smallest_fit(buckets: Sequence[Bucket], tokens: int, segments: int) -> Bucke
     return None
 
 
-def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket]) -> Plan:
+def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], dense_eager_above: int | None = None) -> Plan:
     """Pack frames greedily, in order, into replays no larger than the largest bucket.
 
     Frames are the unit of packing: each is its own attention segment and its own
     set of merger groups, so a long video may span replays and its rows still come
     back in order. A single frame larger than every bucket runs eagerly; consecutive
-    eager items share one eager step. The concatenated step outputs are the call's
-    output in item order.
+    eager items share one eager step. A step holding one frame of more than
+    ``dense_eager_above`` tokens also runs eagerly: at that size the GPU, not launch
+    overhead, sets the pace, and the exact-shape dense attention beats a padded replay.
+    The concatenated step outputs are the call's output in item order.
     """
     plan = Plan()
     if not buckets:
@@ -135,8 +137,11 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket]) -> Plan:
     def flush() -> None:
         nonlocal chunk, chunk_tokens, chunk_segments, offset
         if chunk:
-            bucket = smallest_fit(buckets, chunk_tokens, chunk_segments)
-            plan.steps.append(Step(chunk, bucket, chunk_tokens, chunk_segments, offset))
+            if chunk_segments == 1 and dense_eager_above is not None and chunk_tokens > dense_eager_above:
+                plan.steps.append(Step(chunk, None, chunk_tokens, 1, offset, "dense_eager"))
+            else:
+                bucket = smallest_fit(buckets, chunk_tokens, chunk_segments)
+                plan.steps.append(Step(chunk, bucket, chunk_tokens, chunk_segments, offset))
             offset += chunk_tokens
         chunk, chunk_tokens, chunk_segments = [], 0, 0
 
