@@ -112,8 +112,12 @@ def test_random_plans_respect_every_capacity():
 
 
 def test_large_single_frame_steps_can_run_dense_eager():
-    plan = plan_call([(1, 16, 20), (1, 8, 8), (1, 8, 8)], BUCKETS, dense_eager_above=256)
-    assert [(s.bucket.tokens if s.bucket else s.reason) for s in plan.steps] == ["dense_eager", 128]
+    plan = plan_call([(1, 16, 20)], BUCKETS, dense_eager_above=256)
+    assert [(s.bucket, s.reason) for s in plan.steps] == [(None, "dense_eager")]
+    plan = plan_call([(1, 32, 16), (1, 16, 20)], BUCKETS, dense_eager_above=256)  # 512 then 320 tokens
+    assert [(s.bucket.tokens if s.bucket else s.reason) for s in plan.steps] == ["dense_eager", "dense_eager"]
+    plan = plan_call([(1, 16, 20), (1, 8, 8)], BUCKETS, dense_eager_above=256)
+    assert [s.bucket.tokens for s in plan.steps] == [512]
     # A step of several frames stays a replay whatever its size; the threshold is exclusive.
     plan = plan_call([(2, 16, 16)], BUCKETS, dense_eager_above=256)
     assert [s.bucket.tokens for s in plan.steps] == [512]
