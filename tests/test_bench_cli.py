@@ -98,3 +98,22 @@ def test_cli_demo_and_info_on_cpu(capsys):
     assert "output [1888, 48]" in capsys.readouterr().out
     assert cli_main(["info", "--device", "cpu"]) == 0
     assert "attention backends: sdpa" in capsys.readouterr().out
+
+
+def test_serving_loop_example_returns_one_embedding_per_request():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("serving_loop", Path(__file__).parents[1] / "examples" /
+                                                  "serving_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    enc = GraphedVisionEncoder.from_config("tiny", device="cpu")
+    server = module.EmbeddingServer(enc, max_tokens=300)
+    rng = np.random.default_rng(1)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in [(56, 56), (112, 84), (224, 224)] * 3]
+    futures = [server.submit(im) for im in images]
+    results = [f.result(timeout=60) for f in futures]
+    server.close()
+    for image, got in zip(images, results):
+        torch.testing.assert_close(got, enc.encode_images([image])[0], rtol=1e-5, atol=1e-6)

@@ -96,6 +96,7 @@ def compiled_system(encoder):
 
 
 def plot(result: dict, path: str, systems: list[str]) -> None:
+    """Grouped bars per case (log scale), the hardware floor as a black tick on each group."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -103,23 +104,22 @@ def plot(result: dict, path: str, systems: list[str]) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install vitgraph[bench])", file=sys.stderr)
         return
-    cases = sorted(result["cases"], key=lambda c: c["tokens"])
-    fig, ax = plt.subplots(figsize=(8, 5))
-    x = [c["tokens"] for c in cases]
-    for system in systems:
-        pts = [(c["tokens"], c["ms"][system]) for c in cases if c["ms"].get(system)]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=system)
-    ax.plot(x, [c["floor_ms"] for c in cases], "k--", label="hardware floor")
-    for c in cases:
-        ax.annotate(c["case"], (c["tokens"], c["floor_ms"]), fontsize=7, rotation=30)
-    ax.set_xscale("log")
+    cases = result["cases"]
+    width = 0.8 / max(1, len(systems))
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for i, system in enumerate(systems):
+        xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(cases))]
+        ax.bar(xs, [c["ms"].get(system) or 0 for c in cases], width, label=system)
+    for j, c in enumerate(cases):
+        ax.hlines(c["floor_ms"], j - 0.45, j + 0.45, colors="black", linewidth=2,
+                  label="hardware floor" if j == 0 else None)
+    ax.set_xticks(range(len(cases)), [f"{c['case']}\n{c['tokens']} tokens" for c in cases], fontsize=8)
     ax.set_yscale("log")
-    ax.set_xlabel("patch tokens per call")
-    ax.set_ylabel("median latency (ms)")
-    ax.set_title(f"{result['preset']} on {result['machine']} ({result['dtype']})")
-    ax.legend()
-    ax.grid(True, which="both", alpha=0.3)
+    ax.set_ylabel("median latency per encode call (ms)")
+    ax.set_title(f"{result['preset']} ({result['dtype']}) on {result['machine']}, torch {result['torch']}, "
+                 f"{result['date']}")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
