@@ -6,6 +6,7 @@ import datetime
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -67,11 +68,49 @@ def floor_ms(flops: float, weight_bytes: int, ceilings: dict[str, float]) -> flo
     return max(flops / (ceilings["gemm_tflops"] * 1e9), weight_bytes / (ceilings["copy_tbps"] * 1e9))
 
 
+def add_model_args(parser) -> None:
+    parser.add_argument("--preset", choices=("qwen2-vl-2b", "tiny"), default=None,
+                        help="random weights of this shape (default: qwen2-vl-2b on GPU, tiny on CPU)")
+    parser.add_argument("--model", help="a checkpoint directory or Hub repo id instead of random weights")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
+                        help="default: bf16 on GPU, fp32 on CPU")
+
+
+def resolve_model_args(args) -> bool:
+    """Fill in the defaults of :func:`add_model_args` in place; returns whether the run is on a GPU."""
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = args.device.type == "cuda"
+    args.preset = args.preset or ("qwen2-vl-2b" if on_gpu else "tiny")
+    args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
+    return on_gpu
+
+
 def make_encoder(args, **options) -> GraphedVisionEncoder:
-    device = args.device
     if args.model:
-        return GraphedVisionEncoder.from_pretrained(args.model, device=device, dtype=args.dtype, **options)
-    return GraphedVisionEncoder.from_config(args.preset, device=device, dtype=args.dtype, seed=0, **options)
+        return GraphedVisionEncoder.from_pretrained(args.model, device=args.device, dtype=args.dtype, **options)
+    return GraphedVisionEncoder.from_config(args.preset, device=args.device, dtype=args.dtype, seed=0, **options)
+
+
+def build_systems(args, systems: list[str], max_budget: int):
+    """The encoders under test, sharing one set of weights: ``(runners, eager_encoder, graph_encoder)``.
+
+    ``runners`` maps a system name to ``run(pixels, grids) -> rows``; the graph encoder is
+    None unless ``vitgraph_graph`` is asked for; ``hf_eager`` is skipped without transformers.
+    """
+    graph_enc = make_encoder(args, mode="graph", max_budget=max_budget) if "vitgraph_graph" in systems else None
+    base = graph_enc or make_encoder(args, mode="eager")
+    eager_enc = GraphedVisionEncoder(base.tower, device=base.device, dtype=base.dtype, mode="eager")
+    runners = {"vitgraph_eager": eager_enc.encode}
+    if graph_enc is not None:
+        runners["vitgraph_graph"] = graph_enc.encode
+    if "hf_eager" in systems:
+        hf = hf_tower_like(eager_enc)
+        if hf is None:
+            print("transformers is not installed: hf_eager skipped", file=sys.stderr)
+        else:
+            runners["hf_eager"] = hf_call(hf, eager_enc.device)
+    return runners, eager_enc, graph_enc
 
 
 def hf_tower_like(encoder: GraphedVisionEncoder):

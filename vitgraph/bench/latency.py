@@ -50,11 +50,7 @@ def parse_case(text: str) -> tuple[str, list[tuple[int, int, int]]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=("qwen2-vl-2b", "tiny"), default=None,
-                   help="random weights of this shape (default: qwen2-vl-2b on GPU, tiny on CPU)")
-    p.add_argument("--model", help="a checkpoint directory or Hub repo id instead of random weights")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="bf16 / fp16 / fp32 (default: bf16 on GPU, fp32 on CPU)")
+    common.add_model_args(p)
     p.add_argument("--cases", nargs="*", default=None, help=f"case names from {list(CASES)}")
     p.add_argument("--case", action="append", type=parse_case, default=[], help="an extra case: name=t,h,w+t,h,w")
     p.add_argument("--systems", nargs="*", default=None, help=f"subset of {SYSTEMS}")
@@ -127,10 +123,7 @@ def plot(result: dict, path: str, systems: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    on_gpu = args.device.type == "cuda"
-    args.preset = args.preset or ("qwen2-vl-2b" if on_gpu else "tiny")
-    args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
+    on_gpu = common.resolve_model_args(args)
     unknown = set(args.cases or []) - set(CASES)
     if unknown:
         raise SystemExit(f"unknown case(s) {sorted(unknown)}; known: {list(CASES)}")
@@ -139,26 +132,11 @@ def main(argv: list[str] | None = None) -> dict:
     systems = args.systems or [s for s in SYSTEMS if on_gpu or s in ("hf_eager", "vitgraph_eager")]
 
     capture_start = time.perf_counter()
-    graph_enc = common.make_encoder(args, mode="graph", max_budget=args.max_budget) if "vitgraph_graph" in systems \
-        else None
+    runners, eager_enc, graph_enc = common.build_systems(args, systems, args.max_budget)
     capture_s = time.perf_counter() - capture_start if graph_enc else None
-    if graph_enc is not None:
-        eager_enc = type(graph_enc)(graph_enc.tower, device=graph_enc.device, dtype=graph_enc.dtype, mode="eager")
-    else:
-        eager_enc = common.make_encoder(args, mode="eager")
     device, dtype, cfg = eager_enc.device, eager_enc.dtype, eager_enc.config
     weight_bytes = sum(p.numel() * p.element_size() for p in eager_enc.tower.parameters())
     ceilings = common.measure_ceilings(device)
-
-    runners = {"vitgraph_eager": eager_enc.encode}
-    if graph_enc is not None:
-        runners["vitgraph_graph"] = graph_enc.encode
-    if "hf_eager" in systems:
-        hf = common.hf_tower_like(eager_enc)
-        if hf is None:
-            print("transformers is not installed: hf_eager skipped", file=sys.stderr)
-        else:
-            runners["hf_eager"] = common.hf_call(hf, device)
     compile_seconds = {}
     if "torch_compile" in systems:
         runners["torch_compile"], compile_seconds = compiled_system(eager_enc)

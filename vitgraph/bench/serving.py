@@ -90,10 +90,7 @@ def simulate(run, pixels_for, grids, arrivals, max_tokens, device) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=("qwen2-vl-2b", "tiny"), default=None)
-    p.add_argument("--model", help="a checkpoint directory or Hub repo id instead of random weights")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, help="bf16 / fp16 / fp32")
+    common.add_model_args(p)
     p.add_argument("--loads", type=float, nargs="*", default=None, help="offered loads, requests per second")
     p.add_argument("--requests", type=int, default=None, help="requests per load")
     p.add_argument("--systems", nargs="*", default=None, help="subset of hf_eager vitgraph_eager vitgraph_graph")
@@ -105,28 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    on_gpu = args.device.type == "cuda"
-    args.preset = args.preset or ("qwen2-vl-2b" if on_gpu else "tiny")
-    args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
+    on_gpu = common.resolve_model_args(args)
     loads = args.loads or ([5.0, 10.0, 20.0] if on_gpu else [0.5, 1.0])
     n = args.requests or (300 if on_gpu else 8)
     systems = args.systems or (["hf_eager", "vitgraph_eager", "vitgraph_graph"] if on_gpu
                                else ["hf_eager", "vitgraph_eager"])
     max_budget = 16384
-    graph_enc = common.make_encoder(args, mode="graph", max_budget=max_budget) if "vitgraph_graph" in systems \
-        else None
-    base = graph_enc or common.make_encoder(args, mode="eager")
-    eager_enc = type(base)(base.tower, device=base.device, dtype=base.dtype, mode="eager")
+    runners, eager_enc, _ = common.build_systems(args, systems, max_budget)
     device, dtype = eager_enc.device, eager_enc.dtype
     max_pixels = args.max_pixels if on_gpu else min(args.max_pixels, 200704)  # keep the CPU run short
-    runners = {"vitgraph_eager": eager_enc.encode}
-    if graph_enc is not None:
-        runners["vitgraph_graph"] = graph_enc.encode
-    if "hf_eager" in systems:
-        hf = common.hf_tower_like(eager_enc)
-        if hf is not None:
-            runners["hf_eager"] = common.hf_call(hf, device)
 
     gen = torch.Generator().manual_seed(args.seed)
     cache: dict[tuple[int, int, int], torch.Tensor] = {}
