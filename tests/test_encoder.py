@@ -180,3 +180,18 @@ def test_stats_on_cpu():
 def test_plan_is_host_only(encoder):
     plan = encoder.plan([(1, 4, 4), (2, 2, 2)])
     assert len(plan.steps) == 1 and plan.steps[0].bucket is None
+
+
+def test_options_are_checked_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="mode must be one of"):
+        GraphedVisionEncoder.from_pretrained(tmp_path / "not-there", device="cpu", mode="turbo")
+
+
+def test_random_weights_are_seeded_and_leave_the_global_rng_alone():
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    a = GraphedVisionEncoder.from_config("tiny", device="cpu", seed=1)
+    assert torch.equal(torch.rand(3), expected)
+    b = GraphedVisionEncoder.from_config("tiny", device="cpu", seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(a.tower.state_dict().values(), b.tower.state_dict().values()))

@@ -123,6 +123,9 @@ class GraphedVisionEncoder:
     previous replay's output copy, so streams never race on the static buffers.
     The returned tensor is owned by the caller and produced on the caller's
     current stream. Eager steps run outside the lock.
+
+    The encoder takes ownership of ``tower``: it moves it, sets its attention
+    backend and fusion, and captures graphs that read its weights in place.
     """
 
     def __init__(self, tower: Qwen2VisionTower, *, device=None, dtype=None, **options: Any) -> None:
@@ -159,6 +162,7 @@ class GraphedVisionEncoder:
     def from_pretrained(cls, source, *, device=None, dtype=None, revision: str | None = None, cache_dir=None,
                         local_files_only: bool = False, token=None, **options: Any) -> "GraphedVisionEncoder":
         """Load from a local checkpoint directory or a Hub repo id (vision shards only)."""
+        EngineOptions(**options)  # refuse bad options before any download or load
         device = _resolve_device(device)
         dtype = _resolve_dtype(dtype, device)
         files = find_checkpoint(source, revision=revision, cache_dir=cache_dir,
@@ -170,6 +174,7 @@ class GraphedVisionEncoder:
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: VisionConfig | Mapping, *,
                         device=None, dtype=None, **options: Any) -> "GraphedVisionEncoder":
         """Build from weights already in memory (``visual.``-prefixed, ``model.visual.``-prefixed or bare)."""
+        EngineOptions(**options)
         config = config if isinstance(config, VisionConfig) else VisionConfig.from_dict(dict(config))
         device = _resolve_device(device)
         dtype = _resolve_dtype(dtype, device)
@@ -183,10 +188,13 @@ class GraphedVisionEncoder:
             if config not in PRESETS:
                 raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {config!r}")
             config = PRESETS[config]
+        EngineOptions(**options)
         device = _resolve_device(device)
         dtype = _resolve_dtype(dtype, device)
-        torch.manual_seed(seed)
-        return cls(build_tower(config, device, torch.float32), device=device, dtype=dtype, **options)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # leave the global RNG be
+            torch.manual_seed(seed)
+            tower = build_tower(config, device, torch.float32)
+        return cls(tower, device=device, dtype=dtype, **options)
 
     def capture(self) -> None:
         """Capture every bucket (largest first, one shared pool). Idempotent."""
