@@ -56,4 +56,33 @@ for tokens in (1024, 4096, 9604):
             rows.append([f"sdpa-{name} 1x{tokens} keypad {pad}", 1, tokens,
                          ms * 1e3 if isinstance(ms, float) else ms,
                          flops / ms / 1e9 if isinstance(ms, float) else None])
+
+
+def cudnn_ragged_case(tokens, real_segments, seg_len, slots):
+    """cuDNN's ragged (THD) path, which torch's varlen_attn leaves switched off: time it and
+    check it against FA2 varlen on the same padded layout."""
+    q, k, v = (torch.randn(tokens, H, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    cu = torch.full((slots + 1,), real_segments * seg_len, dtype=torch.int32, device=dev)
+    cu[:real_segments + 1] = torch.arange(real_segments + 1, device=dev, dtype=torch.int32) * seg_len
+    real = real_segments * seg_len
+
+    def run():
+        return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, tokens, tokens, False)[0]
+
+    try:
+        out = run()
+        ref = varlen_attn(q, k, v, cu, cu, tokens, tokens)
+        err = common.rel_err(out[:real].float(), ref[:real].float())
+        return common.median_ms(run, dev, 50, 5), err
+    except Exception as exc:  # report, never abort the sweep
+        return f"n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:50]})", None
+
+
+for tokens, segs, seg_len, slots in [(4608, 1, 4096, 1), (4096, 4, 1024, 16), (4096, 16, 256, 16),
+                                     (10496, 1, 9604, 1), (1152, 1, 1024, 16)]:
+    ms, err = cudnn_ragged_case(tokens, segs, seg_len, slots)
+    flops = 4 * segs * seg_len ** 2 * H * D
+    label = f"cudnn-ragged {segs}x{seg_len} in {tokens}" + (f" (rel err vs FA2 {err:.1e})" if err is not None else "")
+    rows.append([label, slots, tokens, ms * 1e3 if isinstance(ms, float) else ms,
+                 flops / ms / 1e9 if isinstance(ms, float) else None])
 common.print_table(["kernel", "segments", "max_seqlen", "us/layer", "TFLOP/s"], rows)
