@@ -222,7 +222,11 @@ class GraphedVisionEncoder:
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor, grid_thw, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``pixels [N, C*T*P*P]`` + ``grid_thw [k, 3]`` -> ``[N / 4, hidden_size]`` on the encoder's device."""
+        """``pixels [N, C*T*P*P]`` + ``grid_thw [k, 3]`` -> ``[N / 4, hidden_size]`` on the encoder's device.
+
+        Item ``i`` owns ``t*h*w / 4`` consecutive rows. The result is an inference-mode tensor
+        (no autograd history), or ``out`` when given.
+        """
         check_pixels(pixels, self.tower.input_width)
         grids = normalize_grid(grid_thw, self.config.spatial_merge_size)
         tokens = check_rows(pixels, grids)
