@@ -88,6 +88,26 @@ def test_hub_offline_opens_only_vision_shards(tmp_path, hf_model, monkeypatch):
     _assert_matches(enc, hf_model)
 
 
+def test_hub_passes_revision_cache_and_offline_flags(tmp_path, hf_model, monkeypatch):
+    import huggingface_hub
+
+    src = write_checkpoint(tmp_path / "src", hf_model, shards=1)
+    _make_hub_cache(tmp_path / "cache", "Qwen/Tiny-VL-2", src)
+    calls = []
+    real = huggingface_hub.hf_hub_download
+
+    def spy(repo_id, filename, **kwargs):
+        calls.append(dict(kwargs))
+        return real(repo_id, filename, **{**kwargs, "revision": None})  # the test cache only has refs/main
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", spy)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    GraphedVisionEncoder.from_pretrained("Qwen/Tiny-VL-2", device="cpu", cache_dir=tmp_path / "cache",
+                                         revision="v1.0", local_files_only=True)
+    assert calls and all(c["revision"] == "v1.0" and c["local_files_only"] and
+                         c["cache_dir"] == tmp_path / "cache" for c in calls)
+
+
 def test_hub_offline_single_file(tmp_path, hf_model, monkeypatch):
     src = write_checkpoint(tmp_path / "src", hf_model, shards=1)
     _make_hub_cache(tmp_path / "cache", "Qwen/Tiny-VL-1", src)
