@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +97,6 @@ class VisionConfig:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON: {err}") from None
         return cls.from_dict(raw)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # The real Qwen2-VL-2B tower, for random-weight demos and benchmarks.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -38,11 +38,10 @@ class GraphBank:
     """Static buffers plus one captured graph per bucket."""
 
     def __init__(self, model: torch.nn.Module, buckets: Sequence[Bucket], device: torch.device,
-                 dtype: torch.dtype, forward: Callable | None = None) -> None:
+                 dtype: torch.dtype) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model = model
-        self.forward = forward or model
         self.device = device
         self.dtype = dtype
         self.requested = sorted(buckets, key=lambda b: b.tokens)
@@ -55,17 +54,22 @@ class GraphBank:
         self.static_pixels = torch.zeros(largest.tokens, model.input_width, device=device, dtype=dtype)
         host = model.build_batch([], num_tokens=largest.tokens, num_segments=max_segments)
         self.static_batch = host.to(device)
+        self._views = {b: self._view(b) for b in self.requested}
 
     @property
     def buckets(self) -> list[Bucket]:
         return sorted(self.graphs, key=lambda b: b.tokens)
 
+    def _view(self, bucket: Bucket):
+        """The static metadata as ``bucket`` sees it: each tensor a prefix of the largest
+        bucket's buffer, as long as the model's own layout for this bucket says."""
+        layout = self.model.build_batch([], num_tokens=bucket.tokens, num_segments=bucket.max_segments,
+                                        max_seqlen=bucket.max_seqlen)
+        prefixes = {name: getattr(self.static_batch, name)[:t.shape[0]] for name, t in layout.tensors().items()}
+        return replace(layout, **prefixes)
+
     def batch_view(self, bucket: Bucket):
-        """The static metadata as ``bucket`` sees it: prefixes of the largest buffers."""
-        s = self.static_batch
-        return replace(s, positions=s.positions[:bucket.tokens], segment_ids=s.segment_ids[:bucket.tokens],
-                       cu_seqlens=s.cu_seqlens[:bucket.max_segments + 1], max_seqlen=bucket.max_seqlen,
-                       dense=False)
+        return self._views[bucket]
 
     def pixels_view(self, bucket: Bucket) -> torch.Tensor:
         return self.static_pixels[:bucket.tokens]
@@ -81,7 +85,7 @@ class GraphBank:
     def run_eager(self, bucket: Bucket) -> torch.Tensor:
         """The same forward the graph holds, run eagerly on the static buffers (for tests)."""
         with torch.inference_mode():
-            return self.forward(self.pixels_view(bucket), self.batch_view(bucket))
+            return self.model(self.pixels_view(bucket), self.batch_view(bucket))
 
     def capture(self, *, pool_limit_bytes: int | None = None, progress: bool = True) -> None:
         """Capture every requested bucket, largest first, into one shared pool."""
@@ -130,11 +134,11 @@ class GraphBank:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode():
             with torch.cuda.stream(side):  # warm-up: kernel selection and workspaces, off the capture
-                self.forward(pixels, batch)
+                self.model(pixels, batch)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                output = self.forward(pixels, batch)
+                output = self.model(pixels, batch)
         return CapturedGraph(bucket, graph, output)
 
     def replay(self, bucket: Bucket) -> torch.Tensor:

@@ -43,10 +43,6 @@ class VisionBatch:
     dense: bool = False  # exactly one segment spanning every row
     segment_lengths: tuple[int, ...] | None = None  # host copy, only on unpadded (eager) batches
 
-    @property
-    def num_tokens(self) -> int:
-        return self.positions.shape[0]
-
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
 
