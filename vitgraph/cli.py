@@ -5,31 +5,17 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from . import __version__
-
-
-def _encoder_args(p: argparse.ArgumentParser, default_preset: bool = True) -> None:
-    p.add_argument("--model", help="checkpoint directory or Hub repo id (default: random weights)")
-    if default_preset:
-        p.add_argument("--preset", choices=("qwen2-vl-2b", "tiny"), default=None,
-                       help="random-weight shape when no --model (default: qwen2-vl-2b on GPU, tiny on CPU)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
+from .bench import common
 
 
 def _load(args, **options):
-    from .encoder import GraphedVisionEncoder
-
-    if args.model:
-        return GraphedVisionEncoder.from_pretrained(args.model, device=args.device, dtype=args.dtype, **options)
-    preset = getattr(args, "preset", None) or ("qwen2-vl-2b" if (args.device or "").startswith("cuda")
-                                               or (args.device is None and torch.cuda.is_available()) else "tiny")
-    return GraphedVisionEncoder.from_config(preset, device=args.device, dtype=args.dtype, **options)
+    common.resolve_model_args(args)
+    return common.make_encoder(args, **options)
 
 
 def cmd_demo(args) -> None:
@@ -38,21 +24,13 @@ def cmd_demo(args) -> None:
     grids = [(1, 16, 16), (1, 32, 44), (4, 16, 28), (1, 64, 64)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), enc.config.patch_width)
     pixels = pixels.to(enc.device, enc.dtype)
-    enc.encode(pixels, grids)  # warm-up
-    times = []
-    for _ in range(5):
-        if enc.device.type == "cuda":
-            torch.cuda.synchronize(enc.device)
-        start = time.perf_counter()
-        out = enc.encode(pixels, grids)
-        if enc.device.type == "cuda":
-            torch.cuda.synchronize(enc.device)
-        times.append((time.perf_counter() - start) * 1e3)
+    out = enc.encode(pixels, grids)
+    median = common.median_ms(lambda: enc.encode(pixels, grids), enc.device, iters=5, warmup=0)
     stats = enc.stats()
     print(f"vitgraph {__version__}: {args.model or 'random weights'} on {enc.device} ({stats['dtype']}), "
           f"mode {stats['mode']}, attention {stats['attention']}, fused {stats['fused']}")
     print(f"input  pixels {list(pixels.shape)}, grid_thw {grids}")
-    print(f"output {list(out.shape)}; median {sorted(times)[len(times) // 2]:.2f} ms per call")
+    print(f"output {list(out.shape)}; median {median:.2f} ms per call")
     if stats["mode"] == "graph":
         used = {k: v["replays"] for k, v in stats["buckets"].items() if v["replays"]}
         print(f"{len(stats['buckets'])} graphs captured in {stats['capture_seconds']:.1f} s, "
@@ -97,11 +75,11 @@ def cmd_info(args) -> None:
     """Device, torch, attention backends, buckets and pool bytes."""
     from .attention import available_backends
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    enc = _load(args, progress=False)
+    device = enc.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"vitgraph {__version__}, torch {torch.__version__}, device {device} ({name})")
     print(f"attention backends: {', '.join(available_backends(device))}")
-    enc = _load(args, progress=False)
     stats = enc.stats()
     if stats["mode"] == "graph":
         print(f"buckets ({len(enc.buckets)}): {', '.join(str(b.tokens) for b in enc.buckets)}")
@@ -118,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="encode a sample batch and print shapes and timing")
-    _encoder_args(p)
+    common.add_model_args(p)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("encode", help="encode image files to a safetensors file")
@@ -126,11 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .safetensors path")
     p.add_argument("--min-pixels", type=int, default=None)
     p.add_argument("--max-pixels", type=int, default=None)
-    _encoder_args(p)
+    common.add_model_args(p)
     p.set_defaults(func=cmd_encode)
 
     p = sub.add_parser("info", help="device, torch, attention backends, buckets, pool bytes")
-    _encoder_args(p)
+    common.add_model_args(p)
     p.set_defaults(func=cmd_info)
 
     sub.add_parser("bench", help="latency suite (see vitgraph bench --help)", add_help=False)

@@ -44,22 +44,23 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.dense_eager_above is not None and (isinstance(self.dense_eager_above, bool) or not isinstance(
-                self.dense_eager_above, int) or self.dense_eager_above < 0):
-            raise ValueError(f"dense_eager_above must be a non-negative int or None, got {self.dense_eager_above!r}")
         for name in ("min_budget", "max_budget", "max_items"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("dense_eager_above", self.dense_eager_above, minimum=0, optional=True)
+        _check_int("pool_limit_bytes", self.pool_limit_bytes, minimum=1, optional=True)
         if self.fuse not in (None, True, False):
             raise ValueError(f"fuse must be True, False or None (auto), got {self.fuse!r}")
-        if self.pool_limit_bytes is not None and (
-                isinstance(self.pool_limit_bytes, bool) or not isinstance(self.pool_limit_bytes, int)
-                or self.pool_limit_bytes <= 0):
-            raise ValueError(f"pool_limit_bytes must be a positive int or None, got {self.pool_limit_bytes!r}")
         if self.budgets is not None and (isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence)
                                          or len(self.budgets) == 0):
             raise ValueError(f"budgets must be a non-empty list of ints or None, got {self.budgets!r}")
+
+
+def _check_int(name: str, value, *, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
 
 
 @dataclass
@@ -217,7 +218,10 @@ class GraphedVisionEncoder:
 
     def _plan(self, grids) -> Plan:
         if not self.use_graphs:
-            return plan_call(grids, [])
+            plan = plan_call(grids, [])
+            for step in plan.steps:
+                step.reason = "eager_mode"
+            return plan
         return plan_call(grids, self.buckets, self.options.dense_eager_above)
 
     @torch.inference_mode()
@@ -240,8 +244,6 @@ class GraphedVisionEncoder:
         if tokens == 0:
             return result
         plan = self._plan(grids)
-        if not self.use_graphs:
-            plan.steps[0].reason = "eager_mode"
         unit = self.tower.merge_unit
         for step in plan.steps:
             step_pixels = pixels[step.token_offset:step.token_offset + step.tokens]

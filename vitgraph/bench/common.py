@@ -78,11 +78,11 @@ def add_model_args(parser) -> None:
 
 
 def resolve_model_args(args) -> bool:
-    """Fill in the defaults of :func:`add_model_args` in place; returns whether the run is on a GPU."""
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    on_gpu = args.device.type == "cuda"
+    """Fill in the device and preset defaults of :func:`add_model_args` in place (the encoder
+    resolves ``--dtype`` itself); returns whether the run is on a GPU."""
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")  # the encoder checks it
+    on_gpu = str(args.device).startswith("cuda")
     args.preset = args.preset or ("qwen2-vl-2b" if on_gpu else "tiny")
-    args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
     return on_gpu
 
 
