@@ -1,32 +1,64 @@
-"""Top CUDA kernels of one replay (and one eager forward) for a case, via torch.profiler.
+"""Where the GPU time of one ``encode`` goes, by kernel class, for the default engine.
 
-    python benchmarks/profile_replay.py 4x1024
+    python benchmarks/profile_replay.py 1x256 1x1024 4x1024     # case names from vitgraph.bench.latency
+    python benchmarks/profile_replay.py --top 4x1024             # also the top kernels of each case
+
+Kernel classes: attention (flash/cuDNN), GEMM (cuBLAS/cuBLASLt/CUTLASS), fused (vitgraph's
+Triton kernels), other (copies, fills, unfused elementwise).
 """
 
-import sys
-from pathlib import Path
+import argparse
+import re
+import time
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from vitgraph.bench.latency import CASES  # noqa: E402
+from vitgraph import GraphedVisionEncoder
+from vitgraph.bench.latency import CASES
 
-from vitgraph import GraphedVisionEncoder  # noqa: E402
+CLASSES = [("attention", r"flash|fmha|cudnn|sdpa|attn"), ("gemm", r"gemm|nvjet|xmma|cutlass|sm90_|cublas"),
+           ("fused", r"triton|_add_layernorm|_rotary|_quick_gelu"), ("other", r".")]
 
-case = sys.argv[1] if len(sys.argv) > 1 else "4x1024"
-grids = CASES[case]
-budgets = [int(sys.argv[2])] if len(sys.argv) > 2 else None
-enc = GraphedVisionEncoder.from_config("qwen2-vl-2b", device="cuda", progress=False,
-                                       **({"budgets": budgets} if budgets else {}))
-pixels = torch.randn(sum(t * h * w for t, h, w in grids), 1176, device="cuda", dtype=torch.bfloat16)
-for mode, fn in [("graph", lambda: enc.encode(pixels, grids)),
-                 ("eager-forward", lambda: enc.tower(pixels, enc.tower.build_batch(grids).to(enc.device)))]:
+
+def kernel_class(name: str) -> str:
+    return next(c for c, pattern in CLASSES if re.search(pattern, name, re.I))
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("cases", nargs="*", default=["1x256", "1x1024", "4x1024", "16x256"])
+parser.add_argument("--top", action="store_true")
+args = parser.parse_args()
+
+enc = GraphedVisionEncoder.from_config("qwen2-vl-2b", device="cuda", progress=False)
+for case in args.cases:
+    grids = CASES[case]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 1176, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
-        for _ in range(3):
-            fn()
+        for _ in range(5):
+            enc.encode(pixels, grids)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
+        walls = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            enc.encode(pixels, grids)
             torch.cuda.synchronize()
-    print(f"== {case} {mode}")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+            walls.append(time.perf_counter() - t0)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                enc.encode(pixels, grids)
+            torch.cuda.synchronize()
+    per_class = defaultdict(float)
+    per_kernel = defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_class[kernel_class(evt.name)] += evt.device_time / 5
+            per_kernel[evt.name] += evt.device_time / 5
+    total = sum(per_class.values())
+    wall = sorted(walls)[len(walls) // 2] * 1e6
+    parts = "  ".join(f"{c} {per_class[c]:7.0f}" for c, _ in CLASSES)
+    print(f"== {case:<14} wall {wall:7.0f} us   kernels {total:7.0f} us   {parts}")
+    if args.top:
+        for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
+            print(f"   {us:8.0f} us  {kernel_class(name):<9} {name[:110]}")

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,6 +6,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+if not torch.cuda.is_available():
+    # vitgraph's Triton kernels then run on CPU tensors through Triton's interpreter.
+    # Set before vitgraph.kernels is imported: triton.jit reads it when decorating.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -62,22 +62,26 @@ def test_fp32_parity_every_backend(weights, hf_gpu):
         for dtype in (torch.float32, torch.bfloat16):
             if dtype == torch.float32 and backend != "sdpa":
                 continue  # flash kernels are fp16/bf16 only
-            enc = make(weights, mode="eager", dtype=dtype, attention=backend)
-            got = enc.encode(pixels.cuda(), grids).float().cpu()
-            err = rel_err(got, ref)
-            print(f"\n[parity] backend={backend:6s} dtype={str(dtype):14s} vs transformers fp32: {diff_report(got, ref)}")
-            assert err <= (1e-5 if dtype == torch.float32 else 2e-2), diff_report(got, ref)
+            for fuse in (False, True):
+                enc = make(weights, mode="eager", dtype=dtype, attention=backend, fuse=fuse)
+                got = enc.encode(pixels.cuda(), grids).float().cpu()
+                err = rel_err(got, ref)
+                print(f"\n[parity] backend={backend:6s} dtype={str(dtype):14s} fused={fuse!s:5} "
+                      f"vs transformers fp32: {diff_report(got, ref)}")
+                assert err <= (1e-5 if dtype == torch.float32 else 2e-2), diff_report(got, ref)
 
 
 def test_every_bucket_replay_is_bitwise_equal_to_eager_on_the_same_buffers(graph_enc):
     bank = graph_enc.bank
-    assert [b.tokens for b in bank.buckets] == BUDGETS
+    # A packed and a one-frame (dense) bucket per budget.
+    assert [b.name for b in bank.buckets] == [f"{b}x{n}" for b in BUDGETS for n in (1, min(MAX_ITEMS, b // 4))]
     rng = random.Random(0)
     for bucket in bank.buckets:
         grids = []
         while True:  # fill about 3/4 of the bucket with random frames
             g = random_grids(rng, 1, max_frames=1, max_side=min(16, int(bucket.tokens ** 0.5)))[0]
-            if sum(t * h * w for t, h, w in grids) + g[1] * g[2] > 0.75 * bucket.tokens or len(grids) == MAX_ITEMS:
+            if (sum(t * h * w for t, h, w in grids) + g[1] * g[2] > 0.75 * bucket.tokens
+                    or len(grids) == bucket.max_segments):
                 break
             grids.append(g)
         grids = grids or [(1, 2, 2)]
@@ -88,8 +92,8 @@ def test_every_bucket_replay_is_bitwise_equal_to_eager_on_the_same_buffers(graph
         bank.load(bucket, pixels, host)
         replayed = bank.replay(bucket)[:tokens // 4].clone()
         eager = bank.run_eager(bucket)[:tokens // 4]
-        assert torch.equal(replayed, eager), f"bucket {bucket.tokens}: {diff_report(replayed, eager)}"
-        print(f"\n[bitwise] bucket {bucket.tokens:5d}: {len(grids)} frames, {tokens} tokens, replay == eager")
+        assert torch.equal(replayed, eager), f"bucket {bucket.name}: {diff_report(replayed, eager)}"
+        print(f"\n[bitwise] bucket {bucket.name:>7}: {len(grids)} frames, {tokens} tokens, replay == eager")
 
 
 def test_replay_matches_unpadded_eager(graph_enc, eager_enc):
@@ -99,6 +103,15 @@ def test_replay_matches_unpadded_eager(graph_enc, eager_enc):
         pixels = random_pixels(grids, seed=trial).cuda()
         got, ref = graph_enc.encode(pixels, grids), eager_enc.encode(pixels, grids)
         assert rel_err(got, ref) <= 1e-2, diff_report(got, ref)
+
+
+def test_single_frame_replays_in_a_dense_bucket(graph_enc, eager_enc):
+    grids = [(1, 16, 20)]  # 320 tokens, one frame -> the 512-token dense bucket
+    pixels = random_pixels(grids, seed=13).cuda()
+    before = graph_enc.stats()["buckets"]["512x1"]["replays"]
+    got = graph_enc.encode(pixels, grids)
+    assert graph_enc.stats()["buckets"]["512x1"]["replays"] == before + 1
+    assert graph_enc.tower.fused and rel_err(got, eager_enc.encode(pixels, grids)) <= 1e-2
 
 
 def test_poisoned_pool_and_padding_never_reach_outputs(graph_enc, eager_enc):
@@ -174,7 +187,7 @@ def test_replay_path_really_runs(weights, monkeypatch):
     monkeypatch.setattr(enc.tower, "forward", refuse)
     after = enc.encode(pixels, grids)
     assert torch.equal(before, after)
-    assert enc.stats()["buckets"][128]["replays"] == 2
+    assert enc.stats()["buckets"]["128x8"]["replays"] == 2
 
 
 def test_oversize_item_takes_eager_fallback(graph_enc, eager_enc):
@@ -210,17 +223,18 @@ def test_out_of_memory_during_capture_drops_the_bucket(weights, monkeypatch, cap
 
     monkeypatch.setattr(Qwen2VisionTower, "forward", flaky)
     enc = make(weights, mode="graph")
-    assert 512 not in [b.tokens for b in enc.buckets] and len(enc.buckets) == len(BUDGETS) - 1
-    assert "out of memory" in enc.stats()["dropped_buckets"][512]
+    assert 512 not in [b.tokens for b in enc.buckets] and len(enc.buckets) == 2 * len(BUDGETS) - 2
+    assert "out of memory" in enc.stats()["dropped_buckets"]["512x1"]
+    assert "out of memory" in enc.stats()["dropped_buckets"]["512x8"]
     monkeypatch.setattr(Qwen2VisionTower, "forward", real_forward)
     grids = [(1, 16, 20)]  # 320 tokens: would have used 512, now 1024
     out = enc.encode(random_pixels(grids, seed=12).cuda(), grids)
-    assert torch.isfinite(out).all() and enc.stats()["buckets"][1024]["replays"] == 1
+    assert torch.isfinite(out).all() and enc.stats()["buckets"]["1024x1"]["replays"] == 1
 
 
 def test_pool_limit(weights):
     enc = make(weights, mode="graph", pool_limit_bytes=1)
-    assert enc.buckets == [] and len(enc.stats()["dropped_buckets"]) == len(BUDGETS)
+    assert enc.buckets == [] and len(enc.stats()["dropped_buckets"]) == 2 * len(BUDGETS)
     grids = [(1, 4, 4)]
     out = enc.encode(random_pixels(grids).cuda(), grids)
     assert torch.isfinite(out).all() and enc.stats()["eager_fallbacks"] == {"no_graphs": 1}

@@ -146,7 +146,7 @@ def test_bad_out(encoder, out, error, words):
     (dict(budgets=[]), "budgets"),
     (dict(budgets=[30]), "budgets"),
     (dict(pool_limit_bytes=0), "pool_limit_bytes"),
-    (dict(dense_eager_above=-1), "dense_eager_above"),
+    (dict(dense_buckets="yes"), "dense_buckets"),
     (dict(fuse="yes"), "fuse"),
     (dict(attention="flash"), "not available"),
     (dict(device="cuda:0" if not torch.cuda.is_available() else "cuda:99"), "device"),
@@ -158,6 +158,12 @@ def test_bad_options(options, words):
     with pytest.raises((ValueError, TypeError)) as info:
         GraphedVisionEncoder.from_config(TINY, **{"device": "cpu", **options})
     assert words in str(info.value)
+
+
+def test_fuse_on_cpu_needs_the_triton_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="fuse=True needs"):
+        GraphedVisionEncoder.from_config(TINY, device="cpu", fuse=True)
 
 
 def test_unknown_preset():

@@ -111,15 +111,16 @@ def test_random_plans_respect_every_capacity():
         assert [(h, w) for s in plan.steps for t, h, w in s.grids for _ in range(t)] == frames
 
 
-def test_large_single_frame_steps_can_run_dense_eager():
-    plan = plan_call([(1, 16, 20)], BUCKETS, dense_eager_above=256)
-    assert [(s.bucket, s.reason) for s in plan.steps] == [(None, "dense_eager")]
-    plan = plan_call([(1, 32, 16), (1, 16, 20)], BUCKETS, dense_eager_above=256)  # 512 then 320 tokens
-    assert [(s.bucket.tokens if s.bucket else s.reason) for s in plan.steps] == ["dense_eager", "dense_eager"]
-    plan = plan_call([(1, 16, 20), (1, 8, 8)], BUCKETS, dense_eager_above=256)
-    assert [s.bucket.tokens for s in plan.steps] == [512]
-    # A step of several frames stays a replay whatever its size; the threshold is exclusive.
-    plan = plan_call([(2, 16, 16)], BUCKETS, dense_eager_above=256)
-    assert [s.bucket.tokens for s in plan.steps] == [512]
-    plan = plan_call([(1, 16, 16)], BUCKETS, dense_eager_above=256)
-    assert plan.steps[0].bucket.tokens == 256
+def test_single_frame_steps_prefer_dense_buckets():
+    buckets = make_buckets([64, 128, 256, 512], max_items=8, merge_unit=4, dense=True)
+    assert [b.name for b in buckets] == ["64x1", "64x8", "128x1", "128x8", "256x1", "256x8", "512x1", "512x8"]
+    one = plan_call([(1, 16, 20)], buckets)  # 320 tokens, one frame
+    assert [s.bucket.name for s in one.steps] == ["512x1"]
+    two = plan_call([(1, 8, 8), (1, 8, 8)], buckets)  # two frames never go to a dense bucket
+    assert [s.bucket.name for s in two.steps] == ["128x8"]
+    video = plan_call([(3, 8, 8)], buckets)
+    assert [s.bucket.name for s in video.steps] == ["256x8"]
+    # Order of the given list does not matter.
+    assert smallest_fit(list(reversed(buckets)), 100, 1).name == "128x1"
+    assert smallest_fit(list(reversed(buckets)), 100, 2).name == "128x8"
+    assert smallest_fit(buckets, 600, 1) is None

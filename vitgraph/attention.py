@@ -75,9 +75,25 @@ def _sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     return out.squeeze(0).transpose(0, 1)
 
 
+LANE_PAD = 8  # extra head-dim lanes for dense attention over a padded bucket (one masks, cuDNN wants multiples of 8)
+
+
+def dense_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dense cuDNN attention over one padded segment: ``q, k [T, H, D + LANE_PAD]``, ``v [T, H, D]``.
+
+    The extra lane of q is 1 and that of a padding key is a large negative number (see
+    :func:`vitgraph.kernels.rotary_`), so ``q.k`` of every real query with a padding key
+    underflows ``exp`` to exactly 0: the real rows get exact single-segment attention,
+    with no mask tensor (which halves cuDNN's speed) and no per-call plan build.
+    """
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, False, False, scale=scale)[0]
+    return out.squeeze(0).transpose(0, 1)
+
+
 def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch") -> torch.Tensor:
     """Non-causal attention inside each segment of ``batch.cu_seqlens``."""
-    if batch.dense:
+    if batch.dense and not batch.padded:
         # One segment covers every row: plain SDPA, no mask (cuDNN on Hopper).
         return _sdpa_dense(q, k, v, None)
     if backend == "varlen":

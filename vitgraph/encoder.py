@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from . import kernels
 from .attention import resolve_backend
 from .capture.graphs import GraphBank
 from .capture.planner import Bucket, Plan, Step, budget_ladder, make_buckets, plan_call
@@ -33,10 +34,10 @@ class EngineOptions:
     max_budget: int = 16384
     max_items: int = 16  # most segments (frames) one replay holds; each empty slot costs attention launch slots
     attention: str = "auto"  # "auto" | "varlen" | "flash" | "sdpa"
-    fuse: bool | None = None  # torch.compile the blocks' elementwise work; None = on CUDA
-    # One-frame steps above this many tokens run eagerly (exact shape, dense cuDNN attention):
-    # on an H200 a 4096-token image took 21.0 ms eager against 24.4 ms replayed in its bucket.
-    dense_eager_above: int | None = 3072
+    fuse: bool | None = None  # Triton kernels for the elementwise work; None = on CUDA in fp16/bf16 with triton
+    # Also capture a one-frame bucket per budget: a step holding a single frame (most images)
+    # replays there with dense cuDNN attention instead of packed varlen attention.
+    dense_buckets: bool = True
     capture: bool = True  # capture on construction; else call encoder.capture()
     pool_limit_bytes: int | None = None
     progress: bool = True
@@ -46,10 +47,11 @@ class EngineOptions:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         for name in ("min_budget", "max_budget", "max_items"):
             _check_int(name, getattr(self, name), minimum=1)
-        _check_int("dense_eager_above", self.dense_eager_above, minimum=0, optional=True)
         _check_int("pool_limit_bytes", self.pool_limit_bytes, minimum=1, optional=True)
         if self.fuse not in (None, True, False):
             raise ValueError(f"fuse must be True, False or None (auto), got {self.fuse!r}")
+        if self.dense_buckets not in (True, False):
+            raise ValueError(f"dense_buckets must be True or False, got {self.dense_buckets!r}")
         if self.budgets is not None and (isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence)
                                          or len(self.budgets) == 0):
             raise ValueError(f"budgets must be a non-empty list of ints or None, got {self.budgets!r}")
@@ -139,7 +141,11 @@ class GraphedVisionEncoder:
         self.tower.inv_freq = self.tower.inv_freq.float()  # rotary stays fp32 whatever the weight dtype
         self.attention = resolve_backend(self.options.attention, self.device, self.dtype)
         self.tower.set_attention_backend(self.attention)
-        fuse = self.options.fuse if self.options.fuse is not None else self.device.type == "cuda"
+        fuse = self.options.fuse
+        if fuse is None:
+            fuse = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16) and kernels.available()
+        elif fuse and not (kernels.available() and (self.device.type == "cuda" or kernels.interpreted())):
+            raise ValueError("fuse=True needs the triton package and a CUDA device (or TRITON_INTERPRET=1)")
         self.tower.fuse(fuse)
         self.config: VisionConfig = tower.config
 
@@ -147,7 +153,8 @@ class GraphedVisionEncoder:
         budgets = self.options.budgets
         if budgets is None:
             budgets = budget_ladder(self.options.min_budget, self.options.max_budget, align=tower.merge_unit)
-        self.requested_buckets = make_buckets(list(budgets), self.options.max_items, tower.merge_unit)
+        self.requested_buckets = make_buckets(list(budgets), self.options.max_items, tower.merge_unit,
+                                              dense=self.options.dense_buckets)
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
@@ -222,7 +229,7 @@ class GraphedVisionEncoder:
             for step in plan.steps:
                 step.reason = "eager_mode"
             return plan
-        return plan_call(grids, self.buckets, self.options.dense_eager_above)
+        return plan_call(grids, self.buckets)
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor, grid_thw, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -294,7 +301,7 @@ class GraphedVisionEncoder:
             target.copy_(output[:step.tokens // self.tower.merge_unit])
             self._idle = torch.cuda.Event()
             self._idle.record(stream)
-            stats = self._counters.buckets.setdefault(bucket.tokens, BucketStats())
+            stats = self._counters.buckets.setdefault(bucket.name, BucketStats())
             stats.replays += 1
             stats.real_tokens += step.tokens
             stats.padded_tokens += step.padded_tokens
@@ -303,7 +310,8 @@ class GraphedVisionEncoder:
         """Replays and padding per bucket, eager fallbacks by reason, capture seconds and pool bytes."""
         with self._lock:
             buckets = {
-                b.tokens: {"max_segments": b.max_segments, **vars(self._counters.buckets.get(b.tokens, BucketStats()))}
+                b.name: {"tokens": b.tokens, "max_segments": b.max_segments,
+                         **vars(self._counters.buckets.get(b.name, BucketStats()))}
                 for b in self.buckets
             }
             return {
@@ -314,7 +322,7 @@ class GraphedVisionEncoder:
                 "mode": "graph" if self.use_graphs else "eager",
                 "calls": self._counters.calls,
                 "buckets": buckets,
-                "dropped_buckets": {b.tokens: why for b, why in (self.bank.dropped.items() if self.bank else [])},
+                "dropped_buckets": {b.name: why for b, why in (self.bank.dropped.items() if self.bank else [])},
                 "eager_fallbacks": dict(self._counters.eager),
                 "capture_seconds": self.bank.capture_seconds if self.bank else 0.0,
                 "pool_bytes": self.bank.pool_bytes if self.bank else 0,

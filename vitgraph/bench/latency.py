@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def compiled_system(encoder):
-    """torch.compile(mode="reduce-overhead") of vitgraph's eager tower, one compile per exact shape."""
+    """torch.compile(mode="reduce-overhead") of the plain tower (``forward_reference``: what a user
+    would compile), one compile per exact shape."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -75,10 +76,11 @@ def compiled_system(encoder):
         key = tuple(grids)
         batch = tower.build_batch(grids).to(device, non_blocking=True)
         if key not in compiled:
-            max_seqlen, dense = batch.max_seqlen, batch.dense
+            max_seqlen, dense, padded = batch.max_seqlen, batch.dense, batch.padded
 
             def forward(px, positions, segment_ids, cu_seqlens):
-                return tower(px, VisionBatch(positions, segment_ids, cu_seqlens, max_seqlen, dense))
+                return tower.forward_reference(px, VisionBatch(positions, segment_ids, cu_seqlens, max_seqlen,
+                                                               dense, padded))
 
             compiled[key] = torch.compile(forward, mode="reduce-overhead", dynamic=False)
             start = time.perf_counter()

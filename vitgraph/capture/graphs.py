@@ -44,7 +44,7 @@ class GraphBank:
         self.model = model
         self.device = device
         self.dtype = dtype
-        self.requested = sorted(buckets, key=lambda b: b.tokens)
+        self.requested = sorted(buckets)
         self.graphs: dict[Bucket, CapturedGraph] = {}
         self.dropped: dict[Bucket, str] = {}
         self.capture_seconds = 0.0
@@ -58,7 +58,7 @@ class GraphBank:
 
     @property
     def buckets(self) -> list[Bucket]:
-        return sorted(self.graphs, key=lambda b: b.tokens)
+        return sorted(self.graphs)
 
     def _view(self, bucket: Bucket):
         """The static metadata as ``bucket`` sees it: each tensor a prefix of the largest
@@ -106,14 +106,14 @@ class GraphBank:
                 torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
                 self.dropped[bucket] = "out of memory"
-                logger.warning("vitgraph: out of memory capturing the %d-token bucket; it is skipped", bucket.tokens)
+                logger.warning("vitgraph: out of memory capturing bucket %s; it is skipped", bucket.name)
                 continue
             used = torch.cuda.memory_reserved(self.device) - reserved_before
             if pool_limit_bytes is not None and used > pool_limit_bytes:
                 del captured
                 self.dropped[bucket] = f"pool would use {used} bytes > limit {pool_limit_bytes}"
-                logger.warning("vitgraph: the %d-token bucket would grow the pool to %d bytes (limit %d); skipped",
-                               bucket.tokens, used, pool_limit_bytes)
+                logger.warning("vitgraph: bucket %s would grow the pool to %d bytes (limit %d); skipped",
+                               bucket.name, used, pool_limit_bytes)
                 if not self.graphs:
                     pool = None
                 torch.cuda.empty_cache()
@@ -124,8 +124,8 @@ class GraphBank:
         torch.cuda.synchronize(self.device)
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         self.capture_seconds += time.perf_counter() - start
-        logger.info("vitgraph: captured %d CUDA graph(s) (%s tokens), pool %.1f MiB, %.2f s",
-                    len(self.graphs), ",".join(str(b.tokens) for b in self.buckets),
+        logger.info("vitgraph: captured %d CUDA graph(s) (%s, tokens x segments), pool %.1f MiB, %.2f s",
+                    len(self.graphs), ",".join(b.name for b in self.buckets),
                     self.pool_bytes / 2**20, self.capture_seconds)
 
     def _capture_one(self, bucket: Bucket, pool) -> CapturedGraph:

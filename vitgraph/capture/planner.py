@@ -10,6 +10,11 @@ A bucket is one captured graph. Its capacities are checked for every replay:
   baked in at capture. It equals ``tokens``, the only bound that holds for every
   packing; the kernels skip the empty query tiles past each segment's end, so a
   loose value costs launch slots, not math.
+
+A bucket with ``max_segments == 1`` is *dense*: it holds one frame, which attends
+through dense cuDNN attention with its padding keys masked (see
+:func:`vitgraph.attention.dense_masked`). Single-frame steps prefer it: buckets sort
+by ``(tokens, max_segments)``, so the smallest fit is the dense one when both exist.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ class Bucket:
     @property
     def max_seqlen(self) -> int:
         return self.tokens
+
+    @property
+    def name(self) -> str:
+        return f"{self.tokens}x{self.max_segments}"
 
 
 @dataclass
@@ -85,9 +94,10 @@ def budget_ladder(min_budget: int, max_budget: int, align: int = 4) -> list[int]
     return budgets
 
 
-def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int) -> list[Bucket]:
-    """One bucket per budget; a segment holds at least ``merge_unit`` tokens, which bounds
-    how many segments a small bucket can ever see."""
+def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int, dense: bool = False) -> list[Bucket]:
+    """One packed bucket per budget (a segment holds at least ``merge_unit`` tokens, which
+    bounds how many segments a small bucket can ever see), plus a one-segment dense bucket
+    per budget when ``dense``."""
     if not budgets:
         raise ValueError("budgets must not be empty")
     if isinstance(max_items, bool) or not isinstance(max_items, int) or max_items <= 0:
@@ -99,26 +109,25 @@ def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int) -> lis
         if b in seen:
             raise ValueError(f"budgets lists {b} twice")
         seen.add(b)
-    return sorted(Bucket(b, min(max_items, b // merge_unit)) for b in budgets)
+    buckets = {Bucket(b, min(max_items, b // merge_unit)) for b in budgets}
+    if dense:
+        buckets |= {Bucket(b, 1) for b in budgets}
+    return sorted(buckets)
 
 
 def smallest_fit(buckets: Sequence[Bucket], tokens: int, segments: int) -> Bucket | None:
-    for bucket in buckets:  # sorted ascending by tokens
-        if bucket.tokens >= tokens and bucket.max_segments >= segments:
-            return bucket
-    return None
+    """The least ``(tokens, max_segments)`` bucket that holds the step, or None."""
+    return min((b for b in buckets if b.tokens >= tokens and b.max_segments >= segments), default=None)
 
 
-def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], dense_eager_above: int | None = None) -> Plan:
+def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket]) -> Plan:
     """Pack frames greedily, in order, into replays no larger than the largest bucket.
 
     Frames are the unit of packing: each is its own attention segment and its own
     set of merger groups, so a long video may span replays and its rows still come
     back in order. A single frame larger than every bucket runs eagerly; consecutive
-    eager items share one eager step. A step holding one frame of more than
-    ``dense_eager_above`` tokens also runs eagerly: at that size the GPU, not launch
-    overhead, sets the pace, and the exact-shape dense attention beats a padded replay.
-    The concatenated step outputs are the call's output in item order.
+    eager items share one eager step. The concatenated step outputs are the call's
+    output in item order.
     """
     plan = Plan()
     if not buckets:
@@ -137,11 +146,8 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], dense_eager_abov
     def flush() -> None:
         nonlocal chunk, chunk_tokens, chunk_segments, offset
         if chunk:
-            if chunk_segments == 1 and dense_eager_above is not None and chunk_tokens > dense_eager_above:
-                plan.steps.append(Step(chunk, None, chunk_tokens, 1, offset, "dense_eager"))
-            else:
-                bucket = smallest_fit(buckets, chunk_tokens, chunk_segments)
-                plan.steps.append(Step(chunk, bucket, chunk_tokens, chunk_segments, offset))
+            bucket = smallest_fit(buckets, chunk_tokens, chunk_segments)
+            plan.steps.append(Step(chunk, bucket, chunk_tokens, chunk_segments, offset))
             offset += chunk_tokens
         chunk, chunk_tokens, chunk_segments = [], 0, 0
 

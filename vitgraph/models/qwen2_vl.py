@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..attention import attend
+from .. import kernels
+from ..attention import LANE_PAD, attend, dense_masked
 from ..config import VisionConfig
 
 Grid = tuple[int, int, int]
@@ -32,15 +33,16 @@ class VisionBatch:
     """Everything the forward needs besides the pixels.
 
     Shapes: ``positions [T, 2]`` (h, w of each token), ``segment_ids [T]`` (-1 on
-    padding rows), ``cu_seqlens [S + 1]`` int32. ``max_seqlen`` and ``dense`` are
-    Python values and are baked into a captured graph.
+    padding rows), ``cu_seqlens [S + 1]`` int32. ``max_seqlen``, ``dense`` and ``padded``
+    are Python values and are baked into a captured graph.
     """
 
     positions: torch.Tensor
     segment_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
-    dense: bool = False  # exactly one segment spanning every row
+    dense: bool = False  # exactly one segment slot (S == 1)
+    padded: bool = False  # a fixed layout: rows past cu_seqlens[-1] and empty slots may exist
     segment_lengths: tuple[int, ...] | None = None  # host copy, only on unpadded (eager) batches
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -90,19 +92,17 @@ _ACTIVATIONS = {
 }
 
 
-def block_pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, cos, sin, num_heads: int):
-    """LayerNorm -> qkv GEMM -> fp32 rotary of q and k. Returns q, k, v ``[T, H, D]``."""
-    h = F.layer_norm(x, x.shape[-1:], ln_w, ln_b, eps=1e-6)
-    q, k, v = F.linear(h, qkv_w, qkv_b).view(x.shape[0], 3, num_heads, -1).unbind(1)
+def block_forward(x, cos, sin, batch, block: "VisionBlock") -> torch.Tensor:
+    """The plain block: ``x + proj(attn(LN1 x))``, then ``x + fc2(act(fc1(LN2 x)))``."""
+    attn, mlp = block.attn, block.mlp
+    h = F.layer_norm(x, x.shape[-1:], block.norm1.weight, block.norm1.bias, eps=block.norm1.eps)
+    q, k, v = F.linear(h, attn.qkv.weight, attn.qkv.bias).view(x.shape[0], 3, attn.num_heads, -1).unbind(1)
     q, k = apply_rotary(q, k, cos, sin)
-    return q, k, v.contiguous()
-
-
-def block_post_attention(x, attn, proj_w, proj_b, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, act: str):
-    """proj GEMM + residual -> LayerNorm -> MLP + residual."""
-    x = x + F.linear(attn.reshape(x.shape[0], -1), proj_w, proj_b)
-    h = F.layer_norm(x, x.shape[-1:], ln_w, ln_b, eps=1e-6)
-    return x + F.linear(_ACTIVATIONS[act](F.linear(h, fc1_w, fc1_b)), fc2_w, fc2_b)
+    out = attend(attn.backend, q, k, v.contiguous(), batch)  # [T, H, D]
+    x = x + F.linear(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias)
+    h = F.layer_norm(x, x.shape[-1:], block.norm2.weight, block.norm2.bias, eps=block.norm2.eps)
+    return x + F.linear(_ACTIVATIONS[block.act_name](F.linear(h, mlp.fc1.weight, mlp.fc1.bias)),
+                        mlp.fc2.weight, mlp.fc2.bias)
 
 
 class PatchEmbed(nn.Module):
@@ -147,16 +147,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMlp(cfg)
         self.act_name = cfg.hidden_act
-        # The two halves around attention: plain functions, or their torch.compile'd versions.
-        self.pre, self.post = block_pre_attention, block_post_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
-        attn, mlp = self.attn, self.mlp
-        q, k, v = self.pre(x, self.norm1.weight, self.norm1.bias, attn.qkv.weight, attn.qkv.bias, cos, sin,
-                           attn.num_heads)
-        out = attend(attn.backend, q, k, v, batch)  # [T, H, D]
-        return self.post(x, out, attn.proj.weight, attn.proj.bias, self.norm2.weight, self.norm2.bias,
-                         mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, self.act_name)
+        return block_forward(x, cos, sin, batch, self)
 
 
 class PatchMerger(nn.Module):
@@ -227,14 +220,12 @@ class Qwen2VisionTower(nn.Module):
             block.attn.backend = backend
 
     def fuse(self, enabled: bool = True) -> None:
-        """Run each block's elementwise work (LayerNorm, fp32 rotary, activation, residuals,
-        bias epilogues) through ``torch.compile(dynamic=True)``: one compile serves every
-        block and every token count. Attention stays outside, so the backend choice holds."""
-        pre, post = block_pre_attention, block_post_attention
-        if enabled:
-            pre, post = torch.compile(pre, dynamic=True), torch.compile(post, dynamic=True)
-        for block in self.blocks:
-            block.pre, block.post = pre, post
+        """Run the elementwise work through vitgraph's Triton kernels (:mod:`vitgraph.kernels`):
+        each residual add joined to the next LayerNorm, rotary in place, QuickGELU in place,
+        and dense cuDNN attention for one-segment padded layouts. Needs triton and fp16/bf16
+        weights; attention backends other than the flash ones keep their own path."""
+        if enabled and not kernels.available():
+            raise ValueError("fuse=True needs the triton package")
         self.fused = enabled
 
     def build_batch(
@@ -276,9 +267,8 @@ class Qwen2VisionTower(nn.Module):
         cu_seqlens[0] = 0
         cu_seqlens[1:len(seqlens) + 1] = np.cumsum(seqlens)
         unpadded = real_tokens == num_tokens and num_segments == len(seqlens)
-        dense = unpadded and len(seqlens) == 1
         return VisionBatch(torch.from_numpy(positions), torch.from_numpy(segment_ids),
-                           torch.from_numpy(cu_seqlens), max(max_seqlen, 1), dense,
+                           torch.from_numpy(cu_seqlens), max(max_seqlen, 1), num_segments == 1, not unpadded,
                            tuple(seqlens.tolist()) if unpadded else None)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,8 +279,46 @@ class Qwen2VisionTower(nn.Module):
         return emb.cos(), emb.sin()
 
     def forward(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
+        """``[T, input_width]`` pixel rows -> ``[T / merge_unit, output_width]``."""
+        return self.forward_fused(pixels, batch) if self.fused else self.forward_reference(pixels, batch)
+
+    def forward_reference(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
+        """Plain PyTorch ops, one per step of the reference model (any device and dtype)."""
         x = self.patch_embed(pixels)  # [T, E]
         cos, sin = self.rotary(batch.positions)
         for block in self.blocks:
             x = block(x, cos, sin, batch)
         return self.merger(x)  # [T / merge_unit, hidden]
+
+    def forward_fused(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
+        """The same math with three Triton kernels per half-block (see :mod:`vitgraph.kernels`).
+
+        The residual stream ``x`` is updated in place; each add is fused with the LayerNorm
+        that follows it, the last one with the merger's. One padded segment (a dense bucket)
+        attends through cuDNN with a masking lane; anything else through ``attend``.
+        """
+        cfg, blocks = self.config, self.blocks
+        x = self.patch_embed(pixels)
+        cos, sin = self.rotary(batch.positions)
+        lane = None
+        if batch.dense and batch.padded and blocks[0].attn.backend in ("varlen", "flash"):
+            lane = cfg.head_dim + LANE_PAD
+        norm = blocks[0].norm1
+        h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps)
+        for i, block in enumerate(blocks):
+            attn, mlp = block.attn, block.mlp
+            qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
+            if lane is not None:
+                q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads, batch.segment_ids, lane)
+                out = dense_masked(q, k, v, cfg.head_dim ** -0.5)
+            else:
+                q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads)
+                out = attend(attn.backend, q, k, v, batch)
+            y = F.linear(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias)
+            h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps)
+            f = F.linear(h, mlp.fc1.weight, mlp.fc1.bias)
+            f = kernels.quick_gelu_(f) if block.act_name == "quick_gelu" else _ACTIVATIONS[block.act_name](f)
+            z = F.linear(f, mlp.fc2.weight, mlp.fc2.bias)
+            norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else self.merger.ln_q
+            h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps)
+        return self.merger.mlp(h.view(-1, self.merger.merged_dim))

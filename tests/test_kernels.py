@@ -1,0 +1,121 @@
+"""vitgraph's Triton kernels against the plain PyTorch ops they replace.
+
+On a machine without a GPU they run on CPU tensors under Triton's interpreter
+(conftest sets ``TRITON_INTERPRET=1``); on a GPU they run compiled.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vitgraph import kernels
+from vitgraph.config import PRESETS
+from vitgraph.models.qwen2_vl import Qwen2VisionTower, apply_rotary, quick_gelu
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, width", [(37, 80), (5, 1280)])
+def test_add_layernorm(dtype, rows, width):
+    g = torch.Generator().manual_seed(rows)
+    x, y = (torch.randn(rows, width, generator=g).to(DEVICE, dtype) for _ in range(2))
+    w, b = (1 + 0.2 * torch.randn(width, generator=g)).to(DEVICE, dtype), (0.1 * torch.randn(width, generator=g)).to(DEVICE, dtype)
+    expect_x = x + y
+    expect_h = F.layer_norm(expect_x, (width,), w, b, eps=1e-6)
+    got_x = x.clone()
+    got_h = kernels.add_layernorm(got_x, y, w, b, 1e-6)
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(got_x, expect_x)  # the residual stream is rounded exactly like x + y
+    else:  # the interpreter's bf16 casts truncate: one ulp
+        torch.testing.assert_close(got_x, expect_x, rtol=2 ** -7, atol=0)
+    assert rel(got_h, expect_h) <= TOL[dtype]
+    # Without y: a plain LayerNorm, x untouched.
+    before = got_x.clone()
+    again = kernels.add_layernorm(got_x, None, w, b, 1e-6)
+    assert torch.equal(got_x, before) and rel(again, expect_h) <= TOL[dtype]
+
+
+def _qkv_case(rows, heads, head_dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(rows, 3 * heads * head_dim, generator=g).to(DEVICE, dtype)
+    angles = torch.randn(rows, head_dim // 2, generator=g) * 3
+    emb = torch.cat((angles, angles), -1).to(DEVICE)
+    return qkv, emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place(dtype):
+    rows, heads, head_dim = 13, 4, 16
+    qkv, cos, sin = _qkv_case(rows, heads, head_dim, dtype)
+    q, k, v = qkv.clone().view(rows, 3, heads, head_dim).unbind(1)
+    expect_q, expect_k = apply_rotary(q, k, cos, sin)
+    got_q, got_k, got_v = kernels.rotary_(qkv, cos, sin, heads)
+    assert got_q.data_ptr() == qkv.data_ptr()  # views of qkv, rotated in place
+    assert rel(got_q, expect_q) <= TOL[dtype] and rel(got_k, expect_k) <= TOL[dtype]
+    assert torch.equal(got_v, v)
+
+
+def test_rotary_lane_masks_padding_keys():
+    """q/k get an extra lane; attention through it equals exact attention over the real rows,
+    even when the padding rows hold NaN."""
+    rows, real, heads, head_dim, lane = 24, 17, 4, 16, 24
+    qkv, cos, sin = _qkv_case(rows, heads, head_dim, torch.float32, seed=1)
+    qkv[real:] = float("nan")
+    segment_ids = torch.full((rows,), -1, dtype=torch.int32, device=DEVICE)
+    segment_ids[:real] = 0
+    q0, k0, v0 = (t.clone() for t in qkv.view(rows, 3, heads, head_dim)[:real].unbind(1))
+    q0, k0 = apply_rotary(q0, k0, cos[:real], sin[:real])
+    q, k, v = kernels.rotary_(qkv, cos, sin, heads, segment_ids, lane)
+    assert q.shape == (rows, heads, lane) and v.shape == (rows, heads, head_dim)
+    assert torch.equal(q[..., head_dim], torch.ones(rows, heads, device=DEVICE))
+    assert torch.equal(k[:real, :, head_dim], torch.zeros(real, heads, device=DEVICE))
+    assert torch.equal(k[real:, :, head_dim], torch.full((rows - real, heads), kernels.PAD_KEY_SCORE, device=DEVICE))
+    assert torch.equal(q[..., head_dim + 1:], torch.zeros(rows, heads, lane - head_dim - 1, device=DEVICE))
+    assert torch.equal(q[real:, :, :head_dim], torch.zeros(rows - real, heads, head_dim, device=DEVICE))
+    assert torch.equal(v[real:], torch.zeros(rows - real, heads, head_dim, device=DEVICE))
+    assert rel(q[:real, :, :head_dim], q0) <= 1e-6 and rel(k[:real, :, :head_dim], k0) <= 1e-6
+
+    to_bhsd = lambda t: t.transpose(0, 1).unsqueeze(0)
+    scale = head_dim ** -0.5
+    got = F.scaled_dot_product_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), scale=scale)[0].transpose(0, 1)
+    expect = F.scaled_dot_product_attention(to_bhsd(q0), to_bhsd(k0), to_bhsd(v0), scale=scale)[0].transpose(0, 1)
+    assert torch.isfinite(got).all()
+    assert rel(got[:real], expect) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quick_gelu_in_place(dtype):
+    x = torch.randn(9, 333, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype) * 3
+    expect = quick_gelu(x.float())
+    got = kernels.quick_gelu_(x)
+    assert got.data_ptr() == x.data_ptr() and rel(got, expect) <= TOL[dtype] / 2
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_fused_forward_matches_reference(padded):
+    """The whole fused forward (fp32, sdpa attention) against the plain one, unpadded and in a
+    padded packed layout whose padding rows hold NaN."""
+    torch.manual_seed(0)
+    tower = Qwen2VisionTower(PRESETS["tiny"]).to(DEVICE).eval()
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    grids = [(1, 4, 6), (2, 4, 4)]
+    real = sum(t * h * w for t, h, w in grids)
+    layout = dict(num_tokens=real + 16, num_segments=5) if padded else {}
+    batch = tower.build_batch(grids, **layout).to(DEVICE)
+    pixels = torch.randn(batch.positions.shape[0], tower.input_width, device=DEVICE)
+    pixels[real:] = float("nan")
+    with torch.inference_mode():
+        expect = tower.forward_reference(pixels, batch)[:real // 4]
+        tower.fuse(True)
+        got = tower(pixels, batch)[:real // 4]
+    assert torch.isfinite(got).all()
+    assert rel(got, expect) <= 1e-5
