@@ -4,8 +4,10 @@ The model contract it uses: ``model.input_width``, ``model.merge_unit``,
 ``model.build_batch(grids, num_tokens=, num_segments=, max_seqlen=)`` and
 ``model(pixels, batch)``.
 
-Static buffers are sized to the largest bucket and every bucket reads a prefix
-view of them; all graphs share one memory pool, captured largest first.
+Static buffers: pixel rows sized to the largest bucket (each bucket reads a prefix),
+and one flat int32 metadata buffer in which each bucket's tensors lie back to back,
+so a replay's metadata arrives in one host-to-device copy from a pinned staging
+buffer. All graphs share one memory pool, captured largest first.
 """
 
 from __future__ import annotations
@@ -50,23 +52,34 @@ class GraphBank:
         self.capture_seconds = 0.0
         self.pool_bytes = 0
         largest = self.requested[-1]
-        max_segments = max(b.max_segments for b in self.requested)
         self.static_pixels = torch.zeros(largest.tokens, model.input_width, device=device, dtype=dtype)
-        host = model.build_batch([], num_tokens=largest.tokens, num_segments=max_segments)
-        self.static_batch = host.to(device)
-        self._views = {b: self._view(b) for b in self.requested}
+        layouts = {b: self._layout(b) for b in self.requested}
+        size = max(sum(t.numel() for t in layout.tensors().values()) for layout in layouts.values())
+        self.static_meta = torch.zeros(size, device=device, dtype=torch.int32)
+        self._staging = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self._staged: torch.cuda.Event | None = None  # the last copy out of the staging buffer
+        self._views = {b: self._carve(layout, self.static_meta) for b, layout in layouts.items()}
 
     @property
     def buckets(self) -> list[Bucket]:
         return sorted(self.graphs)
 
-    def _view(self, bucket: Bucket):
-        """The static metadata as ``bucket`` sees it: each tensor a prefix of the largest
-        bucket's buffer, as long as the model's own layout for this bucket says."""
+    def _layout(self, bucket: Bucket):
         layout = self.model.build_batch([], num_tokens=bucket.tokens, num_segments=bucket.max_segments,
                                         max_seqlen=bucket.max_seqlen)
-        prefixes = {name: getattr(self.static_batch, name)[:t.shape[0]] for name, t in layout.tensors().items()}
-        return replace(layout, **prefixes)
+        for name, t in layout.tensors().items():
+            if t.dtype != torch.int32:
+                raise TypeError(f"the graph engine stages int32 metadata; {name} is {t.dtype}")
+        return layout
+
+    @staticmethod
+    def _carve(layout, flat: torch.Tensor):
+        """``layout`` with each tensor replaced by a view of ``flat``, back to back in field order."""
+        views, offset = {}, 0
+        for name, t in layout.tensors().items():
+            views[name] = flat[offset:offset + t.numel()].view(t.shape)
+            offset += t.numel()
+        return replace(layout, **views)
 
     def batch_view(self, bucket: Bucket):
         return self._views[bucket]
@@ -75,12 +88,19 @@ class GraphBank:
         return self.static_pixels[:bucket.tokens]
 
     def load(self, bucket: Bucket, pixels: torch.Tensor, host_batch) -> None:
-        """Copy one step's inputs into the static buffers (rows past ``pixels`` keep stale values:
-        they lie outside every segment, so they are never read into a real row)."""
+        """Copy one step's inputs into the static buffers, on the current stream (rows past
+        ``pixels`` keep stale values: they lie outside every segment, so no real row reads them)."""
         self.static_pixels[:pixels.shape[0]].copy_(pixels, non_blocking=True)
-        view = self.batch_view(bucket)
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous copy has left the staging buffer
+        staged = self._carve(host_batch, self._staging)
+        count = 0
         for name, src in host_batch.tensors().items():
-            getattr(view, name).copy_(src, non_blocking=True)
+            getattr(staged, name).copy_(src)
+            count += src.numel()
+        self.static_meta[:count].copy_(self._staging[:count], non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
 
     def run_eager(self, bucket: Bucket) -> torch.Tensor:
         """The same forward the graph holds, run eagerly on the static buffers (for tests)."""
@@ -91,6 +111,7 @@ class GraphBank:
         """Capture every requested bucket, largest first, into one shared pool."""
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # cached free blocks would hide the pool's growth from the limit check
         reserved_before = torch.cuda.memory_reserved(self.device)
         pool = None
         todo = [b for b in reversed(self.requested) if b not in self.graphs]
@@ -108,6 +129,7 @@ class GraphBank:
                 self.dropped[bucket] = "out of memory"
                 logger.warning("vitgraph: out of memory capturing bucket %s; it is skipped", bucket.name)
                 continue
+            torch.cuda.empty_cache()  # release the warm-up's blocks: what stays reserved is the pool
             used = torch.cuda.memory_reserved(self.device) - reserved_before
             if pool_limit_bytes is not None and used > pool_limit_bytes:
                 del captured
