@@ -147,6 +147,7 @@ def test_bad_out(encoder, out, error, words):
     (dict(budgets=[30]), "budgets"),
     (dict(pool_limit_bytes=0), "pool_limit_bytes"),
     (dict(dense_buckets="yes"), "dense_buckets"),
+    (dict(exact_eager_above=-1), "exact_eager_above"),
     (dict(fuse="yes"), "fuse"),
     (dict(attention="flash"), "not available"),
     (dict(device="cuda:0" if not torch.cuda.is_available() else "cuda:99"), "device"),

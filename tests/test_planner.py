@@ -124,3 +124,16 @@ def test_single_frame_steps_prefer_dense_buckets():
     assert smallest_fit(list(reversed(buckets)), 100, 1).name == "128x1"
     assert smallest_fit(list(reversed(buckets)), 100, 2).name == "128x8"
     assert smallest_fit(buckets, 600, 1) is None
+    # No dense bucket above dense_up_to.
+    assert [b.name for b in make_buckets([64, 128], 8, 4, dense=True, dense_up_to=64)] == ["64x1", "64x8", "128x8"]
+
+
+def test_large_single_frames_run_eagerly_at_their_exact_shape():
+    plan = plan_call([(1, 16, 20), (1, 8, 8)], BUCKETS, exact_eager_above=256)  # 320 then 64 tokens
+    assert [s.bucket.tokens for s in plan.steps] == [512]  # packed together: two frames
+    plan = plan_call([(1, 16, 20)], BUCKETS, exact_eager_above=256)
+    assert [(s.bucket, s.reason) for s in plan.steps] == [(None, "exact_eager")]
+    plan = plan_call([(2, 16, 16)], BUCKETS, exact_eager_above=256)  # several frames: a replay
+    assert [s.bucket.tokens for s in plan.steps] == [512]
+    plan = plan_call([(1, 16, 16)], BUCKETS, exact_eager_above=256)  # the threshold is exclusive
+    assert plan.steps[0].bucket.tokens == 256

@@ -38,6 +38,10 @@ class EngineOptions:
     # Also capture a one-frame bucket per budget: a step holding a single frame (most images)
     # replays there with dense cuDNN attention instead of packed varlen attention.
     dense_buckets: bool = True
+    # A step holding one frame of more tokens runs eagerly at its exact shape (GPU-bound there:
+    # on an H200 a 9604-token image took 69.1 ms eager against 73.2 ms replayed in the
+    # 10496-token bucket). None: never. Dense buckets above it are not captured.
+    exact_eager_above: int | None = 8192
     capture: bool = True  # capture on construction; else call encoder.capture()
     pool_limit_bytes: int | None = None
     progress: bool = True
@@ -48,6 +52,7 @@ class EngineOptions:
         for name in ("min_budget", "max_budget", "max_items"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("pool_limit_bytes", self.pool_limit_bytes, minimum=1, optional=True)
+        _check_int("exact_eager_above", self.exact_eager_above, minimum=0, optional=True)
         if self.fuse not in (None, True, False):
             raise ValueError(f"fuse must be True, False or None (auto), got {self.fuse!r}")
         if self.dense_buckets not in (True, False):
@@ -154,7 +159,8 @@ class GraphedVisionEncoder:
         if budgets is None:
             budgets = budget_ladder(self.options.min_budget, self.options.max_budget, align=tower.merge_unit)
         self.requested_buckets = make_buckets(list(budgets), self.options.max_items, tower.merge_unit,
-                                              dense=self.options.dense_buckets)
+                                              dense=self.options.dense_buckets,
+                                              dense_up_to=self.options.exact_eager_above)
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
@@ -229,7 +235,7 @@ class GraphedVisionEncoder:
             for step in plan.steps:
                 step.reason = "eager_mode"
             return plan
-        return plan_call(grids, self.buckets)
+        return plan_call(grids, self.buckets, self.options.exact_eager_above)
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor, grid_thw, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -60,43 +60,54 @@ if available():
         tl.store(h_ptr + offs, (diff * rstd * w + b).to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, seg_ptr, q_ptr, k_ptr, rows,
-                       H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                       ROWS: tl.constexpr, LANE: tl.constexpr, pad_score):
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
-        j = tl.arange(0, BLOCK)[None, :]  # (head, dim) in the output's head dim DP
-        head, d = j // DP, j % DP
+    def _rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, seg_ptr, q_ptr, k_ptr, rows, pad_score,
+                       H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, LANE: tl.constexpr):
+        # Tile [rows, heads, half of head_dim]: each half is a contiguous run, no gathers.
         half: tl.constexpr = D // 2
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None, None]
+        h = tl.arange(0, BLOCK_H)[None, :, None]
+        d = tl.arange(0, BLOCK_HALF)[None, None, :]
+        r64 = r.to(tl.int64)
         row_ok = r < rows
-        real = d < D
-        mask = row_ok & (j < H * DP)
-        src = head * D + tl.where(real, d, 0)
-        partner = head * D + tl.where(d < half, d + half, d - half)
-        sign = tl.where(d < half, -1.0, 1.0)
-        row = r.to(tl.int64) * (3 * H * D)
-        cos = tl.load(cos_ptr + r.to(tl.int64) * D + d, mask=row_ok & real, other=0.0)
-        sin = tl.load(sin_ptr + r.to(tl.int64) * D + d, mask=row_ok & real, other=0.0)
-        load_mask = mask & real
-        q = tl.load(qkv_ptr + row + src, mask=load_mask, other=0.0)
-        qp = tl.load(qkv_ptr + row + partner, mask=load_mask, other=0.0).to(tl.float32)
-        k = tl.load(qkv_ptr + row + H * D + src, mask=load_mask, other=0.0)
-        kp = tl.load(qkv_ptr + row + H * D + partner, mask=load_mask, other=0.0).to(tl.float32)
-        q_rot = (q.to(tl.float32) * cos + sign * qp * sin).to(q.dtype)
-        k_rot = (k.to(tl.float32) * cos + sign * kp * sin).to(k.dtype)
+        mask = row_ok & (h < H) & (d < half)
+        # cos/sin rows repeat their first half (angles of [h | w], twice): read it once.
+        cos = tl.load(cos_ptr + r64 * D + d, mask=row_ok & (d < half), other=0.0)
+        sin = tl.load(sin_ptr + r64 * D + d, mask=row_ok & (d < half), other=0.0)
+        src = r64 * (3 * H * D) + h * D + d
+        q1 = tl.load(qkv_ptr + src, mask=mask, other=0.0)
+        q2 = tl.load(qkv_ptr + src + half, mask=mask, other=0.0)
+        k1 = tl.load(qkv_ptr + src + H * D, mask=mask, other=0.0)
+        k2 = tl.load(qkv_ptr + src + H * D + half, mask=mask, other=0.0)
+        dtype = q1.dtype
+        q1f, q2f, k1f, k2f = q1.to(tl.float32), q2.to(tl.float32), k1.to(tl.float32), k2.to(tl.float32)
+        # x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2 | x1]
+        oq1, oq2 = (q1f * cos - q2f * sin).to(dtype), (q2f * cos + q1f * sin).to(dtype)
+        ok1, ok2 = (k1f * cos - k2f * sin).to(dtype), (k2f * cos + k1f * sin).to(dtype)
         if LANE:
-            # Padding rows: q, k, v zeroed (they may hold NaN) and the key's extra lane set
-            # to pad_score, so every real query gives a padding key exactly zero weight.
+            # Padding rows: q, k, v zeroed (they may hold NaN); the key's extra lane gets
+            # pad_score, so every real query gives a padding key exactly zero weight.
             pad = tl.load(seg_ptr + r, mask=row_ok, other=-1) < 0
-            q_rot = tl.where(real & ~pad, q_rot, tl.where(d == D, 1.0, 0.0).to(q.dtype))
-            k_rot = tl.where(real & ~pad, k_rot, tl.where((d == D) & pad, pad_score, 0.0).to(k.dtype))
-            out = r.to(tl.int64) * (H * DP) + j
-            tl.store(q_ptr + out, q_rot, mask=mask)
-            tl.store(k_ptr + out, k_rot, mask=mask)
-            v_mask = load_mask & pad
-            tl.store(qkv_ptr + row + 2 * H * D + src, tl.zeros_like(q_rot), mask=v_mask)
+            zero = tl.zeros_like(oq1)
+            oq1, oq2 = tl.where(pad, zero, oq1), tl.where(pad, zero, oq2)
+            ok1, ok2 = tl.where(pad, zero, ok1), tl.where(pad, zero, ok2)
+            dst = r64 * (H * DP) + h * DP + d
+            tl.store(q_ptr + dst, oq1, mask=mask)
+            tl.store(q_ptr + dst + half, oq2, mask=mask)
+            tl.store(k_ptr + dst, ok1, mask=mask)
+            tl.store(k_ptr + dst + half, ok2, mask=mask)
+            tl.store(qkv_ptr + src + 2 * H * D, zero, mask=mask & pad)
+            tl.store(qkv_ptr + src + 2 * H * D + half, zero, mask=mask & pad)
+            e = tl.arange(0, DP - D)[None, None, :]  # the lanes past the head dim
+            lane_mask = row_ok & (h < H)
+            lane_dst = r64 * (H * DP) + h * DP + D + e
+            tl.store(q_ptr + lane_dst, tl.where(e == 0, 1.0, 0.0).to(dtype), mask=lane_mask)
+            tl.store(k_ptr + lane_dst, tl.where((e == 0) & pad, pad_score, 0.0).to(dtype), mask=lane_mask)
         else:
-            tl.store(qkv_ptr + row + src, q_rot, mask=load_mask)
-            tl.store(qkv_ptr + row + H * D + src, k_rot, mask=load_mask)
+            tl.store(qkv_ptr + src, oq1, mask=mask)
+            tl.store(qkv_ptr + src + half, oq2, mask=mask)
+            tl.store(qkv_ptr + src + H * D, ok1, mask=mask)
+            tl.store(qkv_ptr + src + H * D + half, ok2, mask=mask)
 
     @triton.jit
     def _quick_gelu_kernel(x_ptr, n, BLOCK: tl.constexpr):
@@ -107,9 +118,9 @@ if available():
         tl.store(x_ptr + i, (xf * tl.sigmoid(1.702 * xf)).to(x.dtype), mask=mask)
 
 
-def _rows_per_program(rows: int, width: int) -> int:
+def _rows_per_program(rows: int, width: int, per_program: int = 8192) -> int:
     # About 8k elements per program: enough bytes in flight, enough programs to fill the GPU.
-    per = max(1, 8192 // triton.next_power_of_2(width))
+    per = max(1, per_program // triton.next_power_of_2(width))
     return min(per, triton.next_power_of_2(max(rows, 1)))
 
 
@@ -129,7 +140,8 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
 
 def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
             segment_ids: torch.Tensor | None = None, lane_dim: int | None = None):
-    """fp32 rotary of q and k in ``qkv [T, 3 * H * D]`` (contiguous); ``cos``/``sin``: fp32 ``[T, D]``.
+    """fp32 rotary of q and k in ``qkv [T, 3 * H * D]`` (contiguous); ``cos``/``sin``: fp32 ``[T, D]``
+    whose two halves are equal (angles repeated, as :meth:`Qwen2VisionTower.rotary` makes them).
 
     Without ``lane_dim``: rotates in place and returns ``(q, k, v)`` views ``[T, H, D]`` of ``qkv``.
     With ``lane_dim = DP > D``: returns new ``q, k [T, H, DP]`` whose lane ``D`` masks padding keys
@@ -141,18 +153,19 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
     if lane_dim is None:
         dp, q_out, k_out = head_dim, qkv, qkv
     else:
-        if lane_dim <= head_dim or segment_ids is None:
-            raise ValueError("lane_dim must exceed the head dim, and segment_ids must be given with it")
+        extra = lane_dim - head_dim
+        if extra <= 0 or extra & (extra - 1) or segment_ids is None:
+            raise ValueError("lane_dim must exceed the head dim by a power of two, and needs segment_ids")
         dp = lane_dim
         q_out = torch.empty(rows, num_heads, dp, device=qkv.device, dtype=qkv.dtype)
         k_out = torch.empty_like(q_out)
     if rows:
-        width = num_heads * dp
-        per = _rows_per_program(rows, width)
+        block_h, block_half = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim // 2)
+        per = _rows_per_program(rows, block_h * block_half, per_program=4096)
         _rotary_kernel[(triton.cdiv(rows, per),)](
-            qkv, cos, sin, segment_ids if segment_ids is not None else cos, q_out, k_out, rows,
-            H=num_heads, D=head_dim, DP=dp, BLOCK=triton.next_power_of_2(width), ROWS=per,
-            LANE=lane_dim is not None, pad_score=PAD_KEY_SCORE, num_warps=8)
+            qkv, cos, sin, segment_ids if segment_ids is not None else cos, q_out, k_out, rows, PAD_KEY_SCORE,
+            H=num_heads, D=head_dim, DP=dp, BLOCK_H=block_h, BLOCK_HALF=block_half, ROWS=per,
+            LANE=lane_dim is not None, num_warps=4)
     if lane_dim is None:
         return views
     return q_out, k_out, views[2]

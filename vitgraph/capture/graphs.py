@@ -59,6 +59,10 @@ class GraphBank:
         self._staging = torch.zeros(size, dtype=torch.int32, pin_memory=True)
         self._staged: torch.cuda.Event | None = None  # the last copy out of the staging buffer
         self._views = {b: self._carve(layout, self.static_meta) for b, layout in layouts.items()}
+        # One warm-up and one capture stream for every bucket: libraries keep per-stream
+        # workspaces (cuBLAS), so a fresh stream per capture would leave one behind each time.
+        self._warmup_stream = torch.cuda.Stream(device)
+        self._capture_stream = torch.cuda.Stream(device)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -152,14 +156,14 @@ class GraphBank:
 
     def _capture_one(self, bucket: Bucket, pool) -> CapturedGraph:
         pixels, batch = self.pixels_view(bucket), self.batch_view(bucket)
-        side = torch.cuda.Stream(self.device)
+        side = self._warmup_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode():
-            with torch.cuda.stream(side):  # warm-up: kernel selection and workspaces, off the capture
+            with torch.cuda.stream(side):  # warm-up: kernel selection, JIT and workspaces, off the capture
                 self.model(pixels, batch)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream):
                 output = self.model(pixels, batch)
         return CapturedGraph(bucket, graph, output)
 

@@ -94,10 +94,11 @@ def budget_ladder(min_budget: int, max_budget: int, align: int = 4) -> list[int]
     return budgets
 
 
-def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int, dense: bool = False) -> list[Bucket]:
+def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int, dense: bool = False,
+                 dense_up_to: int | None = None) -> list[Bucket]:
     """One packed bucket per budget (a segment holds at least ``merge_unit`` tokens, which
     bounds how many segments a small bucket can ever see), plus a one-segment dense bucket
-    per budget when ``dense``."""
+    per budget up to ``dense_up_to`` tokens when ``dense``."""
     if not budgets:
         raise ValueError("budgets must not be empty")
     if isinstance(max_items, bool) or not isinstance(max_items, int) or max_items <= 0:
@@ -111,7 +112,7 @@ def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int, dense:
         seen.add(b)
     buckets = {Bucket(b, min(max_items, b // merge_unit)) for b in budgets}
     if dense:
-        buckets |= {Bucket(b, 1) for b in budgets}
+        buckets |= {Bucket(b, 1) for b in budgets if dense_up_to is None or b <= dense_up_to}
     return sorted(buckets)
 
 
@@ -120,14 +121,16 @@ def smallest_fit(buckets: Sequence[Bucket], tokens: int, segments: int) -> Bucke
     return min((b for b in buckets if b.tokens >= tokens and b.max_segments >= segments), default=None)
 
 
-def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket]) -> Plan:
+def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_above: int | None = None) -> Plan:
     """Pack frames greedily, in order, into replays no larger than the largest bucket.
 
     Frames are the unit of packing: each is its own attention segment and its own
     set of merger groups, so a long video may span replays and its rows still come
     back in order. A single frame larger than every bucket runs eagerly; consecutive
-    eager items share one eager step. The concatenated step outputs are the call's
-    output in item order.
+    eager items share one eager step. A step holding one frame of more than
+    ``exact_eager_above`` tokens also runs eagerly, at its exact shape: there the GPU,
+    not launch overhead, sets the pace, and padding would be pure extra work. The
+    concatenated step outputs are the call's output in item order.
     """
     plan = Plan()
     if not buckets:
@@ -146,8 +149,11 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket]) -> Plan:
     def flush() -> None:
         nonlocal chunk, chunk_tokens, chunk_segments, offset
         if chunk:
-            bucket = smallest_fit(buckets, chunk_tokens, chunk_segments)
-            plan.steps.append(Step(chunk, bucket, chunk_tokens, chunk_segments, offset))
+            if chunk_segments == 1 and exact_eager_above is not None and chunk_tokens > exact_eager_above:
+                plan.steps.append(Step(chunk, None, chunk_tokens, 1, offset, "exact_eager"))
+            else:
+                bucket = smallest_fit(buckets, chunk_tokens, chunk_segments)
+                plan.steps.append(Step(chunk, bucket, chunk_tokens, chunk_segments, offset))
             offset += chunk_tokens
         chunk, chunk_tokens, chunk_segments = [], 0, 0
 
