@@ -29,9 +29,23 @@ def kernel_class(name: str) -> str:
 parser = argparse.ArgumentParser()
 parser.add_argument("cases", nargs="*", default=["1x256", "1x1024", "4x1024", "16x256"])
 parser.add_argument("--top", action="store_true")
+parser.add_argument("--host", action="store_true", help="split each call's wall time: host work before the "
+                    "replay, the replay on the GPU (events), the rest")
 args = parser.parse_args()
 
 enc = GraphedVisionEncoder.from_config("qwen2-vl-2b", device="cuda", progress=False)
+marks = {}
+if args.host:
+    replay = enc.bank.replay
+
+    def timed_replay(bucket):
+        marks["launch"] = time.perf_counter()
+        marks["start"].record()
+        out = replay(bucket)
+        marks["end"].record()
+        return out
+
+    enc.bank.replay = timed_replay
 for case in args.cases:
     grids = CASES[case]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), 1176, device="cuda", dtype=torch.bfloat16)
@@ -39,12 +53,16 @@ for case in args.cases:
         for _ in range(5):
             enc.encode(pixels, grids)
         torch.cuda.synchronize()
-        walls = []
+        walls, before, gpu = [], [], []
         for _ in range(20):
+            marks.update(start=torch.cuda.Event(enable_timing=True), end=torch.cuda.Event(enable_timing=True))
             t0 = time.perf_counter()
             enc.encode(pixels, grids)
             torch.cuda.synchronize()
             walls.append(time.perf_counter() - t0)
+            if "launch" in marks:
+                before.append(marks.pop("launch") - t0)
+                gpu.append(marks["start"].elapsed_time(marks["end"]) * 1e-3)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 enc.encode(pixels, grids)
@@ -59,6 +77,10 @@ for case in args.cases:
     wall = sorted(walls)[len(walls) // 2] * 1e6
     parts = "  ".join(f"{c} {per_class[c]:7.0f}" for c, _ in CLASSES)
     print(f"== {case:<14} wall {wall:7.0f} us   kernels {total:7.0f} us   {parts}")
+    if before:
+        med = lambda xs: sorted(xs)[len(xs) // 2] * 1e6
+        print(f"   host before replay {med(before):6.0f} us   replay on GPU {med(gpu):7.0f} us"
+              f"   (one-replay cases only)")
     if args.top:
         for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
             print(f"   {us:8.0f} us  {kernel_class(name):<9} {name[:110]}")

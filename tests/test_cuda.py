@@ -262,3 +262,41 @@ def test_stats_report(graph_enc):
     assert stats["mode"] == "graph" and stats["pool_bytes"] > 0 and stats["capture_seconds"] > 0
     used = [b for b in stats["buckets"].values() if b["replays"]]
     assert used and all(b["real_tokens"] > 0 and b["padded_tokens"] >= 0 for b in used)
+
+
+def test_cudnn_ragged_attention_in_a_graph_follows_new_layouts():
+    """cuDNN's ragged attention captured once, replayed for other segmentations (empty slots,
+    NaN padding rows included), against FA2 varlen on each exact layout."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from vitgraph import cudnn_attention
+
+    if not cudnn_attention.available():
+        pytest.skip("nvidia-cudnn-frontend is not installed")
+    tokens, slots, heads, head_dim = 512, 8, 4, 80
+    qkv = torch.randn(tokens, 3, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    cu = torch.zeros(slots + 1, device="cuda", dtype=torch.int32)
+    box = {}
+
+    def run():
+        meta = cudnn_attention.ragged_metadata(cu, heads, head_dim)
+        box["out"] = cudnn_attention.ragged_attention(qkv, meta, tokens)
+
+    run()  # builds the cuDNN graph outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for lens in ([512], [100, 200, 3], [64] * 8, [1, 300]):
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        real = offsets[-1]
+        cu.copy_(torch.tensor(offsets + [real] * (slots + 1 - len(offsets)), dtype=torch.int32))
+        qkv[real:] = float("nan")
+        graph.replay()
+        exact = torch.tensor(offsets, device="cuda", dtype=torch.int32)
+        q, k, v = qkv[:real].unbind(1)
+        ref = varlen_attn(q, k, v, exact, exact, max(lens), max(lens))
+        got = box["out"][:real]
+        assert torch.isfinite(got).all() and rel_err(got, ref) <= 1e-2, (lens, diff_report(got, ref))
+        qkv[real:] = torch.randn_like(qkv[real:])

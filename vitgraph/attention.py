@@ -22,7 +22,8 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from .models.qwen2_vl import VisionBatch
 
-BACKENDS = ("varlen", "flash", "sdpa")
+BACKENDS = ("cudnn", "varlen", "flash", "sdpa")
+FLASH_BACKENDS = ("cudnn", "varlen", "flash")  # fp16/bf16 only
 
 
 def _has_torch_varlen() -> bool:
@@ -43,6 +44,10 @@ def available_backends(device: torch.device | str) -> list[str]:
     found = []
     if device.type == "cuda":
         if _has_torch_varlen():
+            from . import cudnn_attention
+
+            if cudnn_attention.available():
+                found.append("cudnn")
             found.append("varlen")
         if _has_flash_attn():
             found.append("flash")
@@ -53,7 +58,9 @@ def available_backends(device: torch.device | str) -> list[str]:
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
     """Turn ``"auto"`` into the best available backend, and check an explicit choice.
 
-    The flash kernels (``varlen``, ``flash``) take fp16/bf16 only; fp32 uses ``sdpa``.
+    The flash kernels (``cudnn``, ``varlen``, ``flash``) take fp16/bf16 only; fp32 uses ``sdpa``.
+    ``cudnn`` (needs ``nvidia-cudnn-frontend``) is cuDNN's ragged attention for the packed
+    buckets of the fused forward; everywhere else it behaves as ``varlen``.
     """
     available = available_backends(device)
     if dtype not in (torch.float16, torch.bfloat16):
@@ -96,7 +103,7 @@ def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batc
     if batch.dense and not batch.padded:
         # One segment covers every row: plain SDPA, no mask (cuDNN on Hopper).
         return _sdpa_dense(q, k, v, None)
-    if backend == "varlen":
+    if backend in ("varlen", "cudnn"):
         from torch.nn.attention.varlen import varlen_attn
 
         return varlen_attn(q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen)

@@ -1,6 +1,6 @@
 """CUDA-graph capture and replay over a bank of buckets. Knows nothing of Qwen.
 
-The model contract it uses: ``model.input_width``, ``model.merge_unit``,
+The model contract it uses: ``model.input_width``, ``model.output_width``, ``model.merge_unit``,
 ``model.build_batch(grids, num_tokens=, num_segments=, max_seqlen=)`` and
 ``model(pixels, batch)``.
 
@@ -33,7 +33,7 @@ def _is_oom(err: BaseException) -> bool:
 class CapturedGraph:
     bucket: Bucket
     graph: torch.cuda.CUDAGraph
-    output: torch.Tensor  # lives in the pool; [bucket.tokens / merge_unit, hidden]
+    output: torch.Tensor  # a prefix of the bank's static output: [bucket.tokens / merge_unit, hidden]
 
 
 class GraphBank:
@@ -53,6 +53,9 @@ class GraphBank:
         self.pool_bytes = 0
         largest = self.requested[-1]
         self.static_pixels = torch.zeros(largest.tokens, model.input_width, device=device, dtype=dtype)
+        # Every graph copies its result here, so no graph keeps its own output alive in the pool.
+        self.static_output = torch.zeros(largest.tokens // model.merge_unit, model.output_width, device=device,
+                                         dtype=dtype)
         layouts = {b: self._layout(b) for b in self.requested}
         size = max(sum(t.numel() for t in layout.tensors().values()) for layout in layouts.values())
         self.static_meta = torch.zeros(size, device=device, dtype=torch.int32)
@@ -164,7 +167,10 @@ class GraphBank:
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream):
-                output = self.model(pixels, batch)
+                result = self.model(pixels, batch)
+                output = self.static_output[:result.shape[0]]
+                output.copy_(result)
+                del result  # back to the pool for the next capture
         return CapturedGraph(bucket, graph, output)
 
     def replay(self, bucket: Bucket) -> torch.Tensor:

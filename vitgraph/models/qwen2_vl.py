@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import kernels
-from ..attention import LANE_PAD, attend, dense_masked
+from .. import cudnn_attention, kernels
+from ..attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked
 from ..config import VisionConfig
 
 Grid = tuple[int, int, int]
@@ -295,14 +295,17 @@ class Qwen2VisionTower(nn.Module):
 
         The residual stream ``x`` is updated in place; each add is fused with the LayerNorm
         that follows it, the last one with the merger's. One padded segment (a dense bucket)
-        attends through cuDNN with a masking lane; anything else through ``attend``.
+        attends through cuDNN with a masking lane; packed buckets through cuDNN's ragged
+        attention when the backend is ``cudnn``; anything else through ``attend``.
         """
         cfg, blocks = self.config, self.blocks
         x = self.patch_embed(pixels)
         cos, sin = self.rotary(batch.positions)
-        lane = None
-        if batch.dense and batch.padded and blocks[0].attn.backend in ("varlen", "flash"):
-            lane = cfg.head_dim + LANE_PAD
+        backend = blocks[0].attn.backend
+        lane = cfg.head_dim + LANE_PAD if batch.dense and batch.padded and backend in FLASH_BACKENDS else None
+        ragged = None
+        if batch.padded and not batch.dense and backend == "cudnn":
+            ragged = cudnn_attention.ragged_metadata(batch.cu_seqlens, cfg.num_heads, cfg.head_dim)
         norm = blocks[0].norm1
         h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps)
         for i, block in enumerate(blocks):
@@ -311,6 +314,10 @@ class Qwen2VisionTower(nn.Module):
             if lane is not None:
                 q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads, batch.segment_ids, lane)
                 out = dense_masked(q, k, v, cfg.head_dim ** -0.5)
+            elif ragged is not None:
+                kernels.rotary_(qkv, cos, sin, cfg.num_heads)
+                out = cudnn_attention.ragged_attention(qkv.view(x.shape[0], 3, cfg.num_heads, -1), ragged,
+                                                       batch.max_seqlen)
             else:
                 q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads)
                 out = attend(attn.backend, q, k, v, batch)
