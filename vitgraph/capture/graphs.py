@@ -151,11 +151,25 @@ class GraphBank:
             if pool is None:
                 pool = captured.graph.pool()
         torch.cuda.synchronize(self.device)
-        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        self.pool_bytes = self._pool_segment_bytes(pool)
+        if self.pool_bytes is None:
+            self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         self.capture_seconds += time.perf_counter() - start
         logger.info("vitgraph: captured %d CUDA graph(s) (%s, tokens x segments), pool %.1f MiB, %.2f s",
                     len(self.graphs), ",".join(b.name for b in self.buckets),
                     self.pool_bytes / 2**20, self.capture_seconds)
+
+    def _pool_segment_bytes(self, pool) -> int | None:
+        """Bytes of the device segments that belong to the graphs' private pool (None if unknown)."""
+        if pool is None:
+            return 0
+        try:
+            segments = torch.cuda.memory_snapshot()
+            total = sum(s["total_size"] for s in segments
+                        if s.get("device") == self.device.index and tuple(s.get("segment_pool_id", ())) == tuple(pool))
+        except (RuntimeError, KeyError, TypeError):
+            return None
+        return total or None
 
     def _capture_one(self, bucket: Bucket, pool) -> CapturedGraph:
         pixels, batch = self.pixels_view(bucket), self.batch_view(bucket)
