@@ -29,11 +29,17 @@ def kernel_class(name: str) -> str:
 parser = argparse.ArgumentParser()
 parser.add_argument("cases", nargs="*", default=["1x256", "1x1024", "4x1024", "16x256"])
 parser.add_argument("--top", action="store_true")
+parser.add_argument("--blas", help="torch.backends.cuda.preferred_blas_library(...) first, e.g. cublaslt")
 parser.add_argument("--host", action="store_true", help="split each call's wall time: host work before the "
                     "replay, the replay on the GPU (events), the rest")
 args = parser.parse_args()
 
+if args.blas:
+    torch.backends.cuda.preferred_blas_library(args.blas)
 enc = GraphedVisionEncoder.from_config("qwen2-vl-2b", device="cuda", progress=False)
+stats = enc.stats()
+print(f"captured {len(enc.buckets)} graphs in {stats['capture_seconds']:.1f} s, pool {stats['pool_bytes'] / 2**20:.0f} MiB,"
+      f" attention {stats['attention']}")
 marks = {}
 if args.host:
     replay = enc.bank.replay
