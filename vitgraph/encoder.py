@@ -305,7 +305,8 @@ class GraphedVisionEncoder:
             self.bank.load(bucket, pixels, host_batch)
             output = self.bank.replay(bucket)
             target.copy_(output[:step.tokens // self.tower.merge_unit])
-            self._idle = torch.cuda.Event()
+            if self._idle is None:
+                self._idle = torch.cuda.Event()
             self._idle.record(stream)
             stats = self._counters.buckets.setdefault(bucket.name, BucketStats())
             stats.replays += 1
