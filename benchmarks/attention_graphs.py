@@ -5,7 +5,8 @@ For each bucket layout (bucket tokens, real segment lengths, 16 frame slots) it 
 * ``fa2-bucket``: FA2 varlen with the bucket's worst-case launch (16 slots, max_seqlen = tokens);
 * ``fa2-tight``: FA2 varlen with exactly the real segments and their longest length;
 * ``cudnn-torch``: torch's cuDNN ragged op (``aten._cudnn_attention_forward`` with cu_seqlens);
-* ``cudnn-fe``: the same cuDNN ragged + padding-mask graph built once through cudnn-frontend;
+* ``cudnn-fe``: the same cuDNN ragged + padding-mask graph built once through cudnn-frontend
+  (:mod:`vitgraph.cudnn_attention`, the packed buckets' kernel);
 * ``cudnn-dense``: cuDNN dense SDPA at the exact shape (an upper bound, single length only).
 
 Each captured variant is checked against FA2 on the real rows, then the ``cu_seqlens``
@@ -28,7 +29,6 @@ H, D = 16, 80
 SCALE = D ** -0.5
 SLOTS = 16
 dev = torch.device("cuda")
-INT_MAX = 2 ** 31 - 1
 
 
 def graph_us(fn, inner=10, reps=15):
@@ -72,61 +72,10 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-try:
-    import cudnn  # nvidia-cudnn-frontend
+from vitgraph import cudnn_attention  # noqa: E402
 
-    HANDLE = cudnn.create_handle()
-    print("cudnn-frontend", getattr(cudnn, "__version__", "?"), "backend", cudnn.backend_version())
-except Exception as exc:  # optional
-    cudnn = None
-    print("no cudnn-frontend:", exc)
-
-
-class FrontendRagged:
-    """cuDNN SDPA over packed [T, 3, H, D] qkv with ragged offsets and a padding mask."""
-
-    def __init__(self, slots, smax):
-        t0 = time.perf_counter()
-        g = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT,
-                          compute_data_type=cudnn.data_type.FLOAT, handle=HANDLE)
-        dims = [slots, H, smax, D]
-        mk = lambda name, stride: g.tensor(name=name, dim=dims, stride=stride, data_type=cudnn.data_type.BFLOAT16)
-        self.q, self.k, self.v = (mk(n, [INT_MAX, D, 3 * H * D, 1]) for n in "qkv")
-        off = lambda name: g.tensor(name=name, dim=[slots + 1, 1, 1, 1], stride=[1, 1, 1, 1],
-                                    data_type=cudnn.data_type.INT32)
-        self.rq, self.rk, self.rv, self.ro = (off(n) for n in ("rq", "rk", "rv", "ro"))
-        self.q.set_ragged_offset(self.rq)
-        self.k.set_ragged_offset(self.rk)
-        self.v.set_ragged_offset(self.rv)
-        lens = lambda name: g.tensor(name=name, dim=[slots, 1, 1, 1], stride=[1, 1, 1, 1],
-                                     data_type=cudnn.data_type.INT32)
-        self.sq, self.skv = lens("sq"), lens("skv")
-        kwargs = dict(name="sdpa", q=self.q, k=self.k, v=self.v, attn_scale=SCALE, use_padding_mask=True,
-                      seq_len_q=self.sq, seq_len_kv=self.skv)
-        try:
-            o, _ = g.sdpa(is_inference=True, **kwargs)
-        except TypeError:
-            o, _ = g.sdpa(generate_stats=False, **kwargs)
-        o.set_output(True).set_dim(dims).set_stride([INT_MAX, D, H * D, 1]).set_ragged_offset(self.ro)
-        self.o = o
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
-        self.g = g
-        self.ws = torch.empty(max(g.get_workspace_size(), 1), device=dev, dtype=torch.uint8)
-        self.build_s = time.perf_counter() - t0
-
-    def __call__(self, qkv, out, cu):
-        # offsets in elements; lengths per slot
-        self.tmp = (cu * (3 * H * D), cu * (H * D), (cu[1:] - cu[:-1]).contiguous())
-        roff, ooff, seqlen = self.tmp
-        cudnn.set_stream(HANDLE, torch.cuda.current_stream().cuda_stream)
-        self.g.execute({self.q: qkv[:, 0], self.k: qkv[:, 1], self.v: qkv[:, 2], self.o: out,
-                        self.rq: roff, self.rk: roff, self.rv: roff, self.ro: ooff,
-                        self.sq: seqlen, self.skv: seqlen}, self.ws, handle=HANDLE)
-        return out
+HAVE_CUDNN_FE = cudnn_attention.available()
+print("cudnn-frontend:", "yes" if HAVE_CUDNN_FE else "not installed (pip install nvidia-cudnn-frontend)")
 
 
 CASES = [
@@ -198,16 +147,24 @@ for tokens, lens in CASES:
     except Exception as exc:
         rows.append((name, "cudnn-torch", None, None, None, None, f"{type(exc).__name__}: {str(exc)[:80]}"))
 
-    if cudnn is not None:
+    if HAVE_CUDNN_FE:
         for label, slots, smax in [("cudnn-fe", SLOTS, tokens), ("cudnn-fe-tight", len(lens), max(lens))]:
             try:
-                fe = FrontendRagged(slots, smax)
-                out = torch.full((tokens, H, D), float("nan"), device=dev, dtype=torch.bfloat16)
+                box = {}
                 cu_use = cu if slots == SLOTS else cu_of(lens, slots)
-                us, g = graph_us(lambda: fe(qkv, out, cu_use))
-                err = rel(out[:real], ref)
-                dyn = check_dynamic(lambda: out, g) if slots == SLOTS else None
-                rows.append((name, label, us, flops / us / 1e6, err, dyn, f"build {fe.build_s * 1e3:.0f} ms"))
+
+                def fe():
+                    meta = cudnn_attention.ragged_metadata(cu_use, H, D)
+                    box["o"] = cudnn_attention.ragged_attention(qkv, meta, smax)
+
+                t0 = time.perf_counter()
+                fe()  # builds the cuDNN graph for this layout
+                torch.cuda.synchronize()
+                build_ms = (time.perf_counter() - t0) * 1e3
+                us, g = graph_us(fe)
+                err = rel(box["o"][:real], ref)
+                dyn = check_dynamic(lambda: box["o"], g) if slots == SLOTS else None
+                rows.append((name, label, us, flops / us / 1e6, err, dyn, f"build {build_ms:.0f} ms"))
                 del g
             except Exception as exc:
                 traceback.print_exc()

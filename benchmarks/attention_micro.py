@@ -4,9 +4,6 @@ kernel choice cost, per layer. Used to pick the per-bucket attention layout.
     python benchmarks/attention_micro.py
 """
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel

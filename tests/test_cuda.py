@@ -12,7 +12,6 @@ from helpers import diff_report, hf_forward, hf_tower, random_pixels, rel_err, v
 
 from vitgraph import GraphedVisionEncoder
 from vitgraph.attention import available_backends
-from vitgraph.capture.planner import Bucket
 
 pytestmark = pytest.mark.cuda
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import Counter
@@ -22,6 +23,7 @@ from .validation import check_out, check_pixels, check_rows, normalize_grid
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "graph", "eager")
+PLAN_CACHE_SIZE = 4096  # plans kept per encoder, keyed by the call's grids (reset by capture())
 
 
 @dataclass
@@ -164,6 +166,7 @@ class GraphedVisionEncoder:
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
+        self._plans: dict[tuple, Plan] = {}
         self._counters = _Counters()
         if self.use_graphs:
             self.bank = GraphBank(self.tower, self.requested_buckets, self.device, self.dtype)
@@ -216,6 +219,7 @@ class GraphedVisionEncoder:
             raise ValueError(f"capture() needs graph mode on CUDA; this encoder runs eagerly on {self.device}")
         with self._lock:
             self.bank.capture(pool_limit_bytes=self.options.pool_limit_bytes, progress=self.options.progress)
+            self._plans.clear()
 
     # -- the face -------------------------------------------------------------------
 
@@ -227,7 +231,7 @@ class GraphedVisionEncoder:
     def plan(self, grid_thw) -> Plan:
         """The host-side plan ``encode`` would follow (no GPU work)."""
         grids = normalize_grid(grid_thw, self.config.spatial_merge_size)
-        return self._plan(grids)
+        return copy.deepcopy(self._plan(grids))
 
     def _plan(self, grids) -> Plan:
         if not self.use_graphs:
@@ -235,7 +239,15 @@ class GraphedVisionEncoder:
             for step in plan.steps:
                 step.reason = "eager_mode"
             return plan
-        return plan_call(grids, self.buckets, self.options.exact_eager_above)
+        key = tuple(grids)
+        with self._lock:  # plans repeat (same image sizes): planning is per-call host time
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = plan_call(grids, self.buckets, self.options.exact_eager_above)
+                if len(self._plans) >= PLAN_CACHE_SIZE:
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[key] = plan
+        return plan
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor, grid_thw, *, out: torch.Tensor | None = None) -> torch.Tensor:

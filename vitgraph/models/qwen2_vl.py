@@ -118,7 +118,7 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    """Parameters of the attention half of a block; the math lives in :func:`block_pre_attention`."""
+    """Parameters of the attention half of a block; the math lives in :func:`block_forward` and :meth:`Qwen2VisionTower.forward_fused`."""
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -129,7 +129,7 @@ class VisionAttention(nn.Module):
 
 
 class VisionMlp(nn.Module):
-    """Parameters of the MLP half of a block; the math lives in :func:`block_post_attention`."""
+    """Parameters of the MLP half of a block; the math lives in :func:`block_forward` and :meth:`Qwen2VisionTower.forward_fused`."""
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
