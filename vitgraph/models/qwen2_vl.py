@@ -308,12 +308,17 @@ class Qwen2VisionTower(nn.Module):
             ragged = cudnn_attention.ragged_metadata(batch.cu_seqlens, cfg.num_heads, cfg.head_dim)
         norm = blocks[0].norm1
         h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps)
+        # Each intermediate is dropped as soon as it is dead: a name held until the next block
+        # would keep a second copy alive (qkv, the fc1 output) and double the activation peak,
+        # in eager runs and in the graphs' pool alike.
         for i, block in enumerate(blocks):
             attn, mlp = block.attn, block.mlp
             qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
+            del h
             if lane is not None:
                 q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads, batch.segment_ids, lane)
                 out = dense_masked(q, k, v, cfg.head_dim ** -0.5)
+                del q, k, v
             elif ragged is not None:
                 kernels.rotary_(qkv, cos, sin, cfg.num_heads)
                 out = cudnn_attention.ragged_attention(qkv.view(x.shape[0], 3, cfg.num_heads, -1), ragged,
@@ -321,11 +326,18 @@ class Qwen2VisionTower(nn.Module):
             else:
                 q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads)
                 out = attend(attn.backend, q, k, v, batch)
+                del q, k, v
+            del qkv
             y = F.linear(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias)
+            del out
             h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps)
+            del y
             f = F.linear(h, mlp.fc1.weight, mlp.fc1.bias)
+            del h
             f = kernels.quick_gelu_(f) if block.act_name == "quick_gelu" else _ACTIVATIONS[block.act_name](f)
             z = F.linear(f, mlp.fc2.weight, mlp.fc2.bias)
+            del f
             norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else self.merger.ln_q
             h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps)
+            del z
         return self.merger.mlp(h.view(-1, self.merger.merged_dim))
