@@ -1,11 +1,13 @@
 """Triton kernels for the elementwise work of a block (the "fused" forward).
 
-Three kernels replace the seven elementwise launches of the plain forward:
+Four launches per block (LayerNorm twice, rotary, QuickGELU) replace the plain forward's
+elementwise ops (two LayerNorms, two residual adds, the rotary's half-dozen ops, a copy
+of v, QuickGELU's three ops):
 
 * :func:`add_layernorm`: ``x += y`` (in place), then ``LayerNorm(x)``. It joins each
   residual add to the LayerNorm after it, across the block boundary too;
 * :func:`rotary_`: fp32 2-D rotary of q and k inside the packed ``qkv`` rows. It either
-  rotates in place (varlen attention reads q, k, v straight out of ``qkv``), or writes q
+  rotates in place (packed attention reads q, k, v straight out of ``qkv``), or writes q
   and k into a wider head dim whose extra lane masks padding keys (dense attention over
   a padded bucket, see :mod:`vitgraph.attention`);
 * :func:`quick_gelu_`: ``x * sigmoid(1.702 x)`` in place.
