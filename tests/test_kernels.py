@@ -7,6 +7,7 @@ On a machine without a GPU they run on CPU tensors under Triton's interpreter
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import rel_err
 
 from vitgraph import kernels
 from vitgraph.config import PRESETS
@@ -15,10 +16,6 @@ from vitgraph.models.qwen2_vl import Qwen2VisionTower, apply_rotary, quick_gelu
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -35,11 +32,11 @@ def test_add_layernorm(dtype, rows, width):
         assert torch.equal(got_x, expect_x)  # the residual stream is rounded exactly like x + y
     else:  # the interpreter's bf16 casts truncate: one ulp
         torch.testing.assert_close(got_x, expect_x, rtol=2 ** -7, atol=0)
-    assert rel(got_h, expect_h) <= TOL[dtype]
+    assert rel_err(got_h, expect_h) <= TOL[dtype]
     # Without y: a plain LayerNorm, x untouched.
     before = got_x.clone()
     again = kernels.add_layernorm(got_x, None, w, b, 1e-6)
-    assert torch.equal(got_x, before) and rel(again, expect_h) <= TOL[dtype]
+    assert torch.equal(got_x, before) and rel_err(again, expect_h) <= TOL[dtype]
 
 
 def _qkv_case(rows, heads, head_dim, dtype, seed=0):
@@ -58,7 +55,7 @@ def test_rotary_in_place(dtype):
     expect_q, expect_k = apply_rotary(q, k, cos, sin)
     got_q, got_k, got_v = kernels.rotary_(qkv, cos, sin, heads)
     assert got_q.data_ptr() == qkv.data_ptr()  # views of qkv, rotated in place
-    assert rel(got_q, expect_q) <= TOL[dtype] and rel(got_k, expect_k) <= TOL[dtype]
+    assert rel_err(got_q, expect_q) <= TOL[dtype] and rel_err(got_k, expect_k) <= TOL[dtype]
     assert torch.equal(got_v, v)
 
 
@@ -80,14 +77,14 @@ def test_rotary_lane_masks_padding_keys():
     assert torch.equal(q[..., head_dim + 1:], torch.zeros(rows, heads, lane - head_dim - 1, device=DEVICE))
     assert torch.equal(q[real:, :, :head_dim], torch.zeros(rows - real, heads, head_dim, device=DEVICE))
     assert torch.equal(v[real:], torch.zeros(rows - real, heads, head_dim, device=DEVICE))
-    assert rel(q[:real, :, :head_dim], q0) <= 1e-6 and rel(k[:real, :, :head_dim], k0) <= 1e-6
+    assert rel_err(q[:real, :, :head_dim], q0) <= 1e-6 and rel_err(k[:real, :, :head_dim], k0) <= 1e-6
 
     to_bhsd = lambda t: t.transpose(0, 1).unsqueeze(0)
     scale = head_dim ** -0.5
     got = F.scaled_dot_product_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v), scale=scale)[0].transpose(0, 1)
     expect = F.scaled_dot_product_attention(to_bhsd(q0), to_bhsd(k0), to_bhsd(v0), scale=scale)[0].transpose(0, 1)
     assert torch.isfinite(got).all()
-    assert rel(got[:real], expect) <= 1e-5
+    assert rel_err(got[:real], expect) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -95,7 +92,7 @@ def test_quick_gelu_in_place(dtype):
     x = torch.randn(9, 333, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype) * 3
     expect = quick_gelu(x.float())
     got = kernels.quick_gelu_(x)
-    assert got.data_ptr() == x.data_ptr() and rel(got, expect) <= TOL[dtype] / 2
+    assert got.data_ptr() == x.data_ptr() and rel_err(got, expect) <= TOL[dtype] / 2
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -118,4 +115,4 @@ def test_fused_forward_matches_reference(padded):
         tower.fuse(True)
         got = tower(pixels, batch)[:real // 4]
     assert torch.isfinite(got).all()
-    assert rel(got, expect) <= 1e-5
+    assert rel_err(got, expect) <= 1e-5

@@ -37,6 +37,12 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def usable(device: torch.device | str) -> bool:
+    """The kernels can run on tensors of ``device``: triton is there, and the device is
+    CUDA or the interpreter is on."""
+    return available() and (torch.device(device).type == "cuda" or interpreted())
+
+
 if available():
     import triton
     import triton.language as tl

@@ -222,10 +222,11 @@ class Qwen2VisionTower(nn.Module):
     def fuse(self, enabled: bool = True) -> None:
         """Run the elementwise work through vitgraph's Triton kernels (:mod:`vitgraph.kernels`):
         each residual add joined to the next LayerNorm, rotary in place, QuickGELU in place,
-        and dense cuDNN attention for one-segment padded layouts. Needs triton and fp16/bf16
-        weights; attention backends other than the flash ones keep their own path."""
-        if enabled and not kernels.available():
-            raise ValueError("fuse=True needs the triton package")
+        and dense cuDNN attention for one-segment padded layouts. Needs triton and a CUDA
+        device (or Triton's interpreter); any dtype, though the dense and flash attention
+        paths are fp16/bf16 only and other backends keep their own path."""
+        if enabled and not kernels.usable(self.patch_embed.proj.weight.device):
+            raise ValueError("fuse=True needs the triton package and a CUDA device (or TRITON_INTERPRET=1)")
         self.fused = enabled
 
     def build_batch(
