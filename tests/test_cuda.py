@@ -88,7 +88,7 @@ def test_every_bucket_replay_is_bitwise_equal_to_eager_on_the_same_buffers(graph
         pixels = random_pixels(grids, width=1176, seed=bucket.tokens).cuda().bfloat16()
         host = graph_enc.tower.build_batch(grids, num_tokens=bucket.tokens, num_segments=bucket.max_segments,
                                            max_seqlen=bucket.max_seqlen)
-        bank.load(bucket, pixels, host)
+        bank.load(bucket, pixels, bank.stage(host))
         replayed = bank.replay(bucket)[:tokens // 4].clone()
         eager = bank.run_eager(bucket)[:tokens // 4]
         assert torch.equal(replayed, eager), f"bucket {bucket.name}: {diff_report(replayed, eager)}"
@@ -119,8 +119,8 @@ def test_poisoned_pool_and_padding_never_reach_outputs(graph_enc, eager_enc):
     # Run the largest graph on NaN pixels with no real segment: every activation in the
     # shared pool becomes NaN. Then poison the static pixel buffer's padding rows too.
     bank.static_pixels.fill_(float("nan"))
-    bank.load(largest, bank.static_pixels[:0], graph_enc.tower.build_batch(
-        [], num_tokens=largest.tokens, num_segments=largest.max_segments))
+    bank.load(largest, bank.static_pixels[:0], bank.stage(graph_enc.tower.build_batch(
+        [], num_tokens=largest.tokens, num_segments=largest.max_segments)))
     bank.replay(largest)
     torch.cuda.synchronize()
     bank.static_pixels.fill_(float("nan"))
@@ -252,6 +252,25 @@ def test_thousand_random_calls(graph_enc, eager_enc):
     print(f"\n[1000 calls] mismatches={len(mismatches)} replays="
           f"{sum(b['replays'] for b in stats['buckets'].values())} eager={stats['eager_fallbacks']}")
     assert not mismatches, mismatches[:3]
+
+
+def test_cached_plans_stage_the_right_metadata(graph_enc, monkeypatch):
+    import vitgraph.encoder as encoder_module
+
+    monkeypatch.setattr(encoder_module, "PLAN_CACHE_BYTES", 4096)  # a few plans: forces eviction
+    pool_bytes = graph_enc.stats()["pool_bytes"]
+    graph_enc.capture()  # nothing new to capture; empties the plan cache
+    assert graph_enc.stats()["pool_bytes"] == pool_bytes and not graph_enc._prepared
+    calls = [[(1, 8, 8)], [(2, 4, 6), (1, 2, 2)], [(1, 8, 8)], [(1, 16, 16)], [(2, 4, 6), (1, 2, 2)], [(1, 8, 8)]]
+    first = {}
+    for i, grids in enumerate(calls):
+        pixels = random_pixels(grids, seed=len(grids)).cuda()
+        out = graph_enc.encode(pixels, grids)
+        key = tuple(grids)
+        if key in first:  # the same grids replay the same bucket: bitwise the same output
+            assert torch.equal(out, first[key]), f"call {i} {grids}: {diff_report(out, first[key])}"
+        first.setdefault(key, out)
+        assert graph_enc._prepared_bytes <= 4096 and graph_enc._prepared
 
 
 def test_stats_report(graph_enc):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -23,7 +23,10 @@ from .validation import check_out, check_pixels, check_rows, normalize_grid
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "graph", "eager")
-PLAN_CACHE_SIZE = 4096  # plans kept per encoder, keyed by the call's grids (reset by capture())
+# Plans kept per encoder, keyed by the call's grids (reset by capture()), with each graph
+# step's staged metadata: a repeated image size then costs no host-side metadata work.
+PLAN_CACHE_SIZE = 4096
+PLAN_CACHE_BYTES = 64 << 20  # staged metadata is 12 bytes per token
 
 
 @dataclass
@@ -70,6 +73,13 @@ def _check_int(name: str, value, *, minimum: int, optional: bool = False) -> Non
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
+
+
+@dataclass
+class _Prepared:
+    plan: Plan
+    staged: list  # per step: GraphBank.stage() of its padded metadata, None for an eager step
+    nbytes: int
 
 
 @dataclass
@@ -165,7 +175,8 @@ class GraphedVisionEncoder:
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
-        self._plans: dict[tuple, Plan] = {}
+        self._prepared: OrderedDict[tuple, _Prepared] = OrderedDict()
+        self._prepared_bytes = 0
         self._counters = _Counters()
         if self.use_graphs:
             self.bank = GraphBank(self.tower, self.requested_buckets, self.device, self.dtype)
@@ -218,7 +229,8 @@ class GraphedVisionEncoder:
             raise ValueError(f"capture() needs graph mode on CUDA; this encoder runs eagerly on {self.device}")
         with self._lock:
             self.bank.capture(pool_limit_bytes=self.options.pool_limit_bytes, progress=self.options.progress)
-            self._plans.clear()
+            self._prepared.clear()
+            self._prepared_bytes = 0
 
     # -- the face -------------------------------------------------------------------
 
@@ -230,23 +242,32 @@ class GraphedVisionEncoder:
     def plan(self, grid_thw) -> Plan:
         """The host-side plan ``encode`` would follow (no GPU work)."""
         grids = normalize_grid(grid_thw, self.config.spatial_merge_size)
-        return copy.deepcopy(self._plan(grids))
+        return copy.deepcopy(self._prepare(grids).plan)
 
-    def _plan(self, grids) -> Plan:
+    def _prepare(self, grids) -> _Prepared:
+        """The plan for ``grids`` plus each graph step's staged metadata, cached per grid tuple."""
         if not self.use_graphs:
             plan = plan_call(grids, [])
             for step in plan.steps:
                 step.reason = "eager_mode"
-            return plan
+            return _Prepared(plan, [None] * len(plan.steps), 0)
         key = tuple(grids)
-        with self._lock:  # plans repeat (same image sizes): planning is per-call host time
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = plan_call(grids, self.buckets, self.options.exact_eager_above)
-                if len(self._plans) >= PLAN_CACHE_SIZE:
-                    self._plans.pop(next(iter(self._plans)))
-                self._plans[key] = plan
-        return plan
+        with self._lock:
+            prepared = self._prepared.get(key)
+        if prepared is not None:
+            return prepared
+        plan = plan_call(grids, self.buckets, self.options.exact_eager_above)
+        staged = [None if step.bucket is None else self.bank.stage(self.tower.build_batch(
+            step.grids, num_tokens=step.bucket.tokens, num_segments=step.bucket.max_segments,
+            max_seqlen=step.bucket.max_seqlen)) for step in plan.steps]
+        prepared = _Prepared(plan, staged, sum(a.nbytes for a in staged if a is not None))
+        with self._lock:
+            if key not in self._prepared:
+                self._prepared[key] = prepared
+                self._prepared_bytes += prepared.nbytes
+                while len(self._prepared) > PLAN_CACHE_SIZE or self._prepared_bytes > PLAN_CACHE_BYTES:
+                    self._prepared_bytes -= self._prepared.popitem(last=False)[1].nbytes
+        return prepared
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor, grid_thw, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -267,15 +288,15 @@ class GraphedVisionEncoder:
             self._counters.calls += 1
         if tokens == 0:
             return result
-        plan = self._plan(grids)
+        prepared = self._prepare(grids)
         unit = self.tower.merge_unit
-        for step in plan.steps:
+        for step, staged in zip(prepared.plan.steps, prepared.staged):
             step_pixels = pixels[step.token_offset:step.token_offset + step.tokens]
             target = result[step.token_offset // unit:(step.token_offset + step.tokens) // unit]
             if step.bucket is None:
                 self._run_eager(step, step_pixels, target)
             else:
-                self._run_graph(step, step_pixels, target)
+                self._run_graph(step, staged, step_pixels, target)
         return result
 
     def encode_images(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
@@ -305,15 +326,13 @@ class GraphedVisionEncoder:
         with self._lock:
             self._counters.eager[step.reason or "eager"] += 1
 
-    def _run_graph(self, step: Step, pixels: torch.Tensor, target: torch.Tensor) -> None:
+    def _run_graph(self, step: Step, staged, pixels: torch.Tensor, target: torch.Tensor) -> None:
         bucket = step.bucket
-        host_batch = self.tower.build_batch(step.grids, num_tokens=bucket.tokens, num_segments=bucket.max_segments,
-                                            max_seqlen=bucket.max_seqlen)
         with self._lock:
             stream = torch.cuda.current_stream(self.device)
             if self._idle is not None:
                 stream.wait_event(self._idle)  # the previous replay's output copy is done reading the pool
-            self.bank.load(bucket, pixels, host_batch)
+            self.bank.load(bucket, pixels, staged)
             output = self.bank.replay(bucket)
             target.copy_(output[:step.tokens // self.tower.merge_unit])
             if self._idle is None:

@@ -13,16 +13,33 @@ buffer. All graphs share one memory pool, captured largest first.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from .planner import Bucket
 
 logger = logging.getLogger(__name__)
+
+
+ARENA_ALIGN = 2 << 20  # the caching allocator rounds large segments to 2 MiB
+ARENA_MARGIN = 16  # the pool's first segment is the forward's peak plus 1/16
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _arena_usable() -> bool:
+    """The caching allocator splits large free blocks (no ``max_split_size_mb``), so one
+    big segment can serve many allocations."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "max_split_size" not in conf and torch.cuda.get_allocator_backend() == "native"
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -56,17 +73,17 @@ class GraphBank:
         # Every graph copies its result here, so no graph keeps its own output alive in the pool.
         self.static_output = torch.zeros(largest.tokens // model.merge_unit, model.output_width, device=device,
                                          dtype=dtype)
-        layouts = {b: self._layout(b) for b in self.requested}
-        size = max(sum(t.numel() for t in layout.tensors().values()) for layout in layouts.values())
+        self._layouts = {b: self._layout(b) for b in self.requested}  # empty: valid metadata for capture
+        self._sizes = {b: sum(t.numel() for t in layout.tensors().values()) for b, layout in self._layouts.items()}
+        size = max(self._sizes.values())
         self.static_meta = torch.zeros(size, device=device, dtype=torch.int32)
         self._staging = torch.zeros(size, dtype=torch.int32, pin_memory=True)
         self._staging_np = self._staging.numpy()
         self._staged = torch.cuda.Event()  # recorded after each copy out of the staging buffer
-        self._views = {b: self._carve(layout, self.static_meta) for b, layout in layouts.items()}
-        # One warm-up and one capture stream for every bucket: libraries keep per-stream
-        # workspaces (cuBLAS), so a fresh stream per capture would leave one behind each time.
-        self._warmup_stream = torch.cuda.Stream(device)
-        self._capture_stream = torch.cuda.Stream(device)
+        self._views = {b: self._carve(layout, self.static_meta) for b, layout in self._layouts.items()}
+        # One stream warms up and captures every bucket: libraries keep per-stream workspaces
+        # (cuBLAS), so warming up elsewhere would allocate the capture stream's inside the pool.
+        self._stream = torch.cuda.Stream(device)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -95,16 +112,23 @@ class GraphBank:
     def pixels_view(self, bucket: Bucket) -> torch.Tensor:
         return self.static_pixels[:bucket.tokens]
 
-    def load(self, bucket: Bucket, pixels: torch.Tensor, host_batch) -> None:
+    @staticmethod
+    def stage(host_batch) -> np.ndarray:
+        """A host batch (built for some bucket's layout) as the flat int32 array :meth:`load`
+        copies: its tensors back to back in field order. Callers may cache it per plan."""
+        return np.concatenate([t.numpy().reshape(-1) for t in host_batch.tensors().values()])
+
+    def load(self, bucket: Bucket, pixels: torch.Tensor, staged: np.ndarray) -> None:
         """Copy one step's inputs into the static buffers, on the current stream (rows past
-        ``pixels`` keep stale values: they lie outside every segment, so no real row reads them)."""
+        ``pixels`` keep stale values: they lie outside every segment, so no real row reads them).
+        ``staged``: :meth:`stage` of a batch built for ``bucket``'s layout."""
+        if staged.shape[0] != self._sizes[bucket]:
+            raise ValueError(f"staged metadata has {staged.shape[0]} values; bucket {bucket.name} takes "
+                             f"{self._sizes[bucket]}")
         self.static_pixels[:pixels.shape[0]].copy_(pixels, non_blocking=True)
         self._staged.synchronize()  # the previous copy has left the staging buffer
-        count = 0
-        for src in host_batch.tensors().values():  # numpy, not torch ops: this is per-call host time
-            n = src.numel()
-            self._staging_np[count:count + n] = src.numpy().reshape(-1)
-            count += n
+        count = staged.shape[0]
+        self._staging_np[:count] = staged
         self.static_meta[:count].copy_(self._staging[:count], non_blocking=True)
         self._staged.record()
 
@@ -119,12 +143,11 @@ class GraphBank:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # cached free blocks would hide the pool's growth from the limit check
         reserved_before = torch.cuda.memory_reserved(self.device)
-        pool = None
         todo = [b for b in reversed(self.requested) if b not in self.graphs]
+        pool = next(iter(self.graphs.values())).graph.pool() if self.graphs else None
         for bucket in tqdm(todo, desc="capturing CUDA graphs", unit="graph", disable=not progress):
             # Valid (empty) metadata for warm-up and capture; kernels read the real one at replay.
-            self.load(bucket, self.static_pixels[:0],
-                      self.model.build_batch([], num_tokens=bucket.tokens, num_segments=bucket.max_segments))
+            self.load(bucket, self.static_pixels[:0], self.stage(self._layouts[bucket]))
             try:
                 captured = self._capture_one(bucket, pool)
             except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
@@ -172,19 +195,39 @@ class GraphBank:
 
     def _capture_one(self, bucket: Bucket, pool) -> CapturedGraph:
         pixels, batch = self.pixels_view(bucket), self.batch_view(bucket)
-        side = self._warmup_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        first = pool is None
         with torch.inference_mode():
-            with torch.cuda.stream(side):  # warm-up: kernel selection, JIT and workspaces, off the capture
+            with torch.cuda.stream(stream):  # warm-up: kernel selection, JIT and workspaces, off the capture
                 self.model(pixels, batch)
-            torch.cuda.current_stream(self.device).wait_stream(side)
+                arena = self._forward_peak(pixels, batch) if first and _arena_usable() else 0
+            torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                if arena:
+                    # One segment as large as the forward's peak, freed at once: every later
+                    # allocation of every capture is split from it. Without it the pool keeps
+                    # a segment per size the first forward allocated (x, qkv, fc1 out, ...),
+                    # since a block never spans segments: ~1.7x the peak.
+                    torch.empty(arena, dtype=torch.uint8, device=self.device)
                 result = self.model(pixels, batch)
                 output = self.static_output[:result.shape[0]]
                 output.copy_(result)
                 del result  # back to the pool for the next capture
         return CapturedGraph(bucket, graph, output)
+
+    def _forward_peak(self, pixels: torch.Tensor, batch) -> int:
+        """Size of the pool's first segment: the activation peak of one more eager forward
+        (workspaces already warm) plus a margin. Resets the device's peak-memory statistics."""
+        torch.cuda.current_stream(self.device).synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self.model(pixels, batch)
+        torch.cuda.current_stream(self.device).synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        # A margin for the holes short-lived temporaries leave between long-lived tensors.
+        return _round_up(peak + peak // ARENA_MARGIN, ARENA_ALIGN)
 
     def replay(self, bucket: Bucket) -> torch.Tensor:
         """Replay on the current stream; returns the graph's static output (copy it before the next replay)."""

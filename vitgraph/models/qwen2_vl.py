@@ -285,8 +285,8 @@ class Qwen2VisionTower(nn.Module):
 
     def forward_reference(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
         """Plain PyTorch ops, one per step of the reference model (any device and dtype)."""
+        cos, sin = self.rotary(batch.positions)  # first: see forward_fused
         x = self.patch_embed(pixels)  # [T, E]
-        cos, sin = self.rotary(batch.positions)
         for block in self.blocks:
             x = block(x, cos, sin, batch)
         return self.merger(x)  # [T / merge_unit, hidden]
@@ -300,8 +300,11 @@ class Qwen2VisionTower(nn.Module):
         attention when the backend is ``cudnn``; anything else through ``attend``.
         """
         cfg, blocks = self.config, self.blocks
-        x = self.patch_embed(pixels)
+        # The rotary tables first: they live through the forward while their temporaries
+        # do not, so the holes those leave sit at the start of the graphs' memory pool
+        # rather than between the big activations.
         cos, sin = self.rotary(batch.positions)
+        x = self.patch_embed(pixels)
         backend = blocks[0].attn.backend
         lane = cfg.head_dim + LANE_PAD if batch.dense and batch.padded and backend in FLASH_BACKENDS else None
         ragged = None
