@@ -133,6 +133,18 @@ def test_poisoned_pool_and_padding_never_reach_outputs(graph_enc, eager_enc):
         assert rel_err(got, eager_enc.encode(pixels, grids)) <= 1e-2
 
 
+def test_load_refuses_metadata_staged_for_another_bucket(graph_enc, eager_enc):
+    bank = graph_enc.bank
+    small, large = bank.buckets[0], bank.buckets[-1]
+    staged = bank.stage(graph_enc.tower.build_batch([(1, 2, 2)], num_tokens=small.tokens,
+                                                    num_segments=small.max_segments))
+    with pytest.raises(ValueError, match="staged metadata"):
+        bank.load(large, bank.static_pixels[:0], staged)
+    grids = [(1, 4, 6)]
+    pixels = random_pixels(grids, seed=3).cuda()
+    assert rel_err(graph_enc.encode(pixels, grids), eager_enc.encode(pixels, grids)) <= 1e-2
+
+
 def test_first_result_survives_second_call(graph_enc):
     g1, g2 = [(1, 8, 8)], [(1, 8, 8)]
     p1, p2 = random_pixels(g1, seed=7).cuda(), random_pixels(g2, seed=8).cuda()

@@ -75,11 +75,19 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype = 
     return name
 
 
-def _sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    # [T, H, D] -> [1, H, T, D]: torch picks cuDNN / flash / efficient kernels itself.
-    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+def _heads_first(*xs: torch.Tensor):
+    """``[T, H, D]`` -> ``[1, H, T, D]`` views: the layout of torch's dense attention ops."""
+    return (x.transpose(0, 1).unsqueeze(0) for x in xs)
+
+
+def _tokens_first(out: torch.Tensor) -> torch.Tensor:
     return out.squeeze(0).transpose(0, 1)
+
+
+def _sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    # torch picks cuDNN / flash / efficient kernels itself.
+    q, k, v = _heads_first(q, k, v)
+    return _tokens_first(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
 LANE_PAD = 8  # extra head-dim lanes for dense attention over a padded bucket (one masks, cuDNN wants multiples of 8)
@@ -93,9 +101,9 @@ def dense_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     underflows ``exp`` to exactly 0: the real rows get exact single-segment attention,
     with no mask tensor (which halves cuDNN's speed) and no per-call plan build.
     """
-    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, False, False, scale=scale)[0]
-    return out.squeeze(0).transpose(0, 1)
+    q, k, v = _heads_first(q, k, v)
+    return _tokens_first(
+        torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, False, False, scale=scale)[0])
 
 
 def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch") -> torch.Tensor:

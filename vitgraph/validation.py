@@ -10,6 +10,8 @@ Grid = tuple[int, int, int]
 
 
 def _is_int(value) -> bool:
+    if type(value) is int:  # the common case, first: this runs for every grid value of every call
+        return True
     if isinstance(value, bool):
         return False
     if isinstance(value, int):
