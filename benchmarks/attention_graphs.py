@@ -16,7 +16,6 @@ buffer is rewritten with another layout and the same graph replayed and checked 
     python benchmarks/attention_graphs.py
 """
 
-import statistics
 import time
 import traceback
 
@@ -25,34 +24,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.varlen import varlen_attn
 
+from vitgraph.bench.common import graph_replay_us as graph_us
+
 H, D = 16, 80
 SCALE = D ** -0.5
 SLOTS = 16
 dev = torch.device("cuda")
-
-
-def graph_us(fn, inner=10, reps=15):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / inner)
-    return statistics.median(times), g
 
 
 def cu_of(lens, slots):

@@ -3,6 +3,8 @@ import sys, time
 import torch, triton, triton.language as tl
 import torch.nn.functional as F
 
+from vitgraph.bench.common import graph_replay_us
+
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GELU: tl.constexpr):
@@ -62,23 +64,7 @@ def triton_linear(x, w, b, y, cfg, gelu=False, tma=False):
     return y
 
 def graph_time(fn, reps=32, iters=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(); fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / reps)
-    ts.sort()
-    return ts[len(ts) // 2]
+    return graph_replay_us(fn, inner=reps, reps=iters)[0]
 
 SHAPES = {"qkv": (3840, 1280), "proj": (1280, 1280), "fc1": (5120, 1280), "fc2": (1280, 5120)}
 CFGS = [(BM, BN, BK, st, w) for BM in (64, 128) for BN in (64, 128, 256) for BK in (64, 128) for st in (3, 4) for w in (4, 8)

@@ -1,25 +1,13 @@
 """cuDNN ragged attention inside CUDA graphs: does a tighter max_seqlen or fewer segment slots pay? (needs nvidia-cudnn-frontend)"""
 import torch
+
+from vitgraph.bench.common import graph_replay_us
 from vitgraph import cudnn_attention as ca
 
 H, D = 16, 80
 
 def graph_time(fn, reps=32, iters=20):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(); fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / reps)
-    return sorted(ts)[len(ts) // 2]
+    return graph_replay_us(fn, inner=reps, reps=iters)[0]
 
 CASES = [("4x1024", [1024] * 4, 4096), ("16x256", [256] * 16, 4096), ("8x448", [448] * 8, 3584),
          ("1x1024 in 1152", [1024], 1152), ("2x2048", [2048] * 2, 4096), ("mixed 1024+512x4+256x4", [1024] + [512] * 4 + [256] * 4, 4096)]

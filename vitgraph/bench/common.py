@@ -38,6 +38,32 @@ def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup
     return statistics.median(times)
 
 
+def graph_replay_us(fn: Callable[[], object], inner: int = 10, reps: int = 15):
+    """Median µs per call of ``fn`` captured ``inner`` times into one CUDA graph (CUDA events
+    around each of ``reps`` replays, after a warm-up on a side stream), and the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / inner)
+    return statistics.median(times), graph
+
+
 def measure_ceilings(device: torch.device) -> dict[str, float]:
     """Dense bf16 GEMM rate (TFLOP/s) and device copy bandwidth (TB/s, bytes read + written)."""
     if device.type != "cuda":
