@@ -67,7 +67,12 @@ def test_padded_metadata_repeats_last_offset(encoder):
     assert batch.cu_seqlens.tolist() == [0, 4, 8, 16, 16, 16, 16]
     assert batch.segment_ids.tolist()[:16] == [0] * 4 + [1] * 4 + [2] * 8
     assert batch.segment_ids.tolist()[16:] == [-1] * 24
-    assert batch.max_seqlen == 40 and not batch.dense
+    assert batch.max_seqlen == 40 and not batch.dense and batch.padded and batch.segment_lengths is None
+    exact = encoder.tower.build_batch([(2, 2, 2), (1, 2, 4)])  # unpadded: exact lengths on the host
+    assert not exact.padded and exact.segment_lengths == (4, 4, 8) and not exact.dense
+    one = encoder.tower.build_batch([(1, 4, 4)], num_tokens=20, num_segments=1)  # a dense bucket's layout
+    assert one.dense and one.padded
+    assert encoder.tower.build_batch([(1, 4, 4)]).dense and not encoder.tower.build_batch([(1, 4, 4)]).padded
     with pytest.raises(ValueError, match="cannot hold"):
         encoder.tower.build_batch([(1, 4, 4)], num_tokens=8)
     with pytest.raises(ValueError, match="max_seqlen"):

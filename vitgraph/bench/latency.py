@@ -76,11 +76,11 @@ def compiled_system(encoder):
         key = tuple(grids)
         batch = tower.build_batch(grids).to(device, non_blocking=True)
         if key not in compiled:
-            max_seqlen, dense, padded = batch.max_seqlen, batch.dense, batch.padded
+            max_seqlen, lengths = batch.max_seqlen, batch.segment_lengths
 
             def forward(px, positions, segment_ids, cu_seqlens):
                 return tower.forward_reference(px, VisionBatch(positions, segment_ids, cu_seqlens, max_seqlen,
-                                                               dense, padded))
+                                                               lengths))
 
             compiled[key] = torch.compile(forward, mode="reduce-overhead", dynamic=False)
             start = time.perf_counter()

@@ -33,17 +33,27 @@ class VisionBatch:
     """Everything the forward needs besides the pixels.
 
     Shapes: ``positions [T, 2]`` (h, w of each token), ``segment_ids [T]`` (-1 on
-    padding rows), ``cu_seqlens [S + 1]`` int32. ``max_seqlen``, ``dense`` and ``padded``
-    are Python values and are baked into a captured graph.
+    padding rows), ``cu_seqlens [S + 1]`` int32. ``max_seqlen``, ``segment_lengths``
+    and what follows from them (``dense``, ``padded``) are Python values, baked into a
+    captured graph.
     """
 
     positions: torch.Tensor
     segment_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
-    dense: bool = False  # exactly one segment slot (S == 1)
-    padded: bool = False  # a fixed layout: rows past cu_seqlens[-1] and empty slots may exist
-    segment_lengths: tuple[int, ...] | None = None  # host copy, only on unpadded (eager) batches
+    # The exact segment lengths of an unpadded (eager) batch; None on a fixed layout, whose
+    # rows past cu_seqlens[-1] and empty segment slots are padding.
+    segment_lengths: tuple[int, ...] | None = None
+
+    @property
+    def padded(self) -> bool:
+        return self.segment_lengths is None
+
+    @property
+    def dense(self) -> bool:
+        """Exactly one segment slot."""
+        return self.cu_seqlens.shape[0] == 2
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
@@ -269,7 +279,7 @@ class Qwen2VisionTower(nn.Module):
         cu_seqlens[1:len(seqlens) + 1] = np.cumsum(seqlens)
         unpadded = real_tokens == num_tokens and num_segments == len(seqlens)
         return VisionBatch(torch.from_numpy(positions), torch.from_numpy(segment_ids),
-                           torch.from_numpy(cu_seqlens), max(max_seqlen, 1), num_segments == 1, not unpadded,
+                           torch.from_numpy(cu_seqlens), max(max_seqlen, 1),
                            tuple(seqlens.tolist()) if unpadded else None)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
