@@ -79,7 +79,10 @@ def _check_int(name: str, value, *, minimum: int, optional: bool = False) -> Non
 class _Prepared:
     plan: Plan
     staged: list  # per step: GraphBank.stage() of its padded metadata, None for an eager step
-    nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.staged if a is not None)
 
 
 @dataclass
@@ -91,7 +94,7 @@ class BucketStats:
 
 @dataclass
 class _Counters:
-    buckets: dict[int, BucketStats] = field(default_factory=dict)
+    buckets: dict[str, BucketStats] = field(default_factory=dict)  # by bucket name
     eager: Counter = field(default_factory=Counter)
     calls: int = 0
 
@@ -250,7 +253,7 @@ class GraphedVisionEncoder:
             plan = plan_call(grids, [])
             for step in plan.steps:
                 step.reason = "eager_mode"
-            return _Prepared(plan, [None] * len(plan.steps), 0)
+            return _Prepared(plan, [None] * len(plan.steps))
         key = tuple(grids)
         with self._lock:
             prepared = self._prepared.get(key)
@@ -260,7 +263,7 @@ class GraphedVisionEncoder:
         staged = [None if step.bucket is None else self.bank.stage(self.tower.build_batch(
             step.grids, num_tokens=step.bucket.tokens, num_segments=step.bucket.max_segments,
             max_seqlen=step.bucket.max_seqlen)) for step in plan.steps]
-        prepared = _Prepared(plan, staged, sum(a.nbytes for a in staged if a is not None))
+        prepared = _Prepared(plan, staged)
         with self._lock:
             if key not in self._prepared:
                 self._prepared[key] = prepared

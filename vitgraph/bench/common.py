@@ -171,19 +171,9 @@ def hf_call(model, device: torch.device):
 def eager_peak_bytes(encoder: GraphedVisionEncoder) -> int:
     """Activation peak of one eager forward of each of the largest buckets (packed and dense),
     on the graph bank's own static buffers: what one forward needs without CUDA graphs."""
-    bank, peak = encoder.bank, 0
+    bank = encoder.bank
     largest = max(b.tokens for b in bank.buckets)
-    for bucket in (b for b in bank.buckets if b.tokens == largest):
-        bank.run_eager(bucket)  # first: library workspaces of this stream are not activations
-        torch.cuda.synchronize(encoder.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(encoder.device)
-        base = torch.cuda.memory_allocated(encoder.device)
-        out = bank.run_eager(bucket)
-        torch.cuda.synchronize(encoder.device)
-        peak = max(peak, torch.cuda.max_memory_allocated(encoder.device) - base)
-        del out
-    return peak
+    return max(bank.activation_peak(b) for b in bank.buckets if b.tokens == largest)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -76,8 +76,8 @@ class GraphBank:
         self.static_output = torch.zeros(largest.tokens // model.merge_unit, model.output_width, device=device,
                                          dtype=dtype)
         self._layouts = {b: self._layout(b) for b in self.requested}  # empty: valid metadata for capture
-        self._sizes = {b: sum(t.numel() for t in layout.tensors().values()) for b, layout in self._layouts.items()}
-        size = max(self._sizes.values())
+        sizes = {b: sum(t.numel() for t in layout.tensors().values()) for b, layout in self._layouts.items()}
+        size = max(sizes.values())
         self.static_meta = torch.zeros(size, device=device, dtype=torch.int32)
         self._staging = torch.zeros(size, dtype=torch.int32, pin_memory=True)
         self._staging_np = self._staging.numpy()
@@ -86,7 +86,7 @@ class GraphBank:
         # Per bucket: (device metadata, pinned staging, its numpy view), sliced once: slicing
         # tensors on every call is measurable host time.
         self._meta_copy = {b: (self.static_meta[:n], self._staging[:n], self._staging_np[:n])
-                           for b, n in self._sizes.items()}
+                           for b, n in sizes.items()}
         # One stream warms up and captures every bucket: libraries keep per-stream workspaces
         # (cuBLAS), so warming up elsewhere would allocate the capture stream's inside the pool.
         self._stream = torch.cuda.Stream(device)
@@ -203,11 +203,15 @@ class GraphBank:
         pixels, batch = self.pixels_view(bucket), self.batch_view(bucket)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        first = pool is None
         with torch.inference_mode():
             with torch.cuda.stream(stream):  # warm-up: kernel selection, JIT and workspaces, off the capture
-                self.model(pixels, batch)
-                arena = self._forward_peak(pixels, batch) if first and _arena_usable() else 0
+                if pool is None and _arena_usable():
+                    peak = self.activation_peak(bucket)  # warms up too
+                    # A margin for the holes short-lived temporaries leave between long-lived tensors.
+                    arena = _round_up(peak + peak // ARENA_MARGIN, ARENA_ALIGN)
+                else:
+                    self.model(pixels, batch)
+                    arena = 0
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -223,17 +227,21 @@ class GraphBank:
                 del result  # back to the pool for the next capture
         return CapturedGraph(bucket, graph, output)
 
-    def _forward_peak(self, pixels: torch.Tensor, batch) -> int:
-        """Size of the pool's first segment: the activation peak of one more eager forward
-        (workspaces already warm) plus a margin. Resets the device's peak-memory statistics."""
-        torch.cuda.current_stream(self.device).synchronize()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        self.model(pixels, batch)
-        torch.cuda.current_stream(self.device).synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        # A margin for the holes short-lived temporaries leave between long-lived tensors.
-        return _round_up(peak + peak // ARENA_MARGIN, ARENA_ALIGN)
+    def activation_peak(self, bucket: Bucket) -> int:
+        """Bytes one eager forward of ``bucket`` allocates at its peak, on the static buffers and
+        the current stream, measured after a first forward has warmed up kernels and library
+        workspaces (which are not activations). Resets the device's peak-memory statistics."""
+        pixels, batch = self.pixels_view(bucket), self.batch_view(bucket)
+        stream = torch.cuda.current_stream(self.device)
+        with torch.inference_mode():
+            self.model(pixels, batch)
+            stream.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            self.model(pixels, batch)
+            stream.synchronize()
+        return torch.cuda.max_memory_allocated(self.device) - base
 
     def replay(self, bucket: Bucket) -> torch.Tensor:
         """Replay on the current stream; returns the graph's static output (copy it before the next replay)."""
