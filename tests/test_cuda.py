@@ -113,6 +113,24 @@ def test_single_frame_replays_in_a_dense_bucket(graph_enc, eager_enc):
     assert graph_enc.tower.fused and rel_err(got, eager_enc.encode(pixels, grids)) <= 1e-2
 
 
+def test_single_frames_follow_the_routing_measured_at_capture(weights, graph_enc, eager_enc):
+    measured = graph_enc.stats()["single_frame_packed_below"]
+    print(f"\n[routing] single frames to the packed bucket below: {measured}")
+    assert set(measured) <= {1024} and all(0 < n <= 1025 for n in measured.values())
+    assert graph_enc.bank.time_replay(graph_enc.buckets[0], [(1, 2, 2)]) > 0
+    # Force the 512 budget's single frames into its packed bucket: same numbers, other graph.
+    enc = make(weights, mode="graph", budgets=[256, 512], route_single_frames=False)
+    assert enc.stats()["single_frame_packed_below"] == {}
+    enc._packed_single_below = {512: 400}
+    grids = [(1, 16, 20)]  # 320 tokens
+    pixels = random_pixels(grids, seed=14).cuda()
+    got = enc.encode(pixels, grids)
+    assert enc.stats()["buckets"]["512x8"]["replays"] == 1 and enc.stats()["buckets"]["512x1"]["replays"] == 0
+    assert rel_err(got, eager_enc.encode(pixels, grids)) <= 1e-2
+    enc.encode(random_pixels([(1, 16, 26)], seed=15).cuda(), [(1, 16, 26)])  # 416 tokens: dense
+    assert enc.stats()["buckets"]["512x1"]["replays"] == 1
+
+
 def test_poisoned_pool_and_padding_never_reach_outputs(graph_enc, eager_enc):
     bank = graph_enc.bank
     largest = bank.buckets[-1]
@@ -233,7 +251,7 @@ def test_out_of_memory_during_capture_drops_the_bucket(weights, monkeypatch, cap
         return real_forward(self, pixels, batch)
 
     monkeypatch.setattr(Qwen2VisionTower, "forward", flaky)
-    enc = make(weights, mode="graph")
+    enc = make(weights, mode="graph", route_single_frames=False)  # single frames: always dense
     assert 512 not in [b.tokens for b in enc.buckets] and len(enc.buckets) == 2 * len(BUDGETS) - 2
     assert "out of memory" in enc.stats()["dropped_buckets"]["512x1"]
     assert "out of memory" in enc.stats()["dropped_buckets"]["512x8"]

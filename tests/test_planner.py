@@ -128,6 +128,44 @@ def test_single_frame_steps_prefer_dense_buckets():
     assert [b.name for b in make_buckets([64, 128], 8, 4, dense=True, dense_up_to=64)] == ["64x1", "64x8", "128x8"]
 
 
+def test_measured_thresholds_send_small_single_frames_to_the_packed_bucket():
+    buckets = make_buckets([64, 128, 256, 512], max_items=8, merge_unit=4, dense=True)
+    below = {512: 300, 128: 129}  # 512: frames under 300 tokens; 128: every frame
+    assert plan_call([(1, 16, 18)], buckets, packed_single_below=below).steps[0].bucket.name == "512x8"  # 288
+    assert plan_call([(1, 16, 20)], buckets, packed_single_below=below).steps[0].bucket.name == "512x1"  # 320
+    assert plan_call([(1, 8, 16)], buckets, packed_single_below=below).steps[0].bucket.name == "128x8"  # fills it
+    assert plan_call([(1, 8, 28)], buckets, packed_single_below=below).steps[0].bucket.name == "256x1"  # no entry
+    # Only single frames are rerouted; several frames go to packed buckets anyway.
+    assert plan_call([(2, 8, 8)], buckets, packed_single_below=below).steps[0].bucket.name == "128x8"
+    # Without packed buckets of that size the dense one stays.
+    dense_only = [Bucket(512, 1), Bucket(64, 8)]
+    assert plan_call([(1, 16, 18)], dense_only, packed_single_below=below).steps[0].bucket.name == "512x1"
+
+
+def test_routing_thresholds_follow_the_measured_times():
+    from vitgraph.capture.routing import single_frame_thresholds
+
+    class FakeBank:  # replay time: dense flat; packed = 1 + (frame tokens / 1000)^2 ms
+        def __init__(self, dense_ms):
+            self.buckets = make_buckets([1024, 2048, 4096], max_items=16, merge_unit=4, dense=True)
+            self.dense_ms, self.calls = dense_ms, []
+
+        def time_replay(self, bucket, grids):
+            (t, h, w), = grids
+            self.calls.append((bucket.name, h * w))
+            return self.dense_ms[bucket.tokens] if bucket.max_segments == 1 else 1 + (h * w / 1000) ** 2
+
+    bank = FakeBank({1024: 1.5, 2048: 5.0, 4096: 100.0})
+    got = single_frame_thresholds(bank, lambda n: (1, 2, n // 2), unit=4)
+    # 1024 (frames of 4..1024 tokens land there: no smaller budget): packed wins below
+    # sqrt(0.5) * 1000 = 707 tokens; the interpolation in n^2 is exact for this fake.
+    assert 705 <= got[1024] <= 708
+    assert got[2048] == 2000  # packed 1 + n^2 = 5 at n = 2000: interpolation in n^2 is exact here
+    assert got[4096] == 4097  # packed wins even at a full bucket
+    assert ("4096x16", 2052) not in bank.calls  # no low-fill timing needed there
+    assert single_frame_thresholds(FakeBank({1024: 0.5, 2048: 0.5, 4096: 0.5}), lambda n: (1, 2, n // 2), 4) == {}
+
+
 def test_large_single_frames_run_eagerly_at_their_exact_shape():
     plan = plan_call([(1, 16, 20), (1, 8, 8)], BUCKETS, exact_eager_above=256)  # 320 then 64 tokens
     assert [s.bucket.tokens for s in plan.steps] == [512]  # packed together: two frames

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -15,6 +16,7 @@ from . import kernels
 from .attention import resolve_backend
 from .capture.graphs import GraphBank
 from .capture.planner import Bucket, Plan, Step, budget_ladder, make_buckets, plan_call
+from .capture.routing import single_frame_thresholds
 from .config import PRESETS, VisionConfig
 from .loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
 from .models.qwen2_vl import Qwen2VisionTower
@@ -47,6 +49,9 @@ class EngineOptions:
     # on an H200 a 9604-token image took 69.1 ms eager against 73.2 ms replayed in the
     # 10496-token bucket). None: never. Dense buckets above it are not captured.
     exact_eager_above: int | None = 8192
+    # Time each budget's dense and packed graphs at capture (about a second) and send a
+    # single frame to the packed one where that is faster (see vitgraph.capture.routing).
+    route_single_frames: bool = True
     capture: bool = True  # capture on construction; else call encoder.capture()
     pool_limit_bytes: int | None = None
     progress: bool = True
@@ -60,8 +65,9 @@ class EngineOptions:
         _check_int("exact_eager_above", self.exact_eager_above, minimum=0, optional=True)
         if self.fuse not in (None, True, False):
             raise ValueError(f"fuse must be True, False or None (auto), got {self.fuse!r}")
-        if self.dense_buckets not in (True, False):
-            raise ValueError(f"dense_buckets must be True or False, got {self.dense_buckets!r}")
+        for name in ("dense_buckets", "route_single_frames"):
+            if getattr(self, name) not in (True, False):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.budgets is not None and (isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence)
                                          or len(self.budgets) == 0):
             raise ValueError(f"budgets must be a non-empty list of ints or None, got {self.budgets!r}")
@@ -180,6 +186,8 @@ class GraphedVisionEncoder:
         self._idle: torch.cuda.Event | None = None
         self._prepared: OrderedDict[tuple, _Prepared] = OrderedDict()
         self._prepared_bytes = 0
+        self._packed_single_below: dict[int, int] = {}  # measured at capture (routing)
+        self._routing_seconds = 0.0
         self._counters = _Counters()
         if self.use_graphs:
             self.bank = GraphBank(self.tower, self.requested_buckets, self.device, self.dtype)
@@ -232,6 +240,12 @@ class GraphedVisionEncoder:
             raise ValueError(f"capture() needs graph mode on CUDA; this encoder runs eagerly on {self.device}")
         with self._lock:
             self.bank.capture(pool_limit_bytes=self.options.pool_limit_bytes, progress=self.options.progress)
+            if self.options.route_single_frames:
+                start = time.perf_counter()
+                merge = self.config.spatial_merge_size
+                self._packed_single_below = single_frame_thresholds(
+                    self.bank, lambda n: (1, merge, n // merge), self.tower.merge_unit)
+                self._routing_seconds += time.perf_counter() - start
             self._prepared.clear()
             self._prepared_bytes = 0
 
@@ -259,7 +273,7 @@ class GraphedVisionEncoder:
             prepared = self._prepared.get(key)
         if prepared is not None:
             return prepared
-        plan = plan_call(grids, self.buckets, self.options.exact_eager_above)
+        plan = plan_call(grids, self.buckets, self.options.exact_eager_above, self._packed_single_below)
         staged = [None if step.bucket is None else self.bank.stage(self.tower.build_batch(
             step.grids, num_tokens=step.bucket.tokens, num_segments=step.bucket.max_segments,
             max_seqlen=step.bucket.max_seqlen)) for step in plan.steps]
@@ -364,6 +378,7 @@ class GraphedVisionEncoder:
                 "buckets": buckets,
                 "dropped_buckets": {b.name: why for b, why in (self.bank.dropped.items() if self.bank else [])},
                 "eager_fallbacks": dict(self._counters.eager),
-                "capture_seconds": self.bank.capture_seconds if self.bank else 0.0,
+                "capture_seconds": (self.bank.capture_seconds + self._routing_seconds) if self.bank else 0.0,
+                "single_frame_packed_below": dict(self._packed_single_below),
                 "pool_bytes": self.bank.pool_bytes if self.bank else 0,
             }

@@ -243,6 +243,24 @@ class GraphBank:
             stream.synchronize()
         return torch.cuda.max_memory_allocated(self.device) - base
 
+    def time_replay(self, bucket: Bucket, grids, reps: int = 2) -> float:
+        """GPU milliseconds of one replay of ``bucket`` holding ``grids`` (the least of ``reps``
+        replays, timed by CUDA events). The pixel rows are whatever the static buffer holds: the
+        work does not depend on their values. Overwrites the static output."""
+        host = self.model.build_batch(grids, num_tokens=bucket.tokens, num_segments=bucket.max_segments,
+                                      max_seqlen=bucket.max_seqlen)
+        self.load(bucket, self.static_pixels[:0], self.stage(host))
+        stream = torch.cuda.current_stream(self.device)
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            self.graphs[bucket].graph.replay()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return min(times)
+
     def replay(self, bucket: Bucket) -> torch.Tensor:
         """Replay on the current stream; returns the graph's static output (copy it before the next replay)."""
         captured = self.graphs[bucket]

@@ -14,13 +14,15 @@ A bucket is one captured graph. Its capacities are checked for every replay:
 A bucket with ``max_segments == 1`` is *dense*: it holds one frame, which attends
 through dense cuDNN attention with its padding keys masked (see
 :func:`vitgraph.attention.dense_masked`). Single-frame steps prefer it: buckets sort
-by ``(tokens, max_segments)``, so the smallest fit is the dense one when both exist.
+by ``(tokens, max_segments)``, so the smallest fit is the dense one when both exist,
+unless a threshold measured at capture sends small frames of that budget to the packed
+bucket (:mod:`vitgraph.capture.routing`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 Grid = tuple[int, int, int]
 
@@ -121,7 +123,8 @@ def smallest_fit(buckets: Sequence[Bucket], tokens: int, segments: int) -> Bucke
     return min((b for b in buckets if b.tokens >= tokens and b.max_segments >= segments), default=None)
 
 
-def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_above: int | None = None) -> Plan:
+def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_above: int | None = None,
+              packed_single_below: Mapping[int, int] | None = None) -> Plan:
     """Pack frames greedily, in order, into replays no larger than the largest bucket.
 
     Frames are the unit of packing: each is its own attention segment and its own
@@ -131,7 +134,12 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
     ``exact_eager_above`` tokens also runs eagerly, at its exact shape: there the GPU,
     not launch overhead, sets the pace, and padding would be pure extra work. The
     concatenated step outputs are the call's output in item order.
+
+    ``packed_single_below`` (``{budget: n}``, see :mod:`vitgraph.capture.routing`): a step
+    holding one frame of fewer than ``n`` tokens, whose smallest fit is the dense bucket of
+    that budget, replays in the packed bucket instead.
     """
+    packed_single_below = packed_single_below or {}
     plan = Plan()
     if not buckets:
         tokens = sum(t * h * w for t, h, w in grids)
@@ -153,6 +161,9 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
                 plan.steps.append(Step(chunk, None, chunk_tokens, 1, offset, "exact_eager"))
             else:
                 bucket = smallest_fit(buckets, chunk_tokens, chunk_segments)
+                if (bucket is not None and bucket.max_segments == 1
+                        and chunk_tokens < packed_single_below.get(bucket.tokens, 0)):
+                    bucket = smallest_fit(buckets, chunk_tokens, 2) or bucket
                 plan.steps.append(Step(chunk, bucket, chunk_tokens, chunk_segments, offset))
             offset += chunk_tokens
         chunk, chunk_tokens, chunk_segments = [], 0, 0

@@ -1,0 +1,57 @@
+"""Where a single frame replays fastest: its budget's one-frame (dense) bucket, or the packed one.
+
+Both graphs of a budget run the same GEMMs over the same padded rows; they differ in
+attention. The dense bucket attends over every row of the bucket (padding keys masked),
+at a speed set by how its query tiles fill the GPU's waves. The packed bucket's ragged
+attention computes only the frame's rows, but runs slower per row (on an H200 a
+1024-token frame took 29.3 µs per block ragged against 19.7 dense). Which wins depends on
+the bucket size and on how much of it the frame fills, so it is measured once, at capture:
+
+* ``d``: the dense graph (its time does not depend on the frame's size);
+* ``p(t)`` and ``p(low)``: the packed graph holding one frame of the budget's size ``t``,
+  and of the smallest size that lands in this budget (just above the previous budget).
+
+The packed graph's time grows with the frame's attention, about as ``n**2``; between the
+two measured sizes it is interpolated in ``n**2``. The result, per budget: single frames
+of fewer tokens than the threshold replay in the packed bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from .graphs import GraphBank
+from .planner import Grid
+
+MIN_TOKENS = 1024  # below it attention is a few percent of a replay: not worth the capture time
+
+
+def single_frame_thresholds(bank: GraphBank, frame_grid: Callable[[int], Grid], unit: int,
+                            min_tokens: int = MIN_TOKENS) -> dict[int, int]:
+    """``{budget: n}``: a single frame of fewer than ``n`` tokens replays faster in the packed
+    bucket of that budget than in its dense one. Budgets without both graphs, or where the
+    dense one always wins, are left out. ``frame_grid(n)`` is a one-frame grid of ``n`` tokens
+    (``n`` a multiple of ``unit``)."""
+    pairs: dict[int, dict[bool, object]] = {}
+    for b in bank.buckets:
+        pairs.setdefault(b.tokens, {})[b.max_segments == 1] = b
+    thresholds = {}
+    previous = 0
+    for tokens in sorted(pairs):
+        low, previous = -(-(previous + 1) // unit) * unit, tokens
+        pair = pairs[tokens]
+        if tokens < min_tokens or len(pair) != 2:
+            continue
+        dense, packed = pair[True], pair[False]
+        d = bank.time_replay(dense, [frame_grid(tokens)])
+        p_full = bank.time_replay(packed, [frame_grid(tokens)])
+        if p_full <= d:
+            thresholds[tokens] = tokens + 1  # packed wins even for a frame that fills the bucket
+            continue
+        p_low = bank.time_replay(packed, [frame_grid(low)]) if low < tokens else p_full
+        if p_low >= d:
+            continue  # dense wins for every frame of this budget
+        share = (d - p_low) / (p_full - p_low)
+        thresholds[tokens] = int(math.sqrt(low ** 2 + share * (tokens ** 2 - low ** 2)))
+    return thresholds
