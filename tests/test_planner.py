@@ -143,6 +143,7 @@ def test_measured_thresholds_send_small_single_frames_to_the_packed_bucket():
 
 
 def test_routing_thresholds_follow_the_measured_times():
+    from vitgraph.capture import routing
     from vitgraph.capture.routing import single_frame_thresholds
 
     class FakeBank:  # replay time: dense flat; packed = 1 + (frame tokens / 1000)^2 ms
@@ -150,12 +151,13 @@ def test_routing_thresholds_follow_the_measured_times():
             self.buckets = make_buckets([1024, 2048, 4096], max_items=16, merge_unit=4, dense=True)
             self.dense_ms, self.calls = dense_ms, []
 
-        def time_replay(self, bucket, grids):
+        def time_replay(self, bucket, grids, reps=2):
             (t, h, w), = grids
             self.calls.append((bucket.name, h * w))
             return self.dense_ms[bucket.tokens] if bucket.max_segments == 1 else 1 + (h * w / 1000) ** 2
 
-    bank = FakeBank({1024: 1.5, 2048: 5.0, 4096: 100.0})
+    margin = 1 - routing.MARGIN  # packed must beat dense x (1 - MARGIN)
+    bank = FakeBank({1024: 1.5 / margin, 2048: 5.0 / margin, 4096: 100.0})
     got = single_frame_thresholds(bank, lambda n: (1, 2, n // 2), unit=4)
     # 1024 (frames of 4..1024 tokens land there: no smaller budget): packed wins below
     # sqrt(0.5) * 1000 = 707 tokens; the interpolation in n^2 is exact for this fake.
@@ -164,6 +166,10 @@ def test_routing_thresholds_follow_the_measured_times():
     assert got[4096] == 4097  # packed wins even at a full bucket
     assert ("4096x16", 2052) not in bank.calls  # no low-fill timing needed there
     assert single_frame_thresholds(FakeBank({1024: 0.5, 2048: 0.5, 4096: 0.5}), lambda n: (1, 2, n // 2), 4) == {}
+    # A tie within the margin stays dense: packed at full fill 1.1% faster is not enough to
+    # move frames that fill the bucket, only smaller ones.
+    tie = single_frame_thresholds(FakeBank({1024: 2.05, 2048: 100.0, 4096: 100.0}), lambda n: (1, 2, n // 2), 4)
+    assert tie[1024] < 1024
 
 
 def test_large_single_frames_run_eagerly_at_their_exact_shape():

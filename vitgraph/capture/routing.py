@@ -13,7 +13,9 @@ the bucket size and on how much of it the frame fills, so it is measured once, a
 
 The packed graph's time grows with the frame's attention, about as ``n**2``; between the
 two measured sizes it is interpolated in ``n**2``. The result, per budget: single frames
-of fewer tokens than the threshold replay in the packed bucket.
+of fewer tokens than the threshold replay in the packed bucket. Each time is one replay
+(about 1 s for the default ladder on an H200); the packed bucket must win by
+``MARGIN``, so that timing noise never moves a frame that fills its dense bucket.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .graphs import GraphBank
 from .planner import Grid
 
 MIN_TOKENS = 1024  # below it attention is a few percent of a replay: not worth the capture time
+MARGIN = 0.01  # the packed bucket must be predicted this much faster than the dense one
 
 
 def single_frame_thresholds(bank: GraphBank, frame_grid: Callable[[int], Grid], unit: int,
@@ -44,12 +47,12 @@ def single_frame_thresholds(bank: GraphBank, frame_grid: Callable[[int], Grid], 
         if tokens < min_tokens or len(pair) != 2:
             continue
         dense, packed = pair[True], pair[False]
-        d = bank.time_replay(dense, [frame_grid(tokens)])
-        p_full = bank.time_replay(packed, [frame_grid(tokens)])
+        d = bank.time_replay(dense, [frame_grid(tokens)], reps=1) * (1 - MARGIN)
+        p_full = bank.time_replay(packed, [frame_grid(tokens)], reps=1)
         if p_full <= d:
             thresholds[tokens] = tokens + 1  # packed wins even for a frame that fills the bucket
             continue
-        p_low = bank.time_replay(packed, [frame_grid(low)]) if low < tokens else p_full
+        p_low = bank.time_replay(packed, [frame_grid(low)], reps=1) if low < tokens else p_full
         if p_low >= d:
             continue  # dense wins for every frame of this budget
         share = (d - p_low) / (p_full - p_low)
