@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from vitgraph import kernels
+from vitgraph.kernels import layernorm_rows
 from vitgraph.bench.common import graph_replay_us
 
 
@@ -75,13 +76,8 @@ def _partials_add_layernorm_kernel(x_ptr, p_ptr, pb_ptr, h_ptr, w_ptr, b_ptr, ro
         y += tl.load(p_ptr + s * rows * N + offs, mask=mask, other=0.0)
     x = (x.to(tl.float32) + y.to(x.dtype).to(tl.float32)).to(x.dtype)
     tl.store(x_ptr + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    mean = tl.sum(xf, axis=1)[:, None] / N
-    diff = tl.where(mask, xf - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1)[:, None] / N + eps)
-    w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-    tl.store(h_ptr + offs, (diff * rstd * w + b).to(h_ptr.dtype.element_ty), mask=mask)
+    h = layernorm_rows(x.to(tl.float32), mask, c, w_ptr, b_ptr, N, eps)
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 def launch(x, w, b, y, cfg, epilogue):

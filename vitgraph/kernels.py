@@ -48,6 +48,17 @@ if available():
     import triton.language as tl
 
     @triton.jit
+    def layernorm_rows(x, mask, c, w_ptr, b_ptr, N: tl.constexpr, eps):
+        """LayerNorm of fp32 rows ``x [ROWS, BLOCK_N]`` whose lanes past ``N`` (``mask`` off) are 0;
+        ``c``: the column indices ``[1, BLOCK_N]``. Returns fp32."""
+        mean = tl.sum(x, axis=1)[:, None] / N
+        diff = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1)[:, None] / N + eps)
+        w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+        return diff * rstd * w + b
+
+    @triton.jit
     def _add_layernorm_kernel(x_ptr, y_ptr, h_ptr, w_ptr, b_ptr, rows, eps,
                               N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_Y: tl.constexpr):
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -59,13 +70,8 @@ if available():
             # Round the sum to the stream dtype first: the residual stream is stored rounded.
             x = (x.to(tl.float32) + tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
             tl.store(x_ptr + offs, x, mask=mask)
-        xf = x.to(tl.float32)
-        mean = tl.sum(xf, axis=1)[:, None] / N
-        diff = tl.where(mask, xf - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1)[:, None] / N + eps)
-        w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-        tl.store(h_ptr + offs, (diff * rstd * w + b).to(h_ptr.dtype.element_ty), mask=mask)
+        h = layernorm_rows(x.to(tl.float32), mask, c, w_ptr, b_ptr, N, eps)
+        tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, seg_ptr, q_ptr, k_ptr, rows, pad_score,
