@@ -49,7 +49,7 @@ class EngineOptions:
     # on an H200 a 9604-token image took 69.1 ms eager against 73.2 ms replayed in the
     # 10496-token bucket). None: never. Dense buckets above it are not captured.
     exact_eager_above: int | None = 8192
-    # Time each budget's dense and packed graphs at capture (about 2 s on an H200) and send a
+    # Time each budget's dense and packed graphs at capture (about 1 s on an H200) and send a
     # single frame to the packed one where that is faster (see vitgraph.capture.routing).
     route_single_frames: bool = True
     capture: bool = True  # capture on construction; else call encoder.capture()
