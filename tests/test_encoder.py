@@ -147,6 +147,7 @@ def test_bad_out(encoder, out, error, words):
     (dict(budgets=[30]), "budgets"),
     (dict(pool_limit_bytes=0), "pool_limit_bytes"),
     (dict(dense_buckets="yes"), "dense_buckets"),
+    (dict(route_single_frames=1), "route_single_frames"),
     (dict(exact_eager_above=-1), "exact_eager_above"),
     (dict(fuse="yes"), "fuse"),
     (dict(attention="flash"), "not available"),

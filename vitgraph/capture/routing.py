@@ -24,7 +24,7 @@ import math
 from typing import Callable
 
 from .graphs import GraphBank
-from .planner import Grid
+from .planner import Bucket, Grid
 
 MIN_TOKENS = 1024  # below it attention is a few percent of a replay: not worth the capture time
 MARGIN = 0.01  # the packed bucket must be predicted this much faster than the dense one
@@ -36,7 +36,7 @@ def single_frame_thresholds(bank: GraphBank, frame_grid: Callable[[int], Grid], 
     bucket of that budget than in its dense one. Budgets without both graphs, or where the
     dense one always wins, are left out. ``frame_grid(n)`` is a one-frame grid of ``n`` tokens
     (``n`` a multiple of ``unit``)."""
-    pairs: dict[int, dict[bool, object]] = {}
+    pairs: dict[int, dict[bool, Bucket]] = {}  # budget -> {dense?: bucket}
     for b in bank.buckets:
         pairs.setdefault(b.tokens, {})[b.max_segments == 1] = b
     thresholds = {}
