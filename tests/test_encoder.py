@@ -150,6 +150,7 @@ def test_bad_out(encoder, out, error, words):
     (dict(route_single_frames=1), "route_single_frames"),
     (dict(exact_eager_above=-1), "exact_eager_above"),
     (dict(fuse="yes"), "fuse"),
+    (dict(fuse=0), "fuse"),
     (dict(attention="flash"), "not available"),
     (dict(device="cuda:0" if not torch.cuda.is_available() else "cuda:99"), "device"),
     (dict(device="tpu"), "device"),

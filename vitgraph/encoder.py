@@ -63,10 +63,10 @@ class EngineOptions:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("pool_limit_bytes", self.pool_limit_bytes, minimum=1, optional=True)
         _check_int("exact_eager_above", self.exact_eager_above, minimum=0, optional=True)
-        if self.fuse not in (None, True, False):
+        if self.fuse is not None and not isinstance(self.fuse, bool):
             raise ValueError(f"fuse must be True, False or None (auto), got {self.fuse!r}")
         for name in ("dense_buckets", "route_single_frames"):
-            if getattr(self, name) not in (True, False):
+            if not isinstance(getattr(self, name), bool):  # not "in (True, False)": 1 == True
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.budgets is not None and (isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence)
                                          or len(self.budgets) == 0):
