@@ -86,9 +86,7 @@ def test_every_bucket_replay_is_bitwise_equal_to_eager_on_the_same_buffers(graph
         grids = grids or [(1, 2, 2)]
         tokens = sum(t * h * w for t, h, w in grids)
         pixels = random_pixels(grids, width=1176, seed=bucket.tokens).cuda().bfloat16()
-        host = graph_enc.tower.build_batch(grids, num_tokens=bucket.tokens, num_segments=bucket.max_segments,
-                                           max_seqlen=bucket.max_seqlen)
-        bank.load(bucket, pixels, bank.stage(host))
+        bank.load(bucket, pixels, bank.stage_grids(bucket, grids))
         replayed = bank.replay(bucket)[:tokens // 4].clone()
         eager = bank.run_eager(bucket)[:tokens // 4]
         assert torch.equal(replayed, eager), f"bucket {bucket.name}: {diff_report(replayed, eager)}"
@@ -137,8 +135,7 @@ def test_poisoned_pool_and_padding_never_reach_outputs(graph_enc, eager_enc):
     # Run the largest graph on NaN pixels with no real segment: every activation in the
     # shared pool becomes NaN. Then poison the static pixel buffer's padding rows too.
     bank.static_pixels.fill_(float("nan"))
-    bank.load(largest, bank.static_pixels[:0], bank.stage(graph_enc.tower.build_batch(
-        [], num_tokens=largest.tokens, num_segments=largest.max_segments)))
+    bank.load(largest, bank.static_pixels[:0], bank.stage_grids(largest, []))
     bank.replay(largest)
     torch.cuda.synchronize()
     bank.static_pixels.fill_(float("nan"))
@@ -154,8 +151,7 @@ def test_poisoned_pool_and_padding_never_reach_outputs(graph_enc, eager_enc):
 def test_load_refuses_metadata_staged_for_another_bucket(graph_enc, eager_enc):
     bank = graph_enc.bank
     small, large = bank.buckets[0], bank.buckets[-1]
-    staged = bank.stage(graph_enc.tower.build_batch([(1, 2, 2)], num_tokens=small.tokens,
-                                                    num_segments=small.max_segments))
+    staged = bank.stage_grids(small, [(1, 2, 2)])
     with pytest.raises(ValueError, match="staged metadata"):
         bank.load(large, bank.static_pixels[:0], staged)
     grids = [(1, 4, 6)]
@@ -288,9 +284,11 @@ def test_cached_plans_stage_the_right_metadata(graph_enc, monkeypatch):
     import vitgraph.encoder as encoder_module
 
     monkeypatch.setattr(encoder_module, "PLAN_CACHE_BYTES", 4096)  # a few plans: forces eviction
-    pool_bytes = graph_enc.stats()["pool_bytes"]
-    graph_enc.capture()  # nothing new to capture; empties the plan cache
+    pool_bytes, routing = graph_enc.stats()["pool_bytes"], graph_enc.stats()["single_frame_packed_below"]
+    routing_s = graph_enc._routing_seconds
+    graph_enc.capture()  # nothing new to capture; empties the plan cache, keeps the routing timings
     assert graph_enc.stats()["pool_bytes"] == pool_bytes and not graph_enc._prepared
+    assert graph_enc._routing_seconds == routing_s and graph_enc.stats()["single_frame_packed_below"] == routing
     calls = [[(1, 8, 8)], [(2, 4, 6), (1, 2, 2)], [(1, 8, 8)], [(1, 16, 16)], [(2, 4, 6), (1, 2, 2)], [(1, 8, 8)]]
     first = {}
     for i, grids in enumerate(calls):

@@ -95,9 +95,13 @@ class GraphBank:
     def buckets(self) -> list[Bucket]:
         return sorted(self.graphs)
 
+    def _host_batch(self, bucket: Bucket, grids):
+        """Host metadata of ``grids`` in ``bucket``'s padded layout."""
+        return self.model.build_batch(grids, num_tokens=bucket.tokens, num_segments=bucket.max_segments,
+                                      max_seqlen=bucket.max_seqlen)
+
     def _layout(self, bucket: Bucket):
-        layout = self.model.build_batch([], num_tokens=bucket.tokens, num_segments=bucket.max_segments,
-                                        max_seqlen=bucket.max_seqlen)
+        layout = self._host_batch(bucket, [])
         for name, t in layout.tensors().items():
             if t.dtype != torch.int32:
                 raise TypeError(f"the graph engine stages int32 metadata; {name} is {t.dtype}")
@@ -123,6 +127,10 @@ class GraphBank:
         """A host batch (built for some bucket's layout) as the flat int32 array :meth:`load`
         copies: its tensors back to back in field order. Callers may cache it per plan."""
         return np.concatenate([t.numpy().reshape(-1) for t in host_batch.tensors().values()])
+
+    def stage_grids(self, bucket: Bucket, grids) -> np.ndarray:
+        """:meth:`stage` of ``grids`` laid out for ``bucket``: what :meth:`load` takes for them."""
+        return self.stage(self._host_batch(bucket, grids))
 
     def load(self, bucket: Bucket, pixels: torch.Tensor, staged: np.ndarray) -> None:
         """Copy one step's inputs into the static buffers, on the current stream (rows past
@@ -247,9 +255,7 @@ class GraphBank:
         """GPU milliseconds of one replay of ``bucket`` holding ``grids`` (the least of ``reps``
         replays, timed by CUDA events). The pixel rows are whatever the static buffer holds: the
         work does not depend on their values. Overwrites the static output."""
-        host = self.model.build_batch(grids, num_tokens=bucket.tokens, num_segments=bucket.max_segments,
-                                      max_seqlen=bucket.max_seqlen)
-        self.load(bucket, self.static_pixels[:0], self.stage(host))
+        self.load(bucket, self.static_pixels[:0], self.stage_grids(bucket, grids))
         stream = torch.cuda.current_stream(self.device)
         times = []
         for _ in range(reps):
