@@ -7,7 +7,10 @@ For each bucket layout (bucket tokens, real segment lengths, 16 frame slots) it 
 * ``cudnn-torch``: torch's cuDNN ragged op (``aten._cudnn_attention_forward`` with cu_seqlens);
 * ``cudnn-fe``: the same cuDNN ragged + padding-mask graph built once through cudnn-frontend
   (:mod:`vitgraph.cudnn_attention`, the packed buckets' kernel);
-* ``cudnn-dense``: cuDNN dense SDPA at the exact shape (an upper bound, single length only).
+* ``cudnn-dense``: cuDNN dense SDPA at the exact shape (an upper bound, single length only);
+* ``fa4-bucket`` / ``fa4-tight`` / ``fa4-dense-exact``: FlashAttention 4's CuTe-DSL kernels
+  (``flash_attn.cute``, package ``flash-attn-4``; Hopper and Blackwell), varlen with the
+  bucket's launch or the real segments, and dense at the exact shape, when installed.
 
 Each captured variant is checked against FA2 on the real rows, then the ``cu_seqlens``
 buffer is rewritten with another layout and the same graph replayed and checked again
@@ -53,6 +56,15 @@ from vitgraph import cudnn_attention  # noqa: E402
 
 HAVE_CUDNN_FE = cudnn_attention.available()
 print("cudnn-frontend:", "yes" if HAVE_CUDNN_FE else "not installed (pip install nvidia-cudnn-frontend)")
+try:
+    from flash_attn.cute import flash_attn_func as fa4_dense, flash_attn_varlen_func as fa4_varlen
+except ImportError as exc:
+    fa4_dense = fa4_varlen = None
+    print(f"flash-attn-4: not installed ({exc})")
+
+
+def first(result):
+    return result[0] if isinstance(result, tuple) else result
 
 
 CASES = [
@@ -104,6 +116,30 @@ for tokens, lens in CASES:
             del g
         except Exception as exc:
             rows.append((name, label, None, None, None, None, f"{type(exc).__name__}: {str(exc)[:80]}"))
+
+    if fa4_varlen is not None:
+        fa4_variants = {
+            "fa4-bucket": (lambda: first(fa4_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=tokens,
+                                                    max_seqlen_k=tokens, softmax_scale=SCALE)), True),
+            "fa4-tight": (lambda: first(fa4_varlen(q, k, v, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t,
+                                                   max_seqlen_q=max(lens), max_seqlen_k=max(lens),
+                                                   softmax_scale=SCALE)), False),
+        }
+        for label, (fn, dynamic) in fa4_variants.items():
+            box = {}
+            try:
+                t0 = time.perf_counter()
+                fn()  # compiles the kernel the first time
+                torch.cuda.synchronize()
+                first_ms = (time.perf_counter() - t0) * 1e3
+                us, g = graph_us(lambda: box.__setitem__("o", fn()))
+                err = rel(box["o"][:real], ref)
+                dyn = check_dynamic(lambda: box["o"], g) if dynamic else None
+                rows.append((name, label, us, flops / us / 1e6, err, dyn, f"first call {first_ms:.0f} ms"))
+                del g
+            except Exception as exc:
+                traceback.print_exc()
+                rows.append((name, label, None, None, None, None, f"{type(exc).__name__}: {str(exc)[:80]}"))
 
     # torch's cuDNN ragged op
     try:
@@ -178,6 +214,17 @@ for tokens, lens in CASES:
             del g
         except Exception as exc:
             rows.append((name, "cudnn-dense-exact", None, None, None, None, f"{type(exc).__name__}: {str(exc)[:80]}"))
+        if fa4_dense is not None:
+            qb, kb, vb = (qkv[:real, i].reshape(len(lens), n, H, D) for i in range(3))
+            box = {}
+            try:
+                us, g = graph_us(lambda: box.__setitem__("o", first(fa4_dense(qb, kb, vb, softmax_scale=SCALE))))
+                err = rel(box["o"].reshape(real, H, D), ref)
+                rows.append((name, "fa4-dense-exact", us, flops / us / 1e6, err, None, None))
+                del g
+            except Exception as exc:
+                traceback.print_exc()
+                rows.append((name, "fa4-dense-exact", None, None, None, None, f"{type(exc).__name__}: {str(exc)[:80]}"))
     del qkv
     torch.cuda.empty_cache()
 

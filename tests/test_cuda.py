@@ -130,6 +130,19 @@ def test_single_frames_follow_the_routing_measured_at_capture(weights, graph_enc
 
 
 def test_poisoned_pool_and_padding_never_reach_outputs(graph_enc, eager_enc):
+    _poison_and_check(graph_enc, eager_enc)
+
+
+@pytest.mark.parametrize("backend", ["fa4", "cudnn", "varlen"])
+def test_poisoned_padding_with_each_packed_kernel(weights, eager_enc, backend):
+    """FlashAttention 4 reads key/value rows past a segment's end (weight 0, but 0 * NaN = NaN):
+    the fused forward must zero padding rows for it; the other kernels never read them."""
+    if backend not in available_backends("cuda"):
+        pytest.skip(f"attention backend {backend!r} is not installed")
+    _poison_and_check(make(weights, mode="graph", attention=backend), eager_enc)
+
+
+def _poison_and_check(graph_enc, eager_enc):
     bank = graph_enc.bank
     largest = bank.buckets[-1]
     # Run the largest graph on NaN pixels with no real segment: every activation in the

@@ -59,6 +59,23 @@ def test_rotary_in_place(dtype):
     assert torch.equal(got_v, v)
 
 
+def test_rotary_zero_padding_clears_padding_rows_only():
+    rows, real, heads, head_dim = 21, 15, 4, 16
+    qkv, cos, sin = _qkv_case(rows, heads, head_dim, torch.float32, seed=3)
+    qkv[real:] = float("nan")
+    segment_ids = torch.full((rows,), -1, dtype=torch.int32, device=DEVICE)
+    segment_ids[:real] = torch.arange(real, device=DEVICE) // 5
+    q0, k0, v0 = (t.clone() for t in qkv.view(rows, 3, heads, head_dim)[:real].unbind(1))
+    q0, k0 = apply_rotary(q0, k0, cos[:real], sin[:real])
+    q, k, v = kernels.rotary_(qkv, cos, sin, heads, segment_ids, zero_padding=True)
+    assert q.data_ptr() == qkv.data_ptr()
+    for t in (q, k, v):
+        assert torch.equal(t[real:], torch.zeros(rows - real, heads, head_dim, device=DEVICE))
+    assert rel_err(q[:real], q0) <= 1e-6 and rel_err(k[:real], k0) <= 1e-6 and torch.equal(v[:real], v0)
+    with pytest.raises(ValueError, match="segment_ids"):
+        kernels.rotary_(qkv, cos, sin, heads, zero_padding=True)
+
+
 def test_rotary_lane_masks_padding_keys():
     """q/k get an extra lane; attention through it equals exact attention over the real rows,
     even when the padding rows hold NaN."""

@@ -5,15 +5,18 @@ Every backend takes ``q, k, v`` of shape ``[T, heads, head_dim]`` and a
 Each is capturable in a CUDA graph: segment boundaries are read from device
 tensors and ``max_seqlen`` is a Python int fixed for the graph.
 
-Rows outside every segment (bucket padding) are never read by the varlen
-kernels and their outputs are left unwritten; the masked-SDPA fallback zeroes
-them before its matmuls. Every later op is row-local, so padding never reaches
-a real output row, whatever the memory holds.
+Rows outside every segment (bucket padding) are never read by torch's varlen
+and flash-attn's kernels and their outputs are left unwritten; FlashAttention 4
+loads whole key tiles past a segment's end, so the fused forward zeroes padding
+rows for it; the masked-SDPA fallback zeroes them before its matmuls. Every later
+op is row-local, so padding never reaches a real output row, whatever the memory
+holds.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,8 +25,9 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from .models.qwen2_vl import VisionBatch
 
-BACKENDS = ("cudnn", "varlen", "flash", "sdpa")
-FLASH_BACKENDS = ("cudnn", "varlen", "flash")  # fp16/bf16 only
+BACKENDS = ("fa4", "cudnn", "varlen", "flash", "sdpa")
+FLASH_BACKENDS = ("fa4", "cudnn", "varlen", "flash")  # fp16/bf16 only
+FA4_ARCHS = (9, 10)  # compute capability majors FlashAttention 4 has forward kernels for (Hopper, Blackwell)
 
 
 def _has_torch_varlen() -> bool:
@@ -35,7 +39,28 @@ def _has_torch_varlen() -> bool:
 
 
 def _has_flash_attn() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    # flash-attn 2 is a regular package; flash-attn-4 alone leaves a namespace ``flash_attn``
+    # (origin None) holding only ``cute``.
+    spec = importlib.util.find_spec("flash_attn")
+    return spec is not None and spec.origin is not None
+
+
+def _has_fa4(device: torch.device) -> bool:
+    if torch.cuda.get_device_capability(device)[0] not in FA4_ARCHS:
+        return False
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:
+        return False
+
+
+def _fa4_varlen():
+    # FlashAttention 4 compiles its kernels on first use (~5 s); its disk cache makes that
+    # once per machine instead of once per process. Set the variable to "0" to opt out.
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    from flash_attn.cute import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
 
 
 def available_backends(device: torch.device | str) -> list[str]:
@@ -43,6 +68,8 @@ def available_backends(device: torch.device | str) -> list[str]:
     device = torch.device(device)
     found = []
     if device.type == "cuda":
+        if _has_fa4(device):
+            found.append("fa4")
         if _has_torch_varlen():
             from . import cudnn_attention
 
@@ -58,9 +85,11 @@ def available_backends(device: torch.device | str) -> list[str]:
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
     """Turn ``"auto"`` into the best available backend, and check an explicit choice.
 
-    The flash kernels (``cudnn``, ``varlen``, ``flash``) take fp16/bf16 only; fp32 uses ``sdpa``.
-    ``cudnn`` (needs ``nvidia-cudnn-frontend``) is cuDNN's ragged attention for the packed
-    buckets of the fused forward; everywhere else it behaves as ``varlen``.
+    The flash kernels (``fa4``, ``cudnn``, ``varlen``, ``flash``) take fp16/bf16 only; fp32
+    uses ``sdpa``. ``fa4`` (needs ``flash-attn-4``, Hopper or Blackwell) is FlashAttention 4's
+    varlen kernel, for every call but the fused forward's one-frame buckets. ``cudnn`` (needs
+    ``nvidia-cudnn-frontend``) is cuDNN's ragged attention for the packed buckets of the fused
+    forward; everywhere else it behaves as ``varlen``.
     """
     available = available_backends(device)
     if dtype not in (torch.float16, torch.bfloat16):
@@ -106,8 +135,15 @@ def dense_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, False, False, scale=scale)[0])
 
 
-def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch") -> torch.Tensor:
-    """Non-causal attention inside each segment of ``batch.cu_seqlens``."""
+def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch",
+           padding_zeroed: bool = False) -> torch.Tensor:
+    """Non-causal attention inside each segment of ``batch.cu_seqlens``. ``padding_zeroed``: the
+    caller has zeroed the padding rows of ``v`` (FlashAttention 4 reads them, weighted 0)."""
+    if backend == "fa4":
+        if batch.padded and not padding_zeroed:
+            v = torch.where((batch.segment_ids >= 0)[:, None, None], v, 0.0)
+        return _fa4_varlen()(q, k, v, cu_seqlens_q=batch.cu_seqlens, cu_seqlens_k=batch.cu_seqlens,
+                             max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen)[0]
     if batch.dense and not batch.padded:
         # One segment covers every row: plain SDPA, no mask (cuDNN on Hopper).
         return _sdpa_dense(q, k, v, None)

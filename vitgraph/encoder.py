@@ -40,7 +40,7 @@ class EngineOptions:
     min_budget: int = 256
     max_budget: int = 16384
     max_items: int = 16  # most segments (frames) one replay holds; each empty slot costs attention launch slots
-    attention: str = "auto"  # "auto" | "varlen" | "flash" | "sdpa"
+    attention: str = "auto"  # "auto" | "fa4" | "cudnn" | "varlen" | "flash" | "sdpa"
     fuse: bool | None = None  # Triton kernels for the elementwise work; None = on CUDA in fp16/bf16 with triton
     # Also capture a one-frame bucket per budget: a step holding a single frame (most images)
     # replays there with dense cuDNN attention instead of packed varlen attention.

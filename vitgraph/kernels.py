@@ -7,7 +7,8 @@ of v, QuickGELU's three ops):
 * :func:`add_layernorm`: ``x += y`` (in place), then ``LayerNorm(x)``. It joins each
   residual add to the LayerNorm after it, across the block boundary too;
 * :func:`rotary_`: fp32 2-D rotary of q and k inside the packed ``qkv`` rows. It either
-  rotates in place (packed attention reads q, k, v straight out of ``qkv``), or writes q
+  rotates in place (packed attention reads q, k, v straight out of ``qkv``; padding rows
+  optionally zeroed, for kernels that read past a segment's end), or writes q
   and k into a wider head dim whose extra lane masks padding keys (dense attention over
   a padded bucket, see :mod:`vitgraph.attention`);
 * :func:`quick_gelu_`: ``x * sigmoid(1.702 x)`` in place.
@@ -76,7 +77,7 @@ if available():
     @triton.jit
     def _rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, seg_ptr, q_ptr, k_ptr, rows, pad_score,
                        H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, LANE: tl.constexpr):
+                       BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, LANE: tl.constexpr, ZERO_PAD: tl.constexpr):
         # Tile [rows, heads, half of head_dim]: each half is a contiguous run, no gathers.
         half: tl.constexpr = D // 2
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None, None]
@@ -118,6 +119,15 @@ if available():
             tl.store(q_ptr + lane_dst, tl.where(e == 0, 1.0, 0.0).to(dtype), mask=lane_mask)
             tl.store(k_ptr + lane_dst, tl.where((e == 0) & pad, pad_score, 0.0).to(dtype), mask=lane_mask)
         else:
+            if ZERO_PAD:
+                # Padding rows zeroed (q, k and v): kernels that load whole key tiles past a
+                # segment's end multiply those rows' V by a zero weight, and 0 * NaN is NaN.
+                pad = tl.load(seg_ptr + r, mask=row_ok, other=-1) < 0
+                zero = tl.zeros_like(oq1)
+                oq1, oq2 = tl.where(pad, zero, oq1), tl.where(pad, zero, oq2)
+                ok1, ok2 = tl.where(pad, zero, ok1), tl.where(pad, zero, ok2)
+                tl.store(qkv_ptr + src + 2 * H * D, zero, mask=mask & pad)
+                tl.store(qkv_ptr + src + 2 * H * D + half, zero, mask=mask & pad)
             tl.store(qkv_ptr + src, oq1, mask=mask)
             tl.store(qkv_ptr + src + half, oq2, mask=mask)
             tl.store(qkv_ptr + src + H * D, ok1, mask=mask)
@@ -153,17 +163,20 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
 
 
 def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-            segment_ids: torch.Tensor | None = None, lane_dim: int | None = None):
+            segment_ids: torch.Tensor | None = None, lane_dim: int | None = None, zero_padding: bool = False):
     """fp32 rotary of q and k in ``qkv [T, 3 * H * D]`` (contiguous); ``cos``/``sin``: fp32 ``[T, D]``
     whose two halves are equal (angles repeated, as :meth:`Qwen2VisionTower.rotary` makes them).
 
-    Without ``lane_dim``: rotates in place and returns ``(q, k, v)`` views ``[T, H, D]`` of ``qkv``.
+    Without ``lane_dim``: rotates in place and returns ``(q, k, v)`` views ``[T, H, D]`` of ``qkv``;
+    with ``zero_padding`` it also zeroes q, k and v of the rows whose ``segment_ids < 0``.
     With ``lane_dim = DP > D``: returns new ``q, k [T, H, DP]`` whose lane ``D`` masks padding keys
     (rows with ``segment_ids < 0``), and ``v``, a view of ``qkv`` with padding rows zeroed.
     """
     rows = qkv.shape[0]
     head_dim = qkv.shape[1] // (3 * num_heads)
     views = qkv.view(rows, 3, num_heads, head_dim).unbind(1)
+    if zero_padding and segment_ids is None:
+        raise ValueError("zero_padding needs segment_ids")
     if lane_dim is None:
         dp, q_out, k_out = head_dim, qkv, qkv
     else:
@@ -179,7 +192,7 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
         _rotary_kernel[(triton.cdiv(rows, per),)](
             qkv, cos, sin, segment_ids if segment_ids is not None else cos, q_out, k_out, rows, PAD_KEY_SCORE,
             H=num_heads, D=head_dim, DP=dp, BLOCK_H=block_h, BLOCK_HALF=block_half, ROWS=per,
-            LANE=lane_dim is not None, num_warps=4)
+            LANE=lane_dim is not None, ZERO_PAD=zero_padding and lane_dim is None, num_warps=4)
     if lane_dim is None:
         return views
     return q_out, k_out, views[2]

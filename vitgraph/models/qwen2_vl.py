@@ -307,7 +307,8 @@ class Qwen2VisionTower(nn.Module):
         The residual stream ``x`` is updated in place; each add is fused with the LayerNorm
         that follows it, the last one with the merger's. One padded segment (a dense bucket)
         attends through cuDNN with a masking lane; packed buckets through cuDNN's ragged
-        attention when the backend is ``cudnn``; anything else through ``attend``.
+        attention when the backend is ``cudnn``; anything else through ``attend`` (with the
+        padding rows zeroed by the rotary kernel for ``fa4``).
         """
         cfg, blocks = self.config, self.blocks
         # The rotary tables first: they live through the forward while their temporaries
@@ -317,6 +318,7 @@ class Qwen2VisionTower(nn.Module):
         x = self.patch_embed(pixels)
         backend = blocks[0].attn.backend
         lane = cfg.head_dim + LANE_PAD if batch.dense and batch.padded and backend in FLASH_BACKENDS else None
+        zero_padding = batch.padded and lane is None and backend == "fa4"
         ragged = None
         if batch.padded and not batch.dense and backend == "cudnn":
             ragged = cudnn_attention.ragged_metadata(batch.cu_seqlens, cfg.num_heads, cfg.head_dim)
@@ -338,8 +340,8 @@ class Qwen2VisionTower(nn.Module):
                 out = cudnn_attention.ragged_attention(qkv.view(x.shape[0], 3, cfg.num_heads, -1), ragged,
                                                        batch.max_seqlen)
             else:
-                q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads)
-                out = attend(attn.backend, q, k, v, batch)
+                q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads, batch.segment_ids, zero_padding=zero_padding)
+                out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding)
                 del q, k, v
             del qkv
             y = F.linear(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias)
