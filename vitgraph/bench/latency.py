@@ -13,6 +13,7 @@ Prints a table, then one compact JSON line last; ``--json`` and ``--plot`` write
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -64,11 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def compiled_system(encoder):
     """torch.compile(mode="reduce-overhead") of the plain tower (``forward_reference``: what a user
-    would compile), one compile per exact shape."""
+    would compile), one compile per exact shape, attending through torch's own kernels (FA2
+    varlen, cuDNN SDPA for one frame): an optional kernel library vitgraph may use (FlashAttention
+    4's CuTe DSL) is no part of what a user compiles, and would break dynamo's graphs."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    tower, device = encoder.tower, encoder.device
+    device = encoder.device
+    # A twin of the tower that shares its weights, so that the encoders keep their backend.
+    shared = {id(t): t for t in (*encoder.tower.parameters(), *encoder.tower.buffers())}
+    tower = copy.deepcopy(encoder.tower, shared)
+    tower.set_attention_backend("varlen" if device.type == "cuda" else "sdpa")
     compiled = {}
     compile_seconds = {}
 
