@@ -12,13 +12,14 @@ Prefetch kernels: ``load`` reads the weights (evict-last) and keeps a per-progra
 Usage: l2_prefetch.py [M ...]
 """
 import itertools
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from vitgraph.bench.common import graph_replay_us
 
 LAYERS = {"qkv": (1280, 3840), "proj": (1280, 1280), "fc1": (1280, 5120), "fc2": (5120, 1280)}
 BLOCKS = 8
@@ -56,26 +57,8 @@ def prefetch(kind: str, w: torch.Tensor, sink: torch.Tensor, programs: int) -> N
 
 
 def replay_us(forward) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()
-        forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / BLOCKS)
-    return statistics.median(times)
+    """Median µs per block of one graph replay of ``forward``."""
+    return graph_replay_us(forward, inner=1, reps=30)[0] / BLOCKS
 
 
 def main(ms: list[int]) -> None:
