@@ -99,35 +99,30 @@ if available():
         # x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2 | x1]
         oq1, oq2 = (q1f * cos - q2f * sin).to(dtype), (q2f * cos + q1f * sin).to(dtype)
         ok1, ok2 = (k1f * cos - k2f * sin).to(dtype), (k2f * cos + k1f * sin).to(dtype)
-        if LANE:
-            # Padding rows: q, k, v zeroed (they may hold NaN); the key's extra lane gets
-            # pad_score, so every real query gives a padding key exactly zero weight.
+        if ZERO_PAD:
+            # Padding rows: q, k, v zeroed (they may hold NaN). With the lane (below) padding
+            # keys then get exactly zero weight; kernels that load whole key tiles past a
+            # segment's end weight those rows' v by 0, and 0 * NaN is NaN.
             pad = tl.load(seg_ptr + r, mask=row_ok, other=-1) < 0
             zero = tl.zeros_like(oq1)
             oq1, oq2 = tl.where(pad, zero, oq1), tl.where(pad, zero, oq2)
             ok1, ok2 = tl.where(pad, zero, ok1), tl.where(pad, zero, ok2)
+            tl.store(qkv_ptr + src + 2 * H * D, zero, mask=mask & pad)
+            tl.store(qkv_ptr + src + 2 * H * D + half, zero, mask=mask & pad)
+        if LANE:
+            # The key's extra lane gets pad_score, so every real query gives a padding key
+            # exactly zero weight.
             dst = r64 * (H * DP) + h * DP + d
             tl.store(q_ptr + dst, oq1, mask=mask)
             tl.store(q_ptr + dst + half, oq2, mask=mask)
             tl.store(k_ptr + dst, ok1, mask=mask)
             tl.store(k_ptr + dst + half, ok2, mask=mask)
-            tl.store(qkv_ptr + src + 2 * H * D, zero, mask=mask & pad)
-            tl.store(qkv_ptr + src + 2 * H * D + half, zero, mask=mask & pad)
             e = tl.arange(0, DP - D)[None, None, :]  # the lanes past the head dim
             lane_mask = row_ok & (h < H)
             lane_dst = r64 * (H * DP) + h * DP + D + e
             tl.store(q_ptr + lane_dst, tl.where(e == 0, 1.0, 0.0).to(dtype), mask=lane_mask)
             tl.store(k_ptr + lane_dst, tl.where((e == 0) & pad, pad_score, 0.0).to(dtype), mask=lane_mask)
         else:
-            if ZERO_PAD:
-                # Padding rows zeroed (q, k and v): kernels that load whole key tiles past a
-                # segment's end multiply those rows' V by a zero weight, and 0 * NaN is NaN.
-                pad = tl.load(seg_ptr + r, mask=row_ok, other=-1) < 0
-                zero = tl.zeros_like(oq1)
-                oq1, oq2 = tl.where(pad, zero, oq1), tl.where(pad, zero, oq2)
-                ok1, ok2 = tl.where(pad, zero, ok1), tl.where(pad, zero, ok2)
-                tl.store(qkv_ptr + src + 2 * H * D, zero, mask=mask & pad)
-                tl.store(qkv_ptr + src + 2 * H * D + half, zero, mask=mask & pad)
             tl.store(qkv_ptr + src, oq1, mask=mask)
             tl.store(qkv_ptr + src + half, oq2, mask=mask)
             tl.store(qkv_ptr + src + H * D, ok1, mask=mask)
@@ -192,7 +187,7 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
         _rotary_kernel[(triton.cdiv(rows, per),)](
             qkv, cos, sin, segment_ids if segment_ids is not None else cos, q_out, k_out, rows, PAD_KEY_SCORE,
             H=num_heads, D=head_dim, DP=dp, BLOCK_H=block_h, BLOCK_HALF=block_half, ROWS=per,
-            LANE=lane_dim is not None, ZERO_PAD=zero_padding and lane_dim is None, num_warps=4)
+            LANE=lane_dim is not None, ZERO_PAD=zero_padding or lane_dim is not None, num_warps=4)
     if lane_dim is None:
         return views
     return q_out, k_out, views[2]
