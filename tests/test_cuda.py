@@ -10,8 +10,10 @@ import pytest
 import torch
 from helpers import diff_report, hf_forward, hf_tower, random_pixels, rel_err, vision_state
 
-from vitgraph import GraphedVisionEncoder
+import vitgraph.gemm
+from vitgraph import GraphedVisionEncoder, kernels
 from vitgraph.attention import available_backends
+from vitgraph.gemm import linear_quick_gelu, quack_available
 
 pytestmark = pytest.mark.cuda
 
@@ -53,7 +55,7 @@ def random_grids(rng, n, max_frames=3, max_side=16):
              2 * rng.randint(1, max_side // 2)) for _ in range(n)]
 
 
-def test_fp32_parity_every_backend(weights, hf_gpu):
+def test_fp32_parity_every_backend(weights, hf_gpu, monkeypatch):
     grids = [(1, 8, 12), (2, 4, 4), (1, 2, 2)]
     pixels = random_pixels(grids, seed=1)
     ref = hf_forward(hf_gpu, pixels, grids)  # fp32 on CPU
@@ -61,11 +63,15 @@ def test_fp32_parity_every_backend(weights, hf_gpu):
         for dtype in (torch.float32, torch.bfloat16):
             if dtype == torch.float32 and backend != "sdpa":
                 continue  # flash kernels are fp16/bf16 only
-            for fuse in (False, True):
-                enc = make(weights, mode="eager", dtype=dtype, attention=backend, fuse=fuse)
+            for fuse, gemm in ((False, "cublas"), (True, "cublas"), (True, "quack")):
+                if gemm == "quack" and (dtype == torch.float32 or not quack_available("cuda")):
+                    continue
+                # These grids are small: lower quack's row threshold so fc1 really runs in it.
+                monkeypatch.setattr(vitgraph.gemm, "QUACK_MIN_ROWS", 0)
+                enc = make(weights, mode="eager", dtype=dtype, attention=backend, fuse=fuse, gemm=gemm)
                 got = enc.encode(pixels.cuda(), grids).float().cpu()
                 err = rel_err(got, ref)
-                print(f"\n[parity] backend={backend:6s} dtype={str(dtype):14s} fused={fuse!s:5} "
+                print(f"\n[parity] backend={backend:6s} dtype={str(dtype):14s} fused={fuse!s:5} gemm={gemm:6s} "
                       f"vs transformers fp32: {diff_report(got, ref)}")
                 assert err <= (1e-5 if dtype == torch.float32 else 2e-2), diff_report(got, ref)
 
@@ -317,10 +323,34 @@ def test_cached_plans_stage_the_right_metadata(graph_enc, monkeypatch):
 def test_stats_report(graph_enc):
     stats = graph_enc.stats()
     print(f"\n[stats] buckets={sorted(stats['buckets'])} capture_seconds={stats['capture_seconds']:.2f} "
-          f"pool_bytes={stats['pool_bytes']} attention={stats['attention']}")
+          f"pool_bytes={stats['pool_bytes']} attention={stats['attention']} gemm={stats['gemm']}")
     assert stats["mode"] == "graph" and stats["pool_bytes"] > 0 and stats["capture_seconds"] > 0
     used = [b for b in stats["buckets"].values() if b["replays"]]
     assert used and all(b["real_tokens"] > 0 and b["padded_tokens"] >= 0 for b in used)
+
+
+@pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")
+def test_quack_fc1_with_quick_gelu_epilogue():
+    """quack's fused fc1 + QuickGELU against cuBLAS plus the Triton pass, at the real fc1 width,
+    in and out of a CUDA graph; below the row threshold it is the cuBLAS path, bit for bit."""
+    torch.manual_seed(0)
+    weight = torch.randn(5120, 1280, device="cuda", dtype=torch.bfloat16) * 0.03
+    bias = torch.randn(5120, device="cuda", dtype=torch.bfloat16) * 0.1
+    for rows in (vitgraph.gemm.QUACK_MIN_ROWS, 1000, 4096):
+        x = torch.randn(rows, 1280, device="cuda", dtype=torch.bfloat16)
+        ref = kernels.quick_gelu_(torch.nn.functional.linear(x, weight, bias))
+        got = linear_quick_gelu(x, weight, bias, "quack")
+        print(f"\n[quack fc1] rows={rows}: {diff_report(got.float(), ref.float())}")
+        assert rel_err(got.float(), ref.float()) <= 1e-2
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = linear_quick_gelu(x, weight, bias, "quack")
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, got)
+    small = torch.randn(vitgraph.gemm.QUACK_MIN_ROWS - 1, 1280, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(linear_quick_gelu(small, weight, bias, "quack"),
+                       kernels.quick_gelu_(torch.nn.functional.linear(small, weight, bias)))
 
 
 def test_cudnn_ragged_attention_in_a_graph_follows_new_layouts():

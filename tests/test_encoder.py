@@ -10,6 +10,7 @@ from vitgraph import GraphedVisionEncoder
 from vitgraph.attention import available_backends, resolve_backend
 from vitgraph.capture.planner import make_buckets, plan_call
 from vitgraph.config import TINY
+from vitgraph.gemm import resolve_gemm
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,15 @@ def test_backend_resolution():
         resolve_backend("varlen", "cpu")
 
 
+def test_gemm_resolution():
+    assert resolve_gemm("auto", "cpu", torch.bfloat16, fused=True) == "cublas"
+    assert resolve_gemm("cublas", "cpu", torch.float32, fused=False) == "cublas"
+    with pytest.raises(ValueError, match="gemm must be"):
+        resolve_gemm("magic", "cpu", torch.bfloat16, fused=True)
+    with pytest.raises(ValueError, match="needs quack-kernels"):
+        resolve_gemm("quack", "cpu", torch.bfloat16, fused=True)
+
+
 def test_empty_input(encoder):
     out = encoder.encode(torch.empty(0, 1176), [])
     assert out.shape == (0, 48) and out.dtype == torch.float32
@@ -152,6 +162,8 @@ def test_bad_out(encoder, out, error, words):
     (dict(fuse="yes"), "fuse"),
     (dict(fuse=0), "fuse"),
     (dict(attention="flash"), "not available"),
+    (dict(gemm="cutlass"), "gemm must be"),
+    (dict(gemm="quack"), "gemm='quack' needs"),
     (dict(device="cuda:0" if not torch.cuda.is_available() else "cuda:99"), "device"),
     (dict(device="tpu"), "device"),
     (dict(dtype=torch.int8), "dtype"),
@@ -181,7 +193,7 @@ def test_stats_on_cpu():
     stats = enc.stats()
     assert stats["mode"] == "eager" and stats["calls"] == 2 and stats["buckets"] == {}
     assert stats["eager_fallbacks"] == {"eager_mode": 1}
-    assert stats["attention"] == "sdpa" and stats["pool_bytes"] == 0
+    assert stats["attention"] == "sdpa" and stats["gemm"] == "cublas" and stats["pool_bytes"] == 0
     with pytest.raises(ValueError, match="capture"):
         enc.capture()
 

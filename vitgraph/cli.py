@@ -28,7 +28,7 @@ def cmd_demo(args) -> None:
     median = common.median_ms(lambda: enc.encode(pixels, grids), enc.device, iters=5, warmup=0)
     stats = enc.stats()
     print(f"vitgraph {__version__}: {args.model or 'random weights'} on {enc.device} ({stats['dtype']}), "
-          f"mode {stats['mode']}, attention {stats['attention']}, fused {stats['fused']}")
+          f"mode {stats['mode']}, attention {stats['attention']}, fused {stats['fused']}, gemm {stats['gemm']}")
     print(f"input  pixels {list(pixels.shape)}, grid_thw {grids}")
     print(f"output {list(out.shape)}; median {median:.2f} ms per call")
     if stats["mode"] == "graph":

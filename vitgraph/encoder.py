@@ -18,6 +18,7 @@ from .capture.graphs import GraphBank
 from .capture.planner import Bucket, Plan, Step, budget_ladder, make_buckets, plan_call
 from .capture.routing import single_frame_thresholds
 from .config import PRESETS, VisionConfig
+from .gemm import GEMM_BACKENDS, resolve_gemm
 from .loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
 from .models.qwen2_vl import Qwen2VisionTower
 from .validation import check_out, check_pixels, check_rows, normalize_grid
@@ -42,6 +43,7 @@ class EngineOptions:
     max_items: int = 16  # most segments (frames) one replay holds; each empty slot costs attention launch slots
     attention: str = "auto"  # "auto" | "fa4" | "cudnn" | "varlen" | "flash" | "sdpa"
     fuse: bool | None = None  # Triton kernels for the elementwise work; None = on CUDA in fp16/bf16 with triton
+    gemm: str = "auto"  # fc1 + QuickGELU: "quack" (one fused GEMM, Hopper) | "cublas"; auto = quack where it runs
     # Also capture a one-frame bucket per budget: a step holding a single frame (most images)
     # replays there with dense cuDNN attention instead of packed varlen attention.
     dense_buckets: bool = True
@@ -63,6 +65,8 @@ class EngineOptions:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("pool_limit_bytes", self.pool_limit_bytes, minimum=1, optional=True)
         _check_int("exact_eager_above", self.exact_eager_above, minimum=0, optional=True)
+        if self.gemm not in ("auto",) + GEMM_BACKENDS:
+            raise ValueError(f"gemm must be 'auto' or one of {GEMM_BACKENDS}, got {self.gemm!r}")
         if self.fuse is not None and not isinstance(self.fuse, bool):
             raise ValueError(f"fuse must be True, False or None (auto), got {self.fuse!r}")
         for name in ("dense_buckets", "route_single_frames"):
@@ -172,6 +176,8 @@ class GraphedVisionEncoder:
             fuse = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16) and kernels.usable(
                 self.device)
         self.tower.fuse(fuse)  # refuses fuse=True where the kernels cannot run
+        self.gemm = resolve_gemm(self.options.gemm, self.device, self.dtype, self.tower.fused)
+        self.tower.set_gemm_backend(self.gemm)
         self.config: VisionConfig = tower.config
 
         self.use_graphs = self.options.mode == "graph" or (self.options.mode == "auto" and self.device.type == "cuda")
@@ -373,6 +379,7 @@ class GraphedVisionEncoder:
                 "dtype": str(self.dtype).replace("torch.", ""),
                 "attention": self.attention,
                 "fused": self.tower.fused,
+                "gemm": self.gemm,
                 "mode": "graph" if self.use_graphs else "eager",
                 "calls": self._counters.calls,
                 "buckets": buckets,

@@ -118,15 +118,17 @@ def make_encoder(args, **options) -> GraphedVisionEncoder:
     return GraphedVisionEncoder.from_config(args.preset, device=args.device, dtype=args.dtype, seed=0, **options)
 
 
-def build_systems(args, systems: list[str], max_budget: int):
+def build_systems(args, systems: list[str], max_budget: int, **engine_options):
     """The encoders under test, sharing one set of weights: ``(runners, eager_encoder, graph_encoder)``.
 
     ``runners`` maps a system name to ``run(pixels, grids) -> rows``; the graph encoder is
     None unless ``vitgraph_graph`` is asked for; ``hf_eager`` is skipped without transformers.
+    ``engine_options`` (attention, gemm, ...) go to both vitgraph encoders.
     """
-    graph_enc = make_encoder(args, mode="graph", max_budget=max_budget) if "vitgraph_graph" in systems else None
-    base = graph_enc or make_encoder(args, mode="eager")
-    eager_enc = GraphedVisionEncoder(base.tower, device=base.device, dtype=base.dtype, mode="eager")
+    graph_enc = (make_encoder(args, mode="graph", max_budget=max_budget, **engine_options)
+                 if "vitgraph_graph" in systems else None)
+    base = graph_enc or make_encoder(args, mode="eager", **engine_options)
+    eager_enc = GraphedVisionEncoder(base.tower, device=base.device, dtype=base.dtype, mode="eager", **engine_options)
     runners = {"vitgraph_eager": eager_enc.encode}
     if graph_enc is not None:
         runners["vitgraph_graph"] = graph_enc.encode

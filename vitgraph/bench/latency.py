@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", nargs="*", default=None, help=f"case names from {list(CASES)}")
     p.add_argument("--case", action="append", type=parse_case, default=[], help="an extra case: name=t,h,w+t,h,w")
     p.add_argument("--systems", nargs="*", default=None, help=f"subset of {SYSTEMS}")
+    p.add_argument("--attention", default="auto", help="the encoders' attention backend (EngineOptions.attention)")
+    p.add_argument("--gemm", default="auto", help="the encoders' fc1 GEMM backend (EngineOptions.gemm)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--max-budget", type=int, default=16384)
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
     cases.update(dict(args.case))
     systems = args.systems or [s for s in SYSTEMS if on_gpu or s in ("hf_eager", "vitgraph_eager")]
 
-    runners, eager_enc, graph_enc = common.build_systems(args, systems, args.max_budget)
+    runners, eager_enc, graph_enc = common.build_systems(args, systems, args.max_budget, attention=args.attention,
+                                                         gemm=args.gemm)
     # Capture of every bucket, including the first-call JIT of vitgraph's Triton kernels.
     capture_s = graph_enc.stats()["capture_seconds"] if graph_enc else None
     device, dtype, cfg = eager_enc.device, eager_enc.dtype, eager_enc.config
@@ -151,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         runners["torch_compile"], compile_seconds = compiled_system(eager_enc)
 
     result = {**common.environment(device), "preset": args.model or args.preset, "dtype": str(dtype)[6:],
+              "attention": eager_enc.attention, "gemm": eager_enc.gemm,
               "ceilings": ceilings, "weight_bytes": weight_bytes, "capture_s": capture_s,
               "buckets": [b.name for b in graph_enc.buckets] if graph_enc else [],
               "pool_bytes": graph_enc.stats()["pool_bytes"] if graph_enc else None,
@@ -179,7 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {name}: " + ", ".join(f"{s} {v:.2f} ms" for s, v in entry["ms"].items()), file=sys.stderr)
 
     print(f"\n{result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "
-          f"{result['date']}; GEMM {ceilings['gemm_tflops']:.3g} TFLOP/s, copy {ceilings['copy_tbps']:.3g} TB/s")
+          f"{result['date']}; attention {result['attention']}, gemm {result['gemm']}; "
+          f"GEMM {ceilings['gemm_tflops']:.3g} TFLOP/s, copy {ceilings['copy_tbps']:.3g} TB/s")
     if graph_enc is not None:
         print(f"captured {len(result['buckets'])} buckets in {capture_s:.1f} s, pool {result['pool_bytes'] / 2**20:.0f} MiB"
               f" (eager activation peak of the largest bucket {result['eager_peak_bytes'] / 2**20:.0f} MiB)")

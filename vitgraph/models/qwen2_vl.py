@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .. import cudnn_attention, kernels
 from ..attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked
+from ..gemm import linear_quick_gelu
 from ..config import VisionConfig
 
 Grid = tuple[int, int, int]
@@ -194,6 +195,7 @@ class Qwen2VisionTower(nn.Module):
         self.merger = PatchMerger(cfg)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         self.fused = False
+        self.gemm_backend = "cublas"  # fc1 + QuickGELU in the fused forward: see vitgraph.gemm
 
     def _inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
         half = self.config.head_dim // 2  # h and w each rotate half of the head
@@ -228,6 +230,9 @@ class Qwen2VisionTower(nn.Module):
     def set_attention_backend(self, backend: str) -> None:
         for block in self.blocks:
             block.attn.backend = backend
+
+    def set_gemm_backend(self, backend: str) -> None:
+        self.gemm_backend = backend
 
     def fuse(self, enabled: bool = True) -> None:
         """Run the elementwise work through vitgraph's Triton kernels (:mod:`vitgraph.kernels`):
@@ -348,9 +353,11 @@ class Qwen2VisionTower(nn.Module):
             del out
             h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps)
             del y
-            f = F.linear(h, mlp.fc1.weight, mlp.fc1.bias)
+            if block.act_name == "quick_gelu":
+                f = linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)
+            else:
+                f = _ACTIVATIONS[block.act_name](F.linear(h, mlp.fc1.weight, mlp.fc1.bias))
             del h
-            f = kernels.quick_gelu_(f) if block.act_name == "quick_gelu" else _ACTIVATIONS[block.act_name](f)
             z = F.linear(f, mlp.fc2.weight, mlp.fc2.bias)
             del f
             norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else self.merger.ln_q
