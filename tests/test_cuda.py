@@ -13,7 +13,7 @@ from helpers import diff_report, hf_forward, hf_tower, random_pixels, rel_err, v
 import vitgraph.gemm
 from vitgraph import GraphedVisionEncoder, kernels
 from vitgraph.attention import available_backends
-from vitgraph.gemm import linear_quick_gelu, quack_available
+from vitgraph.gemm import linear_qkv, linear_quick_gelu, quack_available
 
 pytestmark = pytest.mark.cuda
 
@@ -68,6 +68,7 @@ def test_fp32_parity_every_backend(weights, hf_gpu, monkeypatch):
                     continue
                 # These grids are small: lower quack's row threshold so fc1 really runs in it.
                 monkeypatch.setattr(vitgraph.gemm, "QUACK_MIN_ROWS", 0)
+                monkeypatch.setattr(vitgraph.gemm, "QUACK_QKV_MIN_ROWS", 0)
                 enc = make(weights, mode="eager", dtype=dtype, attention=backend, fuse=fuse, gemm=gemm)
                 got = enc.encode(pixels.cuda(), grids).float().cpu()
                 err = rel_err(got, ref)
@@ -351,6 +352,29 @@ def test_quack_fc1_with_quick_gelu_epilogue():
     small = torch.randn(vitgraph.gemm.QUACK_MIN_ROWS - 1, 1280, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(linear_quick_gelu(small, weight, bias, "quack"),
                        kernels.quick_gelu_(torch.nn.functional.linear(small, weight, bias)))
+
+
+@pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")
+def test_quack_qkv_gemm():
+    """quack's plain GEMM for qkv at and above its row threshold against cuBLAS, in and out of a
+    CUDA graph; below the threshold it is cuBLAS itself."""
+    torch.manual_seed(0)
+    weight = torch.randn(3840, 1280, device="cuda", dtype=torch.bfloat16) * 0.03
+    bias = torch.randn(3840, device="cuda", dtype=torch.bfloat16) * 0.1
+    for rows in (vitgraph.gemm.QUACK_QKV_MIN_ROWS, 4000):
+        x = torch.randn(rows, 1280, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x, weight, bias)
+        got = linear_qkv(x, weight, bias, "quack")
+        print(f"\n[quack qkv] rows={rows}: {diff_report(got.float(), ref.float())}")
+        assert rel_err(got.float(), ref.float()) <= 1e-2
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = linear_qkv(x, weight, bias, "quack")
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, got)
+    small = torch.randn(vitgraph.gemm.QUACK_QKV_MIN_ROWS - 1, 1280, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(linear_qkv(small, weight, bias, "quack"), torch.nn.functional.linear(small, weight, bias))
 
 
 def test_cudnn_ragged_attention_in_a_graph_follows_new_layouts():

@@ -1,12 +1,14 @@
-"""fc1 with QuickGELU in its epilogue: one CuTe-DSL GEMM instead of cuBLAS plus a Triton pass.
+"""fc1 with QuickGELU in its epilogue: one CuTe-DSL GEMM instead of cuBLAS plus a Triton pass
+(and qkv through the same GEMM at large row counts).
 
 The ``quack`` backend runs quack-kernels' Hopper GEMM (installed with the ``fa4`` extra) with
 the bias and ``x * sigmoid(1.702 x)`` applied to the fp32 accumulator before the one bf16
 store. At 4096 tokens that saves the QuickGELU pass over fc1's output (84 MB read and
 written) and quack's tile also beats cuBLAS there: 93.7 -> 73.6 µs per block on an H200
 (``benchmarks/gemm_quack_epilogue.py``). Below ``QUACK_MIN_ROWS`` rows cuBLAS plus the
-Triton pass is as fast, so small inputs keep it. Every call with the same shape takes the
-same path, so graph replay stays bitwise equal to eager.
+Triton pass is as fast, so small inputs keep it. The plain qkv GEMM also takes quack's tile
+from ``QUACK_QKV_MIN_ROWS`` rows, where it beats cuBLAS's choice. Every call with the same shape
+takes the same path, so graph replay stays bitwise equal to eager.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from . import kernels
 
 GEMM_BACKENDS = ("quack", "cublas")
 QUACK_ARCHS = (9,)  # compute capability majors whose quack GEMM configuration was measured (Hopper)
-QUACK_MIN_ROWS = 512
+QUACK_MIN_ROWS = 512  # fc1 + QuickGELU: from 512 rows quack wins (14.5 vs 17.2 µs; equal at 384)
+QUACK_QKV_MIN_ROWS = 2048  # the plain qkv GEMM: quack's tile wins at 4096 rows (<= 54.9 vs 59.5 µs), not at 1024
 # quack's Hopper tile for fc1 (1280 -> 5120): the fastest at 1024 and 4096 rows of those measured.
 QUACK_TILE = dict(tile_m=128, tile_n=160, pingpong=True, cluster_m=1, cluster_n=2)
 
@@ -70,10 +73,11 @@ def _quick_gelu_epilogue():
 
 @functools.cache
 def _quack():
-    """quack's GEMM-with-activation entry, the registered activation's name, and the tile config."""
+    """quack's GEMM-with-activation and plain GEMM entries, the registered activation's name, and
+    the tile config."""
     from quack import activation
     from quack.gemm_config import GemmConfig
-    from quack.gemm_interface import gemm_act_tuned
+    from quack.gemm_interface import gemm_act_tuned, gemm_tuned
 
     # quack keeps compiled kernels on disk keyed by the activation's name: name it after its
     # source, so an edit here can never load a stale kernel.
@@ -81,20 +85,30 @@ def _quack():
     name = f"vitgraph_quick_gelu_{hashlib.sha256(source).hexdigest()[:12]}"
     activation.act_fn_map.setdefault(name, _quick_gelu_epilogue())
     config = GemmConfig(**QUACK_TILE, swap_ab=False, is_dynamic_persistent=False)
-    return gemm_act_tuned.fn, name, config
+    return gemm_act_tuned.fn, gemm_tuned.fn, name, config
 
 
-def _quack_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _quack_fits(x: torch.Tensor, weight: torch.Tensor, min_rows: int) -> bool:
     # 16-byte aligned rows for TMA; the weight used as [K, N] through a transposed view.
-    return (x.shape[0] >= QUACK_MIN_ROWS and x.is_contiguous() and weight.is_contiguous()
+    return (x.shape[0] >= min_rows and x.is_contiguous() and weight.is_contiguous()
             and x.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0)
 
 
 def linear_quick_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backend: str) -> torch.Tensor:
     """``quick_gelu(x @ weight.T + bias)`` for ``x [M, K]``, ``weight [N, K]``."""
-    if backend == "quack" and _quack_fits(x, weight):
-        gemm_act, name, config = _quack()
+    if backend == "quack" and _quack_fits(x, weight, QUACK_MIN_ROWS):
+        gemm_act, _, name, config = _quack()
         out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
         gemm_act(x, weight.t(), None, out, None, bias, name, config=config)
         return out
     return kernels.quick_gelu_(F.linear(x, weight, bias))
+
+
+def linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backend: str) -> torch.Tensor:
+    """``x @ weight.T + bias``: quack's GEMM from ``QUACK_QKV_MIN_ROWS`` rows, cuBLAS below."""
+    if backend == "quack" and _quack_fits(x, weight, QUACK_QKV_MIN_ROWS):
+        _, gemm, _, config = _quack()
+        out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
+        gemm(x, weight.t(), out, bias=bias, config=config)
+        return out
+    return F.linear(x, weight, bias)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .. import cudnn_attention, kernels
 from ..attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked
-from ..gemm import linear_quick_gelu
+from ..gemm import linear_qkv, linear_quick_gelu
 from ..config import VisionConfig
 
 Grid = tuple[int, int, int]
@@ -195,7 +195,7 @@ class Qwen2VisionTower(nn.Module):
         self.merger = PatchMerger(cfg)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         self.fused = False
-        self.gemm_backend = "cublas"  # fc1 + QuickGELU in the fused forward: see vitgraph.gemm
+        self.gemm_backend = "cublas"  # qkv and fc1 + QuickGELU in the fused forward: see vitgraph.gemm
 
     def _inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
         half = self.config.head_dim // 2  # h and w each rotate half of the head
@@ -334,7 +334,7 @@ class Qwen2VisionTower(nn.Module):
         # in eager runs and in the graphs' pool alike.
         for i, block in enumerate(blocks):
             attn, mlp = block.attn, block.mlp
-            qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
+            qkv = linear_qkv(h, attn.qkv.weight, attn.qkv.bias, self.gemm_backend)
             del h
             if lane is not None:
                 q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads, batch.segment_ids, lane)
