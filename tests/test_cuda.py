@@ -346,9 +346,10 @@ def test_quack_fc1_with_quick_gelu_epilogue():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = linear_quick_gelu(x, weight, bias, "quack")
+        x.copy_(torch.randn_like(x))  # new input: the replay must really run the GEMM
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(replayed, got)
+        assert torch.equal(replayed, linear_quick_gelu(x, weight, bias, "quack"))
     small = torch.randn(vitgraph.gemm.QUACK_MIN_ROWS - 1, 1280, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(linear_quick_gelu(small, weight, bias, "quack"),
                        kernels.quick_gelu_(torch.nn.functional.linear(small, weight, bias)))
@@ -370,9 +371,10 @@ def test_quack_qkv_gemm():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = linear_qkv(x, weight, bias, "quack")
+        x.copy_(torch.randn_like(x))  # new input: the replay must really run the GEMM
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(replayed, got)
+        assert torch.equal(replayed, linear_qkv(x, weight, bias, "quack"))
     small = torch.randn(vitgraph.gemm.QUACK_QKV_MIN_ROWS - 1, 1280, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(linear_qkv(small, weight, bias, "quack"), torch.nn.functional.linear(small, weight, bias))
 

@@ -93,6 +93,22 @@ def test_gemm_resolution():
         resolve_gemm("quack", "cpu", torch.bfloat16, fused=True)
 
 
+def test_gemm_auto_falls_back_when_quack_fails_to_load(monkeypatch, caplog):
+    import vitgraph.gemm
+
+    def broken():
+        raise ImportError("cutlass.cute is missing")
+
+    monkeypatch.setattr(vitgraph.gemm, "quack_available", lambda device: True)
+    monkeypatch.setattr(vitgraph.gemm, "_quack", broken)
+    with caplog.at_level("WARNING", logger="vitgraph"):
+        assert resolve_gemm("auto", "cpu", torch.bfloat16, fused=True) == "cublas"
+    assert "failed to load" in caplog.text
+    with pytest.raises(ValueError, match="failed to load"):
+        resolve_gemm("quack", "cpu", torch.bfloat16, fused=True)
+    assert resolve_gemm("auto", "cpu", torch.float32, fused=True) == "cublas"  # fp32 never tries it
+
+
 def test_empty_input(encoder):
     out = encoder.encode(torch.empty(0, 1176), [])
     assert out.shape == (0, 48) and out.dtype == torch.float32

@@ -17,11 +17,14 @@ import functools
 import hashlib
 import importlib.util
 import inspect
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from . import kernels
+
+logger = logging.getLogger(__name__)
 
 GEMM_BACKENDS = ("quack", "cublas")
 QUACK_ARCHS = (9,)  # compute capability majors whose quack GEMM configuration was measured (Hopper)
@@ -44,16 +47,26 @@ def quack_available(device: torch.device | str) -> bool:
 
 
 def resolve_gemm(name: str, device: torch.device | str, dtype: torch.dtype, fused: bool) -> str:
-    """``"auto"``: ``quack`` where it can run (Hopper, fp16/bf16, the fused forward), else ``cublas``."""
-    usable = fused and dtype in (torch.float16, torch.bfloat16) and quack_available(device)
-    if name == "auto":
-        return "quack" if usable else "cublas"
-    if name not in GEMM_BACKENDS:
+    """``"auto"``: ``quack`` where it can run (Hopper, fp16/bf16, the fused forward, and quack
+    imports), else ``cublas``. An explicit ``"quack"`` that cannot run is a ``ValueError``."""
+    if name not in ("auto",) + GEMM_BACKENDS:
         raise ValueError(f"gemm must be 'auto' or one of {GEMM_BACKENDS}, got {name!r}")
-    if name == "quack" and not usable:
+    if name == "cublas":
+        return name
+    usable = fused and dtype in (torch.float16, torch.bfloat16) and quack_available(device)
+    if usable:
+        try:
+            _quack()  # imports quack and registers the epilogue: fail here, not during capture
+        except Exception as err:  # a broken or incompatible install
+            if name == "quack":
+                raise ValueError(f"gemm='quack': quack-kernels is installed but failed to load: {err}") from err
+            logger.warning("vitgraph: quack-kernels failed to load (%s); fc1 and qkv use cuBLAS", err)
+            return "cublas"
+        return "quack"
+    if name == "quack":
         raise ValueError(f"gemm='quack' needs quack-kernels (pip install 'vitgraph[fa4]'), a Hopper GPU, fp16/bf16 "
                          f"and the fused forward; got device {device}, dtype {dtype}, fused {fused}")
-    return name
+    return "cublas"
 
 
 def _quick_gelu_epilogue():
