@@ -13,21 +13,14 @@ the 32-block tower (one set would sit in the 50 MB L2):
 Usage: gemm_cublaslt_algos.py [M ...] [--algos N]. Needs nvmath-python (and cuda-core).
 """
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
-from vitgraph.bench.common import graph_replay_us
+from vitgraph.bench.common import graph_per_call_us as per_call_us
 
 LAYERS = {"qkv": (1280, 3840), "proj": (1280, 1280), "fc1": (1280, 5120), "fc2": (5120, 1280)}
 SETS = 8
-
-
-def per_call_us(calls) -> float:
-    """µs per GEMM of a list of closures, all captured into one graph, one pass per replay."""
-    us, _ = graph_replay_us(lambda: [c() for c in calls], inner=1, reps=25)
-    return us / len(calls)
 
 
 def main() -> None:

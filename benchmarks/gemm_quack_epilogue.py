@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from vitgraph import kernels
-from vitgraph.bench.common import graph_replay_us
+from vitgraph.bench.common import graph_per_call_us as per_call_us
 
 LAYERS = {"qkv": (1280, 3840), "proj": (1280, 1280), "fc1": (1280, 5120), "fc2": (5120, 1280)}
 SETS = 8
@@ -68,11 +68,6 @@ def vitgraph_config():
 def label(c) -> str:
     return (f"{c.tile_m}x{c.tile_n} {'pp' if c.pingpong else 'coop'} c{c.cluster_m}{c.cluster_n}"
             f"{' swap' if c.swap_ab else ''}")
-
-
-def per_call_us(calls) -> float:
-    us, _ = graph_replay_us(lambda: [c() for c in calls], inner=1, reps=25)
-    return us / len(calls)
 
 
 def main() -> None:
@@ -137,7 +132,7 @@ def main() -> None:
             totals[m]["cublas"] += base
             totals[m]["best"] += best
             shown = "; ".join(f"{lab} {us:.1f} (err {err:.1e})" for us, lab, err in results[:3])
-            print(f"  all: " + "; ".join(f"{lab} {us:.1f}" for us, lab, _ in results), flush=True)
+            print("  all: " + "; ".join(f"{lab} {us:.1f}" for us, lab, _ in results), flush=True)
             print(f"M={m:5d} {name:4s}{'+gelu' if act else '     '} cublas {base:7.1f} | quack best: {shown}",
                   flush=True)
     print("\nper block (qkv+proj+fc1+QuickGELU+fc2), µs: M, cuBLAS + Triton, best of cuBLAS/quack per layer")

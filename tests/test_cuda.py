@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import diff_report, hf_forward, hf_tower, random_pixels, rel_err, vision_state
 
 import vitgraph.gemm
@@ -330,53 +331,39 @@ def test_stats_report(graph_enc):
     assert used and all(b["real_tokens"] > 0 and b["padded_tokens"] >= 0 for b in used)
 
 
-@pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")
-def test_quack_fc1_with_quick_gelu_epilogue():
-    """quack's fused fc1 + QuickGELU against cuBLAS plus the Triton pass, at the real fc1 width,
-    in and out of a CUDA graph; below the row threshold it is the cuBLAS path, bit for bit."""
-    torch.manual_seed(0)
-    weight = torch.randn(5120, 1280, device="cuda", dtype=torch.bfloat16) * 0.03
-    bias = torch.randn(5120, device="cuda", dtype=torch.bfloat16) * 0.1
-    for rows in (vitgraph.gemm.QUACK_MIN_ROWS, 1000, 4096):
-        x = torch.randn(rows, 1280, device="cuda", dtype=torch.bfloat16)
-        ref = kernels.quick_gelu_(torch.nn.functional.linear(x, weight, bias))
-        got = linear_quick_gelu(x, weight, bias, "quack")
-        print(f"\n[quack fc1] rows={rows}: {diff_report(got.float(), ref.float())}")
-        assert rel_err(got.float(), ref.float()) <= 1e-2
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = linear_quick_gelu(x, weight, bias, "quack")
-        x.copy_(torch.randn_like(x))  # new input: the replay must really run the GEMM
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, linear_quick_gelu(x, weight, bias, "quack"))
-    small = torch.randn(vitgraph.gemm.QUACK_MIN_ROWS - 1, 1280, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(linear_quick_gelu(small, weight, bias, "quack"),
-                       kernels.quick_gelu_(torch.nn.functional.linear(small, weight, bias)))
+# vitgraph.gemm's quack paths: (function, output width, the cuBLAS path it replaces, row threshold, more rows)
+QUACK_LAYERS = {
+    "fc1+quick_gelu": (linear_quick_gelu, 5120, lambda x, w, b: kernels.quick_gelu_(F.linear(x, w, b)),
+                       "QUACK_MIN_ROWS", (1000, 4096)),
+    "qkv": (linear_qkv, 3840, F.linear, "QUACK_QKV_MIN_ROWS", (4000,)),
+}
 
 
 @pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")
-def test_quack_qkv_gemm():
-    """quack's plain GEMM for qkv at and above its row threshold against cuBLAS, in and out of a
-    CUDA graph; below the threshold it is cuBLAS itself."""
+@pytest.mark.parametrize("layer", list(QUACK_LAYERS))
+def test_quack_gemm_against_cublas_in_and_out_of_a_graph(layer):
+    """quack's GEMM (fc1 with QuickGELU in its epilogue; plain qkv) against the cuBLAS path it
+    replaces, at the real widths, eagerly and replayed on new inputs; below its row threshold
+    the function is the cuBLAS path, bit for bit."""
+    fn, width, cublas, threshold, more_rows = QUACK_LAYERS[layer]
+    threshold = getattr(vitgraph.gemm, threshold)
     torch.manual_seed(0)
-    weight = torch.randn(3840, 1280, device="cuda", dtype=torch.bfloat16) * 0.03
-    bias = torch.randn(3840, device="cuda", dtype=torch.bfloat16) * 0.1
-    for rows in (vitgraph.gemm.QUACK_QKV_MIN_ROWS, 4000):
+    weight = torch.randn(width, 1280, device="cuda", dtype=torch.bfloat16) * 0.03
+    bias = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
+    for rows in (threshold, *more_rows):
         x = torch.randn(rows, 1280, device="cuda", dtype=torch.bfloat16)
-        ref = torch.nn.functional.linear(x, weight, bias)
-        got = linear_qkv(x, weight, bias, "quack")
-        print(f"\n[quack qkv] rows={rows}: {diff_report(got.float(), ref.float())}")
+        ref, got = cublas(x, weight, bias), fn(x, weight, bias, "quack")
+        print(f"\n[quack {layer}] rows={rows}: {diff_report(got.float(), ref.float())}")
         assert rel_err(got.float(), ref.float()) <= 1e-2
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            replayed = linear_qkv(x, weight, bias, "quack")
+            replayed = fn(x, weight, bias, "quack")
         x.copy_(torch.randn_like(x))  # new input: the replay must really run the GEMM
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(replayed, linear_qkv(x, weight, bias, "quack"))
-    small = torch.randn(vitgraph.gemm.QUACK_QKV_MIN_ROWS - 1, 1280, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(linear_qkv(small, weight, bias, "quack"), torch.nn.functional.linear(small, weight, bias))
+        assert torch.equal(replayed, fn(x, weight, bias, "quack"))
+    small = torch.randn(threshold - 1, 1280, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(fn(small, weight, bias, "quack"), cublas(small, weight, bias))
 
 
 def test_cudnn_ragged_attention_in_a_graph_follows_new_layouts():

@@ -64,6 +64,13 @@ def graph_replay_us(fn: Callable[[], object], inner: int = 10, reps: int = 15):
     return statistics.median(times), graph
 
 
+def graph_per_call_us(calls: list[Callable[[], object]]) -> float:
+    """Median µs per call of a list of closures (e.g. one per weight set, so weights stream
+    from DRAM), all captured into one CUDA graph, one pass per replay."""
+    us, _ = graph_replay_us(lambda: [c() for c in calls], inner=1, reps=25)
+    return us / len(calls)
+
+
 def measure_ceilings(device: torch.device) -> dict[str, float]:
     """Dense bf16 GEMM rate (TFLOP/s) and device copy bandwidth (TB/s, bytes read + written)."""
     if device.type != "cuda":
