@@ -107,6 +107,8 @@ def test_gemm_auto_falls_back_when_quack_fails_to_load(monkeypatch, caplog):
     with pytest.raises(ValueError, match="failed to load"):
         resolve_gemm("quack", "cpu", torch.bfloat16, fused=True)
     assert resolve_gemm("auto", "cpu", torch.float32, fused=True) == "cublas"  # fp32 never tries it
+    with pytest.raises(ValueError, match="bf16"):
+        resolve_gemm("quack", "cpu", torch.float16, fused=True)  # measured and tested in bf16 only
 
 
 def test_empty_input(encoder):

@@ -43,7 +43,7 @@ class EngineOptions:
     max_items: int = 16  # most segments (frames) one replay holds; each empty slot costs attention launch slots
     attention: str = "auto"  # "auto" | "fa4" | "cudnn" | "varlen" | "flash" | "sdpa"
     fuse: bool | None = None  # Triton kernels for the elementwise work; None = on CUDA in fp16/bf16 with triton
-    gemm: str = "auto"  # fc1 + QuickGELU: "quack" (one fused GEMM, Hopper) | "cublas"; auto = quack where it runs
+    gemm: str = "auto"  # "quack" (fc1 + QuickGELU as one GEMM, qkv too; Hopper, bf16) | "cublas"; auto = quack where it runs
     # Also capture a one-frame bucket per budget: a step holding a single frame (most images)
     # replays there with dense cuDNN attention instead of packed varlen attention.
     dense_buckets: bool = True

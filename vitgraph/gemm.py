@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 GEMM_BACKENDS = ("quack", "cublas")
 QUACK_ARCHS = (9,)  # compute capability majors whose quack GEMM configuration was measured (Hopper)
 QUACK_MIN_ROWS = 512  # fc1 + QuickGELU: from 512 rows quack wins (14.5 vs 17.2 µs; equal at 384)
-QUACK_QKV_MIN_ROWS = 2048  # the plain qkv GEMM: quack's tile wins at 4096 rows (<= 54.9 vs 59.5 µs), not at 1024
+QUACK_QKV_MIN_ROWS = 2048  # plain qkv: quack's tile wins from 2048 rows (28.4 vs 31.5 µs), loses at 1024 (19.6 vs 17.8)
 # quack's Hopper tile for fc1 (1280 -> 5120): the fastest at 1024 and 4096 rows of those measured.
 QUACK_TILE = dict(tile_m=128, tile_n=160, pingpong=True, cluster_m=1, cluster_n=2)
 
@@ -47,13 +47,14 @@ def quack_available(device: torch.device | str) -> bool:
 
 
 def resolve_gemm(name: str, device: torch.device | str, dtype: torch.dtype, fused: bool) -> str:
-    """``"auto"``: ``quack`` where it can run (Hopper, fp16/bf16, the fused forward, and quack
-    imports), else ``cublas``. An explicit ``"quack"`` that cannot run is a ``ValueError``."""
+    """``"auto"``: ``quack`` where it can run (Hopper, bf16, the fused forward, and quack imports),
+    else ``cublas``. An explicit ``"quack"`` that cannot run is a ``ValueError``. bf16 only:
+    the dtype the quack path was measured and tested in."""
     if name not in ("auto",) + GEMM_BACKENDS:
         raise ValueError(f"gemm must be 'auto' or one of {GEMM_BACKENDS}, got {name!r}")
     if name == "cublas":
         return name
-    usable = fused and dtype in (torch.float16, torch.bfloat16) and quack_available(device)
+    usable = fused and dtype == torch.bfloat16 and quack_available(device)
     if usable:
         try:
             _quack()  # imports quack and registers the epilogue: fail here, not during capture
@@ -64,7 +65,7 @@ def resolve_gemm(name: str, device: torch.device | str, dtype: torch.dtype, fuse
             return "cublas"
         return "quack"
     if name == "quack":
-        raise ValueError(f"gemm='quack' needs quack-kernels (pip install 'vitgraph[fa4]'), a Hopper GPU, fp16/bf16 "
+        raise ValueError(f"gemm='quack' needs quack-kernels (pip install 'vitgraph[fa4]'), a Hopper GPU, bf16 "
                          f"and the fused forward; got device {device}, dtype {dtype}, fused {fused}")
     return "cublas"
 

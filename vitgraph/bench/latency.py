@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--case", action="append", type=parse_case, default=[], help="an extra case: name=t,h,w+t,h,w")
     p.add_argument("--systems", nargs="*", default=None, help=f"subset of {SYSTEMS}")
     p.add_argument("--attention", default="auto", help="the encoders' attention backend (EngineOptions.attention)")
-    p.add_argument("--gemm", default="auto", help="the encoders' fc1 GEMM backend (EngineOptions.gemm)")
+    p.add_argument("--gemm", default="auto", help="the encoders' fc1/qkv GEMM backend (EngineOptions.gemm)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--max-budget", type=int, default=16384)

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from .. import cudnn_attention, kernels
 from ..attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked
-from ..gemm import linear_qkv, linear_quick_gelu
 from ..config import VisionConfig
+from ..gemm import linear_qkv, linear_quick_gelu
 
 Grid = tuple[int, int, int]
 
