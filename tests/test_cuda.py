@@ -84,21 +84,46 @@ def test_every_bucket_replay_is_bitwise_equal_to_eager_on_the_same_buffers(graph
     assert [b.name for b in bank.buckets] == [f"{b}x{n}" for b in BUDGETS for n in (1, min(MAX_ITEMS, b // 4))]
     rng = random.Random(0)
     for bucket in bank.buckets:
-        grids = []
-        while True:  # fill about 3/4 of the bucket with random frames
-            g = random_grids(rng, 1, max_frames=1, max_side=min(16, int(bucket.tokens ** 0.5)))[0]
-            if (sum(t * h * w for t, h, w in grids) + g[1] * g[2] > 0.75 * bucket.tokens
-                    or len(grids) == bucket.max_segments):
-                break
-            grids.append(g)
-        grids = grids or [(1, 2, 2)]
-        tokens = sum(t * h * w for t, h, w in grids)
-        pixels = random_pixels(grids, width=1176, seed=bucket.tokens).cuda().bfloat16()
-        bank.load(bucket, pixels, bank.stage_grids(bucket, grids))
+        grids, tokens = load_random_frames(bank, bucket, rng)
         replayed = bank.replay(bucket)[:tokens // 4].clone()
         eager = bank.run_eager(bucket)[:tokens // 4]
         assert torch.equal(replayed, eager), f"bucket {bucket.name}: {diff_report(replayed, eager)}"
         print(f"\n[bitwise] bucket {bucket.name:>7}: {len(grids)} frames, {tokens} tokens, replay == eager")
+
+
+def load_random_frames(bank, bucket, rng):
+    """Load random frames filling about 3/4 of ``bucket`` into its buffers; returns (grids, tokens)."""
+    grids = []
+    while True:
+        g = random_grids(rng, 1, max_frames=1, max_side=min(16, int(bucket.tokens ** 0.5)))[0]
+        if (sum(t * h * w for t, h, w in grids) + g[1] * g[2] > 0.75 * bucket.tokens
+                or len(grids) == bucket.max_segments):
+            break
+        grids.append(g)
+    grids = grids or [(1, 2, 2)]
+    tokens = sum(t * h * w for t, h, w in grids)
+    pixels = random_pixels(grids, width=1176, seed=bucket.tokens).cuda().bfloat16()
+    bank.load(bucket, pixels, bank.stage_grids(bucket, grids))
+    return grids, tokens
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability 9+")
+def test_programmatic_dependent_launch_changes_no_bit(graph_enc, monkeypatch):
+    """On Hopper the Triton kernels launch with PDL (they may start before the kernel ahead of
+    them ends, and wait for its results before loading): every bucket's replay equals an eager
+    run on the same buffers whose kernels launch the plain way."""
+    assert kernels._launch_options(torch.empty(1, device="cuda")) == {"PDL": True, "launch_pdl": True}
+    bank = graph_enc.bank
+    rng = random.Random(1)
+    for bucket in bank.buckets:
+        _, tokens = load_random_frames(bank, bucket, rng)
+        replayed = bank.replay(bucket)[:tokens // 4].clone()
+        monkeypatch.setattr(kernels, "PDL_ENABLED", False)
+        assert kernels._launch_options(replayed) == {"PDL": False}
+        plain = bank.run_eager(bucket)[:tokens // 4]
+        monkeypatch.setattr(kernels, "PDL_ENABLED", True)
+        assert torch.equal(replayed, plain), f"bucket {bucket.name}: {diff_report(replayed, plain)}"
 
 
 def test_replay_matches_unpadded_eager(graph_enc, eager_enc):
