@@ -21,7 +21,6 @@ CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -45,26 +44,6 @@ def usable(device: torch.device | str) -> bool:
     return available() and (torch.device(device).type == "cuda" or interpreted())
 
 
-# Programmatic dependent launch (compute capability 9+): each kernel is launched so that it
-# may start while the kernel before it finishes; it waits (``gdc_wait``) for that kernel's
-# results before its first load, and at once lets the next PDL kernel start (quack's GEMMs
-# are launched that way too). What overlaps is launch and prologue, never memory access,
-# so results are unchanged. Set to False to launch the plain way (for A/B timing).
-PDL_ENABLED = True
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def _launch_options(t: torch.Tensor) -> dict:
-    """Extra launch options for a kernel on ``t``'s device: PDL where the GPU has it."""
-    if PDL_ENABLED and t.is_cuda and not interpreted() and _pdl_capable(t.device.index or 0):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
-
-
 if available():
     import triton
     import triton.language as tl
@@ -82,11 +61,7 @@ if available():
 
     @triton.jit
     def _add_layernorm_kernel(x_ptr, y_ptr, h_ptr, w_ptr, b_ptr, rows, eps,
-                              N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_Y: tl.constexpr,
-                              PDL: tl.constexpr):
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # the kernel before wrote x / y
-            tl.extra.cuda.gdc_launch_dependents()
+                              N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_Y: tl.constexpr):
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
         c = tl.arange(0, BLOCK_N)[None, :]
         mask = (r < rows) & (c < N)
@@ -102,11 +77,7 @@ if available():
     @triton.jit
     def _rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, seg_ptr, q_ptr, k_ptr, rows, pad_score,
                        H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, LANE: tl.constexpr, ZERO_PAD: tl.constexpr,
-                       PDL: tl.constexpr):
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # the kernel before wrote qkv
-            tl.extra.cuda.gdc_launch_dependents()
+                       BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, LANE: tl.constexpr, ZERO_PAD: tl.constexpr):
         # Tile [rows, heads, half of head_dim]: each half is a contiguous run, no gathers.
         half: tl.constexpr = D // 2
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None, None]
@@ -158,10 +129,7 @@ if available():
             tl.store(qkv_ptr + src + H * D + half, ok2, mask=mask)
 
     @triton.jit
-    def _quick_gelu_kernel(x_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # the kernel before wrote x
-            tl.extra.cuda.gdc_launch_dependents()
+    def _quick_gelu_kernel(x_ptr, n, BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
         x = tl.load(x_ptr + i, mask=mask, other=0.0)
@@ -185,8 +153,7 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
     per = _rows_per_program(rows, n)
     _add_layernorm_kernel[(triton.cdiv(rows, per),)](
         x, y if y is not None else x, h, weight, bias, rows, eps,
-        N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=per, HAS_Y=y is not None, num_warps=8,
-        **_launch_options(x))
+        N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=per, HAS_Y=y is not None, num_warps=8)
     return h
 
 
@@ -220,8 +187,7 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
         _rotary_kernel[(triton.cdiv(rows, per),)](
             qkv, cos, sin, segment_ids if segment_ids is not None else cos, q_out, k_out, rows, PAD_KEY_SCORE,
             H=num_heads, D=head_dim, DP=dp, BLOCK_H=block_h, BLOCK_HALF=block_half, ROWS=per,
-            LANE=lane_dim is not None, ZERO_PAD=zero_padding or lane_dim is not None, num_warps=4,
-            **_launch_options(qkv))
+            LANE=lane_dim is not None, ZERO_PAD=zero_padding or lane_dim is not None, num_warps=4)
     if lane_dim is None:
         return views
     return q_out, k_out, views[2]
@@ -232,5 +198,5 @@ def quick_gelu_(x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     if n:
         block = 4096
-        _quick_gelu_kernel[(triton.cdiv(n, block),)](x, n, BLOCK=block, num_warps=8, **_launch_options(x))
+        _quick_gelu_kernel[(triton.cdiv(n, block),)](x, n, BLOCK=block, num_warps=8)
     return x
