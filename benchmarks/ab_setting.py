@@ -1,6 +1,6 @@
 """A/B of module-level settings of vitgraph, end to end, in one process.
 
-    python benchmarks/ab_setting.py vitgraph.gemm.QUACK_PROJ_ADD_MIN_ROWS=10**9 vitgraph.gemm.QUACK_FC2_ADD_MIN_ROWS=10**9
+    python benchmarks/ab_setting.py vitgraph.gemm.QUACK_QKV_MIN_ROWS=10**9   # qkv back on cuBLAS
     python benchmarks/ab_setting.py vitgraph.gemm.QUACK_MIN_ROWS=256 --cases 1x256 --rounds 7
 
 Two graph encoders of the 2B model with the same random weights: ``default`` and

@@ -14,7 +14,7 @@ from helpers import diff_report, hf_forward, hf_tower, random_pixels, rel_err, v
 import vitgraph.gemm
 from vitgraph import GraphedVisionEncoder, kernels
 from vitgraph.attention import available_backends
-from vitgraph.gemm import linear_add_, linear_qkv, linear_quick_gelu, quack_available
+from vitgraph.gemm import linear_qkv, linear_quick_gelu, quack_available
 
 pytestmark = pytest.mark.cuda
 
@@ -61,7 +61,7 @@ def test_fp32_parity_every_backend(weights, hf_gpu, monkeypatch):
     pixels = random_pixels(grids, seed=1)
     ref = hf_forward(hf_gpu, pixels, grids)  # fp32 on CPU
     # These grids are small: lower quack's row thresholds so every quack GEMM really runs.
-    for threshold in ("QUACK_MIN_ROWS", "QUACK_QKV_MIN_ROWS", "QUACK_PROJ_ADD_MIN_ROWS", "QUACK_FC2_ADD_MIN_ROWS"):
+    for threshold in ("QUACK_MIN_ROWS", "QUACK_QKV_MIN_ROWS"):
         monkeypatch.setattr(vitgraph.gemm, threshold, 0)
     for backend in available_backends("cuda"):
         for dtype in (torch.float32, torch.bfloat16):
@@ -343,39 +343,6 @@ QUACK_LAYERS = {
                        "QUACK_MIN_ROWS", (1000, 4096)),
     "qkv": (linear_qkv, 3840, F.linear, "QUACK_QKV_MIN_ROWS", (4000,)),
 }
-
-
-@pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")
-@pytest.mark.parametrize("layer", ["proj", "fc2"])
-def test_residual_add_in_the_gemm_epilogue(layer):
-    """``linear_add_`` (proj / fc2 adding into the residual stream in quack's epilogue) against
-    cuBLAS then the add, eagerly and replayed in a graph on a new input and a new residual;
-    below the layer's row threshold the forward keeps the cuBLAS path."""
-    width, min_rows = {"proj": (1280, vitgraph.gemm.QUACK_PROJ_ADD_MIN_ROWS),
-                       "fc2": (5120, vitgraph.gemm.QUACK_FC2_ADD_MIN_ROWS)}[layer]
-    torch.manual_seed(0)
-    weight = torch.randn(1280, width, device="cuda", dtype=torch.bfloat16) * 0.03
-    bias = torch.randn(1280, device="cuda", dtype=torch.bfloat16) * 0.1
-    for rows in (2048, 4000, min_rows):
-        inp = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(rows, 1280, device="cuda", dtype=torch.bfloat16)
-        assert vitgraph.gemm.residual_in_epilogue(x, inp, weight, "quack", rows)
-        ref = x + F.linear(inp, weight, bias)
-        got = linear_add_(x.clone(), inp, weight, bias)
-        print(f"\n[quack add] {layer} rows={rows}: {diff_report(got.float(), ref.float())}")
-        assert rel_err(got.float(), ref.float()) <= 1e-2
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            linear_add_(x, inp, weight, bias)
-        inp.copy_(torch.randn_like(inp))
-        x.copy_(torch.randn_like(x))
-        before = x.clone()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(x, linear_add_(before, inp, weight, bias))
-    small = torch.empty(min_rows - 1, width, device="cuda", dtype=torch.bfloat16)
-    assert not vitgraph.gemm.residual_in_epilogue(torch.empty(min_rows - 1, 1280, device="cuda"), small, weight,
-                                                  "quack", min_rows)
 
 
 @pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")

@@ -30,11 +30,6 @@ GEMM_BACKENDS = ("quack", "cublas")
 QUACK_ARCHS = (9,)  # compute capability majors whose quack GEMM configuration was measured (Hopper)
 QUACK_MIN_ROWS = 512  # fc1 + QuickGELU: from 512 rows quack wins (14.5 vs 17.2 µs; equal at 384)
 QUACK_QKV_MIN_ROWS = 2048  # plain qkv: quack's tile wins from 2048 rows (28.4 vs 31.5 µs), loses at 1024 (19.6 vs 17.8)
-# proj / fc2 adding into the residual stream in the epilogue (linear_add_), then LayerNorm, µs
-# (benchmarks/gemm_residual_epilogue.py): proj 31.8 -> 28.8 at 4096 rows, 17.3 -> 18.4 at 2048;
-# fc2 162.4 -> 152.6 at 8192, 81.4 -> 82.5 at 4096.
-QUACK_PROJ_ADD_MIN_ROWS = 4096
-QUACK_FC2_ADD_MIN_ROWS = 8192
 # quack's Hopper tile for fc1 (1280 -> 5120): the fastest at 1024 and 4096 rows of those measured.
 QUACK_TILE = dict(tile_m=128, tile_n=160, pingpong=True, cluster_m=1, cluster_n=2)
 
@@ -121,23 +116,6 @@ def linear_quick_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         gemm_act(x, weight.t(), None, out, None, bias, name, config=config)
         return out
     return kernels.quick_gelu_(F.linear(x, weight, bias))
-
-
-def residual_in_epilogue(x: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor, backend: str,
-                         min_rows: int) -> bool:
-    """Whether ``x += inp @ weight.T + bias`` runs as :func:`linear_add_` (else the caller runs
-    cuBLAS and adds the result itself)."""
-    return backend == "quack" and x.is_contiguous() and _quack_fits(inp, weight, min_rows)
-
-
-def linear_add_(x: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``x += inp @ weight.T + bias`` in one quack GEMM: the epilogue rounds ``inp @ weight.T + bias``
-    to ``x``'s dtype and adds it into ``x`` with a TMA reduce-add store (one add per element, so
-    deterministic), the rounding the separate add makes. The LayerNorm after it then reads
-    one tensor instead of two, and the projection's output is never stored."""
-    _, gemm, _, config = _quack()
-    gemm(inp, weight.t(), x, bias=bias, add_to_output=True, config=config)
-    return x
 
 
 def linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backend: str) -> torch.Tensor:

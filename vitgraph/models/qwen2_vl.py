@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from .. import cudnn_attention, kernels
 from ..attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked
 from ..config import VisionConfig
-from .. import gemm
-from ..gemm import linear_add_, linear_qkv, linear_quick_gelu, residual_in_epilogue
+from ..gemm import linear_qkv, linear_quick_gelu
 
 Grid = tuple[int, int, int]
 
@@ -307,14 +306,6 @@ class Qwen2VisionTower(nn.Module):
             x = block(x, cos, sin, batch)
         return self.merger(x)  # [T / merge_unit, hidden]
 
-    def _add_linear_layernorm(self, x: torch.Tensor, inp: torch.Tensor, linear: nn.Linear,
-                              norm: nn.LayerNorm, quack_min_rows: int) -> torch.Tensor:
-        """``x += linear(inp)`` in place, then return ``norm(x)``."""
-        if residual_in_epilogue(x, inp, linear.weight, self.gemm_backend, quack_min_rows):
-            linear_add_(x, inp, linear.weight, linear.bias)
-            return kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps)
-        return kernels.add_layernorm(x, F.linear(inp, linear.weight, linear.bias), norm.weight, norm.bias, norm.eps)
-
     def forward_fused(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
         """The same math with three Triton kernels per half-block (see :mod:`vitgraph.kernels`).
 
@@ -322,8 +313,7 @@ class Qwen2VisionTower(nn.Module):
         that follows it, the last one with the merger's. One padded segment (a dense bucket)
         attends through cuDNN with a masking lane; packed buckets through cuDNN's ragged
         attention when the backend is ``cudnn``; anything else through ``attend`` (with the
-        padding rows zeroed by the rotary kernel for ``fa4``). With the ``quack`` GEMMs on
-        enough rows, proj and fc2 add into the residual stream in their epilogue instead.
+        padding rows zeroed by the rotary kernel for ``fa4``).
         """
         cfg, blocks = self.config, self.blocks
         # The rotary tables first: they live through the forward while their temporaries
@@ -359,15 +349,18 @@ class Qwen2VisionTower(nn.Module):
                 out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding)
                 del q, k, v
             del qkv
-            h = self._add_linear_layernorm(x, out.reshape(x.shape[0], -1), attn.proj, block.norm2,
-                                           gemm.QUACK_PROJ_ADD_MIN_ROWS)
+            y = F.linear(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias)
             del out
+            h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps)
+            del y
             if block.act_name == "quick_gelu":
                 f = linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)
             else:
                 f = _ACTIVATIONS[block.act_name](F.linear(h, mlp.fc1.weight, mlp.fc1.bias))
             del h
-            norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else self.merger.ln_q
-            h = self._add_linear_layernorm(x, f, mlp.fc2, norm, gemm.QUACK_FC2_ADD_MIN_ROWS)
+            z = F.linear(f, mlp.fc2.weight, mlp.fc2.bias)
             del f
+            norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else self.merger.ln_q
+            h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps)
+            del z
         return self.merger.mlp(h.view(-1, self.merger.merged_dim))
