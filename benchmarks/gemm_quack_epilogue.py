@@ -58,11 +58,10 @@ def configs():
 
 
 def vitgraph_config():
-    from quack.gemm_config import GemmConfig
+    """The GemmConfig the tower's quack GEMMs run with."""
+    from vitgraph.gemm import _quack
 
-    from vitgraph.gemm import QUACK_TILE
-
-    return GemmConfig(**QUACK_TILE, swap_ab=False, is_dynamic_persistent=False)
+    return _quack()[3]
 
 
 def label(c) -> str:
