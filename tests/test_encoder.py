@@ -7,6 +7,7 @@ import torch
 from helpers import diff_report, random_pixels, rel_err
 
 from vitgraph import GraphedVisionEncoder
+from vitgraph.encoder import EngineOptions, dense_limit
 from vitgraph.attention import available_backends, resolve_backend
 from vitgraph.capture.planner import make_buckets, plan_call
 from vitgraph.config import TINY
@@ -177,6 +178,8 @@ def test_bad_out(encoder, out, error, words):
     (dict(dense_buckets="yes"), "dense_buckets"),
     (dict(route_single_frames=1), "route_single_frames"),
     (dict(exact_eager_above=-1), "exact_eager_above"),
+    (dict(dense_max_tokens=0), "dense_max_tokens"),
+    (dict(dense_max_tokens=True), "dense_max_tokens"),
     (dict(fuse="yes"), "fuse"),
     (dict(fuse=0), "fuse"),
     (dict(attention="flash"), "not available"),
@@ -234,3 +237,21 @@ def test_random_weights_are_seeded_and_leave_the_global_rng_alone():
     assert torch.equal(torch.rand(3), expected)
     b = GraphedVisionEncoder.from_config("tiny", device="cpu", seed=1)
     assert all(torch.equal(x, y) for x, y in zip(a.tower.state_dict().values(), b.tower.state_dict().values()))
+
+
+@pytest.mark.parametrize("options, attention, limit", [
+    (dict(), "cudnn", 8192),  # exact_eager_above
+    (dict(), "fa4", 2048),  # FA4_DENSE_MAX_TOKENS
+    (dict(dense_max_tokens=4096), "fa4", 4096),  # an explicit limit wins over the fa4 default
+    (dict(dense_max_tokens=16384), "cudnn", 8192),  # never above exact_eager_above
+    (dict(exact_eager_above=None), "sdpa", None),
+    (dict(exact_eager_above=None), "fa4", 2048),
+    (dict(exact_eager_above=1024), "fa4", 1024),
+])
+def test_dense_bucket_limit(options, attention, limit):
+    assert dense_limit(EngineOptions(**options), attention) == limit
+
+
+def test_dense_buckets_follow_the_limit():
+    enc = GraphedVisionEncoder.from_config("tiny", device="cpu", budgets=[64, 128, 256], dense_max_tokens=128)
+    assert [(b.tokens, b.max_segments) for b in enc.requested_buckets if b.max_segments == 1] == [(64, 1), (128, 1)]

@@ -29,6 +29,10 @@ MODES = ("auto", "graph", "eager")
 # Plans kept per encoder, keyed by the call's grids (reset by capture()), with each graph
 # step's staged metadata: a repeated image size then costs no host-side metadata work.
 PLAN_CACHE_SIZE = 4096
+# With the fa4 backend no dense bucket above this is captured by default: on an H200 the
+# routing timed at capture sent every single frame above 2048 tokens to FA4's packed bucket
+# (and kept the 2048 dense bucket only for frames of 1800-2048 tokens).
+FA4_DENSE_MAX_TOKENS = 2048
 PLAN_CACHE_BYTES = 64 << 20  # staged metadata is 12 bytes per token
 
 
@@ -51,6 +55,10 @@ class EngineOptions:
     # on an H200 a 9604-token image took 69.1 ms eager against 73.2 ms replayed in the
     # 10496-token bucket). None: never. Dense buckets above it are not captured.
     exact_eager_above: int | None = 8192
+    # The largest dense bucket. None: FA4_DENSE_MAX_TOKENS with the fa4 backend (above it
+    # FlashAttention 4's packed bucket beat dense cuDNN for every single frame on an H200, so
+    # the routing never used the dense graphs, which cost capture time), else exact_eager_above.
+    dense_max_tokens: int | None = None
     # Time each budget's dense and packed graphs at capture (about 1 s on an H200) and send a
     # single frame to the packed one where that is faster (see vitgraph.capture.routing).
     route_single_frames: bool = True
@@ -65,6 +73,7 @@ class EngineOptions:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("pool_limit_bytes", self.pool_limit_bytes, minimum=1, optional=True)
         _check_int("exact_eager_above", self.exact_eager_above, minimum=0, optional=True)
+        _check_int("dense_max_tokens", self.dense_max_tokens, minimum=1, optional=True)
         if self.gemm not in ("auto",) + GEMM_BACKENDS:
             raise ValueError(f"gemm must be 'auto' or one of {GEMM_BACKENDS}, got {self.gemm!r}")
         if self.fuse is not None and not isinstance(self.fuse, bool):
@@ -75,6 +84,15 @@ class EngineOptions:
         if self.budgets is not None and (isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence)
                                          or len(self.budgets) == 0):
             raise ValueError(f"budgets must be a non-empty list of ints or None, got {self.budgets!r}")
+
+
+def dense_limit(options: EngineOptions, attention: str) -> int | None:
+    """Tokens of the largest dense bucket to capture (None: no limit)."""
+    limits = [options.exact_eager_above, options.dense_max_tokens]
+    if options.dense_max_tokens is None and attention == "fa4":
+        limits.append(FA4_DENSE_MAX_TOKENS)
+    limits = [n for n in limits if n is not None]
+    return min(limits) if limits else None
 
 
 def _check_int(name: str, value, *, minimum: int, optional: bool = False) -> None:
@@ -186,7 +204,7 @@ class GraphedVisionEncoder:
             budgets = budget_ladder(self.options.min_budget, self.options.max_budget, align=tower.merge_unit)
         self.requested_buckets = make_buckets(list(budgets), self.options.max_items, tower.merge_unit,
                                               dense=self.options.dense_buckets,
-                                              dense_up_to=self.options.exact_eager_above)
+                                              dense_up_to=dense_limit(self.options, self.attention))
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
