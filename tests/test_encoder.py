@@ -7,10 +7,10 @@ import torch
 from helpers import diff_report, random_pixels, rel_err
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.encoder import EngineOptions, dense_limit
 from vitgraph.attention import available_backends, resolve_backend
 from vitgraph.capture.planner import make_buckets, plan_call
 from vitgraph.config import TINY
+from vitgraph.encoder import EngineOptions, dense_limit
 from vitgraph.gemm import resolve_gemm
 
 

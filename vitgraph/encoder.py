@@ -29,11 +29,11 @@ MODES = ("auto", "graph", "eager")
 # Plans kept per encoder, keyed by the call's grids (reset by capture()), with each graph
 # step's staged metadata: a repeated image size then costs no host-side metadata work.
 PLAN_CACHE_SIZE = 4096
+PLAN_CACHE_BYTES = 64 << 20  # staged metadata is 12 bytes per token
 # With the fa4 backend no dense bucket above this is captured by default: on an H200 the
 # routing timed at capture sent every single frame above 2048 tokens to FA4's packed bucket
 # (and kept the 2048 dense bucket only for frames of 1800-2048 tokens).
 FA4_DENSE_MAX_TOKENS = 2048
-PLAN_CACHE_BYTES = 64 << 20  # staged metadata is 12 bytes per token
 
 
 @dataclass
