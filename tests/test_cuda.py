@@ -3,6 +3,7 @@
 Run on a CUDA machine with ``python -m pytest -m cuda -s`` (``-s`` shows the numbers).
 """
 
+import dataclasses
 import random
 import threading
 
@@ -61,7 +62,7 @@ def test_fp32_parity_every_backend(weights, hf_gpu, monkeypatch):
     pixels = random_pixels(grids, seed=1)
     ref = hf_forward(hf_gpu, pixels, grids)  # fp32 on CPU
     # These grids are small: lower quack's row thresholds so every quack GEMM really runs.
-    for threshold in ("QUACK_MIN_ROWS", "QUACK_QKV_MIN_ROWS"):
+    for threshold in ("QUACK_MIN_ROWS", "QUACK_QKV_MIN_ROWS", "QUACK_ROPE_MIN_ROWS"):
         monkeypatch.setattr(vitgraph.gemm, threshold, 0)
     for backend in available_backends("cuda"):
         for dtype in (torch.float32, torch.bfloat16):
@@ -370,6 +371,48 @@ def test_quack_gemm_against_cublas_in_and_out_of_a_graph(layer):
         assert torch.equal(replayed, fn(x, weight, bias, "quack"))
     small = torch.randn(threshold - 1, 1280, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(fn(small, weight, bias, "quack"), cublas(small, weight, bias))
+
+
+@pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")
+def test_qkv_rope_epilogue_against_gemm_plus_triton_rotary():
+    """qkv with the rotary in quack's epilogue against F.linear plus the Triton rotary pass, at
+    the real widths, positions far from 0 (angles up to ~1000 rad), NaN in the padding rows'
+    inputs; eagerly and replayed on new inputs."""
+    from vitgraph.config import PRESETS
+    from vitgraph.gemm import linear_qkv_rope
+    from vitgraph.models.qwen2_vl import Qwen2VisionTower
+
+    cfg = PRESETS["qwen2-vl-2b"]
+    tower = Qwen2VisionTower(dataclasses.replace(cfg, depth=1)).cuda()  # for its rotary frequencies
+    freq_h, freq_w = tower.rope_columns()
+    inv_freq = tower.inv_freq
+    torch.manual_seed(0)
+    weight = torch.randn(3 * cfg.embed_dim, cfg.embed_dim, device="cuda", dtype=torch.bfloat16) * 0.03
+    bias = torch.randn(3 * cfg.embed_dim, device="cuda", dtype=torch.bfloat16) * 0.1
+    heads, head_dim = cfg.num_heads, cfg.head_dim
+    for rows, real in ((1024, 1024), (4096, 3900)):
+        x = torch.randn(rows, cfg.embed_dim, device="cuda", dtype=torch.bfloat16)
+        x[real:] = float("nan")
+        positions = torch.randint(0, 1000, (rows, 2), device="cuda", dtype=torch.int32)
+        segment_ids = torch.where(torch.arange(rows, device="cuda") < real, 0, -1).int()
+        pos_h = torch.where(segment_ids >= 0, positions[:, 0].float(), -1.0)
+        pos_w = positions[:, 1].float().contiguous()
+        angles = (positions.float()[..., None] * inv_freq).flatten(1)
+        ref = F.linear(x, weight, bias)
+        kernels.rotary_(ref, angles.cos(), angles.sin(), heads, segment_ids, zero_padding=True)
+        got = linear_qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w)
+        print(f"\n[qkv rope epilogue] rows={rows}: {diff_report(got[:real].float(), ref[:real].float())}")
+        assert torch.equal(got[real:], torch.zeros_like(got[real:]))  # padding rows zeroed, NaN inputs or not
+        assert rel_err(got[:real].float(), ref[:real].float()) <= 1e-2
+        v = slice(2 * heads * head_dim, None)  # v is not rotated
+        assert rel_err(got[:real, v].float(), ref[:real, v].float()) <= 1e-2
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = linear_qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w)
+        x[:real].copy_(torch.randn_like(x[:real]))  # new input: the replay must really run the GEMM
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, linear_qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w))
 
 
 def test_cudnn_ragged_attention_in_a_graph_follows_new_layouts():

@@ -42,9 +42,8 @@ def test_add_layernorm(dtype, rows, width):
 def _qkv_case(rows, heads, head_dim, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(rows, 3 * heads * head_dim, generator=g).to(DEVICE, dtype)
-    angles = torch.randn(rows, head_dim // 2, generator=g) * 3
-    emb = torch.cat((angles, angles), -1).to(DEVICE)
-    return qkv, emb.cos(), emb.sin()
+    angles = (torch.randn(rows, head_dim // 2, generator=g) * 3).to(DEVICE)  # one per rotated pair
+    return qkv, angles.cos(), angles.sin()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

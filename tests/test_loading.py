@@ -9,6 +9,7 @@ import torch
 from helpers import TINY_VISION, hf_forward, hub_config, random_pixels, rel_err, vision_state, write_checkpoint
 
 from vitgraph import GraphedVisionEncoder, VisionConfig
+from vitgraph.models.qwen2_vl import interleave_order
 
 GRID = [(1, 4, 6), (2, 2, 2)]
 
@@ -36,7 +37,10 @@ def test_single_file_bf16(tmp_path, hf_model):
     weight = enc.tower.blocks[0].attn.qkv.weight
     assert weight.dtype == torch.float32
     ref = hf_model.blocks[0].attn.qkv.weight.to(torch.bfloat16).float()
-    assert torch.equal(weight, ref)
+    # The tower keeps q's and k's head dims interleaved; its state dict gives the checkpoint's order back.
+    cfg = enc.tower.config
+    assert torch.equal(weight, ref[interleave_order(cfg.num_heads, cfg.head_dim)])
+    assert torch.equal(enc.tower.state_dict()["blocks.0.attn.qkv.weight"], ref)
 
 
 def test_in_memory_state_dict(hf_model):

@@ -1,5 +1,6 @@
 """fc1 with QuickGELU in its epilogue: one CuTe-DSL GEMM instead of cuBLAS plus a Triton pass
-(and qkv through the same GEMM at large row counts).
+(and qkv through the same GEMM at large row counts, with the rotary in its epilogue from
+``QUACK_ROPE_MIN_ROWS`` rows: :mod:`vitgraph.gemm_rope`).
 
 The ``quack`` backend runs quack-kernels' Hopper GEMM (installed with the ``fa4`` extra) with
 the bias and ``x * sigmoid(1.702 x)`` applied to the fp32 accumulator before the one bf16
@@ -30,6 +31,9 @@ GEMM_BACKENDS = ("quack", "cublas")
 QUACK_ARCHS = (9,)  # compute capability majors whose quack GEMM configuration was measured (Hopper)
 QUACK_MIN_ROWS = 512  # fc1 + QuickGELU: from 512 rows quack wins (14.5 vs 17.2 µs; equal at 384)
 QUACK_QKV_MIN_ROWS = 2048  # plain qkv: quack's tile wins from 2048 rows (28.4 vs 31.5 µs), loses at 1024 (19.6 vs 17.8)
+# qkv with the rotary in its epilogue (vitgraph.gemm_rope) against qkv + the Triton rotary pass:
+# 22.9 -> 21.7 µs at 1024 rows, 68.0 -> 56.5 at 4096; 11.6 -> 14.0 at 256 (benchmarks/gemm_rope_epilogue.py).
+QUACK_ROPE_MIN_ROWS = 1024
 # quack's Hopper tile for fc1 (1280 -> 5120): the fastest at 1024 and 4096 rows of those measured.
 QUACK_TILE = dict(tile_m=128, tile_n=160, pingpong=True, cluster_m=1, cluster_n=2)
 
@@ -126,3 +130,17 @@ def linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backen
         gemm(x, weight.t(), out, bias=bias, config=config)
         return out
     return F.linear(x, weight, bias)
+
+
+def rope_in_gemm(rows: int, backend: str) -> bool:
+    """Whether qkv of ``rows`` rows takes :func:`linear_qkv_rope` (the rotary in the GEMM's epilogue)."""
+    return backend == "quack" and rows >= QUACK_ROPE_MIN_ROWS and rows % 4 == 0  # fp32 row vectors: 16-byte aligned
+
+
+def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, freq_h: torch.Tensor,
+                    freq_w: torch.Tensor, pos_h: torch.Tensor, pos_w: torch.Tensor) -> torch.Tensor:
+    """qkv with q and k rotated and padding rows (``pos_h < 0``) zeroed, one quack GEMM; see
+    :func:`vitgraph.gemm_rope.qkv_rope`. Call it only where :func:`rope_in_gemm` holds."""
+    from .gemm_rope import qkv_rope
+
+    return qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, _quack()[3])

@@ -78,55 +78,55 @@ if available():
     def _rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, seg_ptr, q_ptr, k_ptr, rows, pad_score,
                        H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, LANE: tl.constexpr, ZERO_PAD: tl.constexpr):
-        # Tile [rows, heads, half of head_dim]: each half is a contiguous run, no gathers.
+        # Tile [rows, heads, pairs, 2]: a head's dims are one contiguous run and the two dims a
+        # rotation mixes sit side by side (the tower's interleaved qkv), so no gathers.
         half: tl.constexpr = D // 2
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None, None]
-        h = tl.arange(0, BLOCK_H)[None, :, None]
-        d = tl.arange(0, BLOCK_HALF)[None, None, :]
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None, None, None]
+        h = tl.arange(0, BLOCK_H)[None, :, None, None]
+        p = tl.arange(0, BLOCK_HALF)[None, None, :, None]
+        e = tl.arange(0, 2)[None, None, None, :]
         r64 = r.to(tl.int64)
         row_ok = r < rows
-        mask = row_ok & (h < H) & (d < half)
-        # cos/sin rows repeat their first half (angles of [h | w], twice): read it once.
-        cos = tl.load(cos_ptr + r64 * D + d, mask=row_ok & (d < half), other=0.0)
-        sin = tl.load(sin_ptr + r64 * D + d, mask=row_ok & (d < half), other=0.0)
-        src = r64 * (3 * H * D) + h * D + d
-        q1 = tl.load(qkv_ptr + src, mask=mask, other=0.0)
-        q2 = tl.load(qkv_ptr + src + half, mask=mask, other=0.0)
-        k1 = tl.load(qkv_ptr + src + H * D, mask=mask, other=0.0)
-        k2 = tl.load(qkv_ptr + src + H * D + half, mask=mask, other=0.0)
-        dtype = q1.dtype
-        q1f, q2f, k1f, k2f = q1.to(tl.float32), q2.to(tl.float32), k1.to(tl.float32), k2.to(tl.float32)
-        # x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2 | x1]
-        oq1, oq2 = (q1f * cos - q2f * sin).to(dtype), (q2f * cos + q1f * sin).to(dtype)
-        ok1, ok2 = (k1f * cos - k2f * sin).to(dtype), (k2f * cos + k1f * sin).to(dtype)
+        mask = row_ok & (h < H) & (p < half) & (e < 2)
+        # One angle per pair: cos/sin [rows, D/2], indexed [rows, 1, pairs].
+        r3 = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None, None]
+        p3 = tl.arange(0, BLOCK_HALF)[None, None, :]
+        cs_mask = (r3 < rows) & (p3 < half)
+        cos = tl.load(cos_ptr + r3.to(tl.int64) * half + p3, mask=cs_mask, other=0.0)
+        sin = tl.load(sin_ptr + r3.to(tl.int64) * half + p3, mask=cs_mask, other=0.0)
+        src = r64 * (3 * H * D) + h * D + 2 * p + e
+        q = tl.load(qkv_ptr + src, mask=mask, other=0.0)
+        k = tl.load(qkv_ptr + src + H * D, mask=mask, other=0.0)
+        dtype = q.dtype
+        q0, q1 = tl.split(q.to(tl.float32))
+        k0, k1 = tl.split(k.to(tl.float32))
+        # (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin): the reference's x * cos + rotate_half(x) * sin
+        oq = tl.join(q0 * cos - q1 * sin, q1 * cos + q0 * sin).to(dtype)
+        ok = tl.join(k0 * cos - k1 * sin, k1 * cos + k0 * sin).to(dtype)
         if ZERO_PAD:
             # Padding rows: q, k, v zeroed (they may hold NaN). With the lane (below) padding
             # keys then get exactly zero weight; kernels that load whole key tiles past a
             # segment's end weight those rows' v by 0, and 0 * NaN is NaN.
             pad = tl.load(seg_ptr + r, mask=row_ok, other=-1) < 0
-            zero = tl.zeros_like(oq1)
-            oq1, oq2 = tl.where(pad, zero, oq1), tl.where(pad, zero, oq2)
-            ok1, ok2 = tl.where(pad, zero, ok1), tl.where(pad, zero, ok2)
+            zero = tl.zeros_like(oq)
+            oq, ok = tl.where(pad, zero, oq), tl.where(pad, zero, ok)
             tl.store(qkv_ptr + src + 2 * H * D, zero, mask=mask & pad)
-            tl.store(qkv_ptr + src + 2 * H * D + half, zero, mask=mask & pad)
         if LANE:
             # The key's extra lane gets pad_score, so every real query gives a padding key
             # exactly zero weight.
-            dst = r64 * (H * DP) + h * DP + d
-            tl.store(q_ptr + dst, oq1, mask=mask)
-            tl.store(q_ptr + dst + half, oq2, mask=mask)
-            tl.store(k_ptr + dst, ok1, mask=mask)
-            tl.store(k_ptr + dst + half, ok2, mask=mask)
-            e = tl.arange(0, DP - D)[None, None, :]  # the lanes past the head dim
-            lane_mask = row_ok & (h < H)
-            lane_dst = r64 * (H * DP) + h * DP + D + e
-            tl.store(q_ptr + lane_dst, tl.where(e == 0, 1.0, 0.0).to(dtype), mask=lane_mask)
-            tl.store(k_ptr + lane_dst, tl.where((e == 0) & pad, pad_score, 0.0).to(dtype), mask=lane_mask)
+            dst = r64 * (H * DP) + h * DP + 2 * p + e
+            tl.store(q_ptr + dst, oq, mask=mask)
+            tl.store(k_ptr + dst, ok, mask=mask)
+            h3 = tl.arange(0, BLOCK_H)[None, :, None]
+            lanes = tl.arange(0, DP - D)[None, None, :]  # the lanes past the head dim
+            lane_mask = (r3 < rows) & (h3 < H)
+            pad3 = tl.load(seg_ptr + r3, mask=r3 < rows, other=-1) < 0
+            lane_dst = r3.to(tl.int64) * (H * DP) + h3 * DP + D + lanes
+            tl.store(q_ptr + lane_dst, tl.where(lanes == 0, 1.0, 0.0).to(dtype), mask=lane_mask)
+            tl.store(k_ptr + lane_dst, tl.where((lanes == 0) & pad3, pad_score, 0.0).to(dtype), mask=lane_mask)
         else:
-            tl.store(qkv_ptr + src, oq1, mask=mask)
-            tl.store(qkv_ptr + src + half, oq2, mask=mask)
-            tl.store(qkv_ptr + src + H * D, ok1, mask=mask)
-            tl.store(qkv_ptr + src + H * D + half, ok2, mask=mask)
+            tl.store(qkv_ptr + src, oq, mask=mask)
+            tl.store(qkv_ptr + src + H * D, ok, mask=mask)
 
     @triton.jit
     def _quick_gelu_kernel(x_ptr, n, BLOCK: tl.constexpr):
@@ -159,8 +159,9 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
 
 def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
             segment_ids: torch.Tensor | None = None, lane_dim: int | None = None, zero_padding: bool = False):
-    """fp32 rotary of q and k in ``qkv [T, 3 * H * D]`` (contiguous); ``cos``/``sin``: fp32 ``[T, D]``
-    whose two halves are equal (angles repeated, as :meth:`Qwen2VisionTower.rotary` makes them).
+    """fp32 rotary of q and k in ``qkv [T, 3 * H * D]`` (contiguous, q's and k's head dims
+    interleaved: :func:`vitgraph.models.qwen2_vl.interleave_order`); ``cos``/``sin``: fp32
+    ``[T, D/2]``, one angle per rotated pair (:meth:`Qwen2VisionTower.rotary`).
 
     Without ``lane_dim``: rotates in place and returns ``(q, k, v)`` views ``[T, H, D]`` of ``qkv``;
     with ``zero_padding`` it also zeroes q, k and v of the rows whose ``segment_ids < 0``.

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from .. import cudnn_attention, kernels
 from ..attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked
 from ..config import VisionConfig
-from ..gemm import linear_qkv, linear_quick_gelu
+from ..gemm import linear_qkv, linear_qkv_rope, linear_quick_gelu, rope_in_gemm
 
 Grid = tuple[int, int, int]
 
@@ -76,19 +76,32 @@ def _block_major_positions(h: int, w: int, merge: int) -> np.ndarray:
     return out
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def interleave_order(num_heads: int, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The order in which the tower keeps qkv's output features: within each head of q and k,
+    dim ``d`` of the checkpoint moves to ``2d`` and dim ``d + head_dim/2`` to ``2d + 1``, so the
+    two dims one rotation mixes sit side by side; v keeps its order. ``order[new] = old``.
+
+    Attention only takes dot products of q and k over the head dim, so permuting both the
+    same way leaves it unchanged; side by side, a pair can rotate inside a GEMM's epilogue
+    (:mod:`vitgraph.gemm_rope`)."""
+    half = head_dim // 2
+    within = torch.arange(head_dim, device=device)
+    within = within // 2 + (within % 2) * half
+    qk = (torch.arange(2 * num_heads, device=device)[:, None] * head_dim + within).flatten()
+    return torch.cat([qk, torch.arange(2 * num_heads * head_dim, 3 * num_heads * head_dim, device=device)])
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotate q and k (``[T, H, D]``) in fp32 and cast back, as the reference does."""
+    """Rotate q and k (``[T, H, D]``, pairs side by side: :func:`interleave_order`) in fp32 and
+    cast back, as the reference does; ``cos``/``sin``: ``[T, D/2]``, one angle per pair."""
     dtype = q.dtype
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    q, k = q.float(), k.float()
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
-    return q.to(dtype), k.to(dtype)
+
+    def rotate(x):
+        x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2).to(dtype)
+
+    return rotate(q), rotate(k)
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -137,6 +150,26 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.embed_dim, 3 * cfg.embed_dim, bias=True)
         self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=True)
         self.backend = "sdpa"
+        # qkv's rows are kept with q's and k's head dims interleaved (interleave_order);
+        # state dicts, in and out, keep the checkpoint's order.
+        self._head_layout = (cfg.num_heads, cfg.head_dim)
+        self.register_load_state_dict_pre_hook(_interleave_qkv_on_load)
+        self.register_state_dict_post_hook(_restore_qkv_on_save)
+
+
+def _interleave_qkv_on_load(attn: VisionAttention, state_dict, prefix, *args) -> None:
+    for name in ("qkv.weight", "qkv.bias"):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and value.shape[:1] == (attn.qkv.out_features,):
+            state_dict[prefix + name] = value[interleave_order(*attn._head_layout, device=value.device)]
+
+
+def _restore_qkv_on_save(attn: VisionAttention, state_dict, prefix, local_metadata) -> None:
+    for name in ("qkv.weight", "qkv.bias"):
+        value = state_dict.get(prefix + name)
+        if value is not None:
+            order = interleave_order(*attn._head_layout, device=value.device)
+            state_dict[prefix + name] = value[torch.argsort(order)]
 
 
 class VisionMlp(nn.Module):
@@ -206,6 +239,7 @@ class Qwen2VisionTower(nn.Module):
         """Recompute non-persistent buffers (after loading weights with ``assign=True``)."""
         device = self.patch_embed.proj.weight.device
         self.inv_freq = self._inv_freq().to(device)
+        self._rope_columns = None
 
     # -- the engine's contract ------------------------------------------------------
 
@@ -233,6 +267,8 @@ class Qwen2VisionTower(nn.Module):
 
     def set_gemm_backend(self, backend: str) -> None:
         self.gemm_backend = backend
+        if backend == "quack":
+            self.rope_columns()  # built now, never inside a capture
 
     def fuse(self, enabled: bool = True) -> None:
         """Run the elementwise work through vitgraph's Triton kernels (:mod:`vitgraph.kernels`):
@@ -288,11 +324,30 @@ class Qwen2VisionTower(nn.Module):
                            tuple(seqlens.tolist()) if unpadded else None)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin ``[T, head_dim]``: angles ``[h*f | w*f]``, repeated twice."""
+        """fp32 cos/sin ``[T, head_dim/2]`` of the angles ``[h*f | w*f]``, one per rotated pair
+        (the reference repeats them twice to span the head)."""
         freqs = positions.float()[..., None] * self.inv_freq  # [T, 2, head_dim/4]
         angles = freqs.flatten(1)  # [T, head_dim/2] = [h*f | w*f]
-        emb = torch.cat((angles, angles), dim=-1)
-        return emb.cos(), emb.sin()
+        return angles.cos(), angles.sin()
+
+    def rope_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(freq_h, freq_w) [3 * embed_dim]``: for each output column of qkv (interleaved,
+        :func:`interleave_order`), the frequency its row position and its column position are
+        multiplied by; 0 for the other, and for v. ``pos_h * freq_h + pos_w * freq_w`` is then the
+        same single fp32 product :meth:`rotary` takes."""
+        cached = getattr(self, "_rope_columns", None)
+        if cached is None or cached[0].device != self.inv_freq.device:
+            cfg = self.config
+            quarter = cfg.head_dim // 4  # h and w each rotate half of the head
+            inv_freq = self.inv_freq.float()
+            pair = torch.arange(cfg.head_dim, device=inv_freq.device) // 2  # [h pairs | w pairs]
+            zero = torch.zeros((), device=inv_freq.device)
+            per_head_h = torch.where(pair < quarter, inv_freq[pair.clamp(max=quarter - 1)], zero)
+            per_head_w = torch.where(pair >= quarter, inv_freq[(pair - quarter).clamp(min=0)], zero)
+            v = torch.zeros(cfg.embed_dim, device=inv_freq.device)
+            cached = tuple(torch.cat([f.repeat(2 * cfg.num_heads), v]) for f in (per_head_h, per_head_w))
+            self._rope_columns = cached
+        return cached
 
     def forward(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
         """``[T, input_width]`` pixel rows -> ``[T / merge_unit, output_width]``."""
@@ -316,14 +371,22 @@ class Qwen2VisionTower(nn.Module):
         padding rows zeroed by the rotary kernel for ``fa4``).
         """
         cfg, blocks = self.config, self.blocks
-        # The rotary tables first: they live through the forward while their temporaries
-        # do not, so the holes those leave sit at the start of the graphs' memory pool
-        # rather than between the big activations.
-        cos, sin = self.rotary(batch.positions)
-        x = self.patch_embed(pixels)
+        rows = pixels.shape[0]
         backend = blocks[0].attn.backend
         lane = cfg.head_dim + LANE_PAD if batch.dense and batch.padded and backend in FLASH_BACKENDS else None
         zero_padding = batch.padded and lane is None and backend == "fa4"
+        rope_epilogue = lane is None and rope_in_gemm(rows, self.gemm_backend)
+        # The rotary inputs first: they live through the forward while their temporaries
+        # do not, so the holes those leave sit at the start of the graphs' memory pool
+        # rather than between the big activations.
+        if rope_epilogue:  # per-row positions (-1 marks padding rows, zeroed) for qkv's epilogue
+            freq_h, freq_w = self.rope_columns()
+            positions = batch.positions.float()
+            pos_h = torch.where(batch.segment_ids >= 0, positions[:, 0], -1.0)
+            pos_w = positions[:, 1].contiguous()
+        else:
+            cos, sin = self.rotary(batch.positions)
+        x = self.patch_embed(pixels)
         ragged = None
         if batch.padded and not batch.dense and backend == "cudnn":
             ragged = cudnn_attention.ragged_metadata(batch.cu_seqlens, cfg.num_heads, cfg.head_dim)
@@ -334,19 +397,27 @@ class Qwen2VisionTower(nn.Module):
         # in eager runs and in the graphs' pool alike.
         for i, block in enumerate(blocks):
             attn, mlp = block.attn, block.mlp
-            qkv = linear_qkv(h, attn.qkv.weight, attn.qkv.bias, self.gemm_backend)
+            if rope_epilogue:
+                qkv = linear_qkv_rope(h, attn.qkv.weight, attn.qkv.bias, freq_h, freq_w, pos_h, pos_w)
+            else:
+                qkv = linear_qkv(h, attn.qkv.weight, attn.qkv.bias, self.gemm_backend)
             del h
             if lane is not None:
                 q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads, batch.segment_ids, lane)
                 out = dense_masked(q, k, v, cfg.head_dim ** -0.5)
                 del q, k, v
             elif ragged is not None:
-                kernels.rotary_(qkv, cos, sin, cfg.num_heads)
-                out = cudnn_attention.ragged_attention(qkv.view(x.shape[0], 3, cfg.num_heads, -1), ragged,
+                if not rope_epilogue:
+                    kernels.rotary_(qkv, cos, sin, cfg.num_heads)
+                out = cudnn_attention.ragged_attention(qkv.view(rows, 3, cfg.num_heads, -1), ragged,
                                                        batch.max_seqlen)
             else:
-                q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads, batch.segment_ids, zero_padding=zero_padding)
-                out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding)
+                if rope_epilogue:
+                    q, k, v = qkv.view(rows, 3, cfg.num_heads, -1).unbind(1)
+                else:
+                    q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads, batch.segment_ids,
+                                              zero_padding=zero_padding)
+                out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding or rope_epilogue)
                 del q, k, v
             del qkv
             y = F.linear(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias)
