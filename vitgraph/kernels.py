@@ -75,34 +75,47 @@ if available():
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, seg_ptr, q_ptr, k_ptr, rows, pad_score,
+    def _unpack_pair(v, dtype: tl.constexpr, BITS: tl.constexpr):
+        """One rotated pair loaded as one 2 * BITS-bit integer -> its two values, fp32."""
+        half_type = tl.int16 if BITS == 16 else tl.int32
+        lo = v.to(half_type).to(dtype, bitcast=True)  # integer narrowing keeps the low bits
+        hi = (v >> BITS).to(half_type).to(dtype, bitcast=True)
+        return lo.to(tl.float32), hi.to(tl.float32)
+
+    @triton.jit
+    def _pack_pair(lo, hi, dtype: tl.constexpr, BITS: tl.constexpr):
+        """Round two fp32 values to ``dtype`` and pack them into one 2 * BITS-bit integer."""
+        half_type = tl.int16 if BITS == 16 else tl.int32
+        pair_type = tl.int32 if BITS == 16 else tl.int64
+        low_mask = (1 << BITS) - 1
+        lo_bits = lo.to(dtype).to(half_type, bitcast=True).to(pair_type) & low_mask
+        hi_bits = hi.to(dtype).to(half_type, bitcast=True).to(pair_type)
+        return lo_bits | (hi_bits << BITS)
+
+    @triton.jit
+    def _rotary_kernel(pair_ptr, cos_ptr, sin_ptr, seg_ptr, q_ptr, k_ptr, rows, pad_score,
                        H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, LANE: tl.constexpr, ZERO_PAD: tl.constexpr):
-        # Tile [rows, heads, pairs, 2]: a head's dims are one contiguous run and the two dims a
-        # rotation mixes sit side by side (the tower's interleaved qkv), so no gathers.
+                       BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, LANE: tl.constexpr, ZERO_PAD: tl.constexpr,
+                       BITS: tl.constexpr):
+        # qkv keeps the two dims a rotation mixes side by side (the tower's interleaved layout),
+        # so it is read as one integer per pair: tile [rows, heads, pairs], contiguous, no gathers.
+        dtype = q_ptr.dtype.element_ty
         half: tl.constexpr = D // 2
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None, None, None]
-        h = tl.arange(0, BLOCK_H)[None, :, None, None]
-        p = tl.arange(0, BLOCK_HALF)[None, None, :, None]
-        e = tl.arange(0, 2)[None, None, None, :]
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None, None]
+        h = tl.arange(0, BLOCK_H)[None, :, None]
+        p = tl.arange(0, BLOCK_HALF)[None, None, :]
         r64 = r.to(tl.int64)
         row_ok = r < rows
-        mask = row_ok & (h < H) & (p < half) & (e < 2)
-        # One angle per pair: cos/sin [rows, D/2], indexed [rows, 1, pairs].
-        r3 = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None, None]
-        p3 = tl.arange(0, BLOCK_HALF)[None, None, :]
-        cs_mask = (r3 < rows) & (p3 < half)
-        cos = tl.load(cos_ptr + r3.to(tl.int64) * half + p3, mask=cs_mask, other=0.0)
-        sin = tl.load(sin_ptr + r3.to(tl.int64) * half + p3, mask=cs_mask, other=0.0)
-        src = r64 * (3 * H * D) + h * D + 2 * p + e
-        q = tl.load(qkv_ptr + src, mask=mask, other=0.0)
-        k = tl.load(qkv_ptr + src + H * D, mask=mask, other=0.0)
-        dtype = q.dtype
-        q0, q1 = tl.split(q.to(tl.float32))
-        k0, k1 = tl.split(k.to(tl.float32))
+        mask = row_ok & (h < H) & (p < half)
+        # One angle per pair: cos/sin [rows, D/2].
+        cos = tl.load(cos_ptr + r64 * half + p, mask=row_ok & (p < half), other=0.0)
+        sin = tl.load(sin_ptr + r64 * half + p, mask=row_ok & (p < half), other=0.0)
+        src = r64 * (3 * H * half) + h * half + p  # in pairs
+        q0, q1 = _unpack_pair(tl.load(pair_ptr + src, mask=mask, other=0), dtype, BITS)
+        k0, k1 = _unpack_pair(tl.load(pair_ptr + src + H * half, mask=mask, other=0), dtype, BITS)
         # (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin): the reference's x * cos + rotate_half(x) * sin
-        oq = tl.join(q0 * cos - q1 * sin, q1 * cos + q0 * sin).to(dtype)
-        ok = tl.join(k0 * cos - k1 * sin, k1 * cos + k0 * sin).to(dtype)
+        oq = _pack_pair(q0 * cos - q1 * sin, q1 * cos + q0 * sin, dtype, BITS)
+        ok = _pack_pair(k0 * cos - k1 * sin, k1 * cos + k0 * sin, dtype, BITS)
         if ZERO_PAD:
             # Padding rows: q, k, v zeroed (they may hold NaN). With the lane (below) padding
             # keys then get exactly zero weight; kernels that load whole key tiles past a
@@ -110,23 +123,21 @@ if available():
             pad = tl.load(seg_ptr + r, mask=row_ok, other=-1) < 0
             zero = tl.zeros_like(oq)
             oq, ok = tl.where(pad, zero, oq), tl.where(pad, zero, ok)
-            tl.store(qkv_ptr + src + 2 * H * D, zero, mask=mask & pad)
+            tl.store(pair_ptr + src + 2 * H * half, zero, mask=mask & pad)
         if LANE:
-            # The key's extra lane gets pad_score, so every real query gives a padding key
-            # exactly zero weight.
-            dst = r64 * (H * DP) + h * DP + 2 * p + e
-            tl.store(q_ptr + dst, oq, mask=mask)
-            tl.store(k_ptr + dst, ok, mask=mask)
-            h3 = tl.arange(0, BLOCK_H)[None, :, None]
+            # New q, k [rows, H, DP]: the rotated pairs, then lanes whose first masks padding
+            # keys: every real query gives a padding key (pad_score) exactly zero weight.
+            dst = r64 * (H * DP // 2) + h * (DP // 2) + p  # in pairs
+            tl.store(q_ptr.to(pair_ptr.dtype) + dst, oq, mask=mask)
+            tl.store(k_ptr.to(pair_ptr.dtype) + dst, ok, mask=mask)
             lanes = tl.arange(0, DP - D)[None, None, :]  # the lanes past the head dim
-            lane_mask = (r3 < rows) & (h3 < H)
-            pad3 = tl.load(seg_ptr + r3, mask=r3 < rows, other=-1) < 0
-            lane_dst = r3.to(tl.int64) * (H * DP) + h3 * DP + D + lanes
+            lane_mask = row_ok & (h < H)
+            lane_dst = r64 * (H * DP) + h * DP + D + lanes
             tl.store(q_ptr + lane_dst, tl.where(lanes == 0, 1.0, 0.0).to(dtype), mask=lane_mask)
-            tl.store(k_ptr + lane_dst, tl.where((lanes == 0) & pad3, pad_score, 0.0).to(dtype), mask=lane_mask)
+            tl.store(k_ptr + lane_dst, tl.where((lanes == 0) & pad, pad_score, 0.0).to(dtype), mask=lane_mask)
         else:
-            tl.store(qkv_ptr + src, oq, mask=mask)
-            tl.store(qkv_ptr + src + H * D, ok, mask=mask)
+            tl.store(pair_ptr + src, oq, mask=mask)
+            tl.store(pair_ptr + src + H * half, ok, mask=mask)
 
     @triton.jit
     def _quick_gelu_kernel(x_ptr, n, BLOCK: tl.constexpr):
@@ -157,6 +168,9 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
     return h
 
 
+_PAIR_TYPES = {16: torch.int32, 32: torch.int64}  # a rotated pair of 16- or 32-bit values, read as one integer
+
+
 def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
             segment_ids: torch.Tensor | None = None, lane_dim: int | None = None, zero_padding: bool = False):
     """fp32 rotary of q and k in ``qkv [T, 3 * H * D]`` (contiguous, q's and k's head dims
@@ -182,13 +196,16 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
         dp = lane_dim
         q_out = torch.empty(rows, num_heads, dp, device=qkv.device, dtype=qkv.dtype)
         k_out = torch.empty_like(q_out)
+    bits = qkv.element_size() * 8
+    if bits not in _PAIR_TYPES or not qkv.is_floating_point():
+        raise TypeError(f"rotary_ needs a 16- or 32-bit float qkv, got {qkv.dtype}")
     if rows:
         block_h, block_half = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim // 2)
         per = _rows_per_program(rows, block_h * block_half, per_program=4096)
         _rotary_kernel[(triton.cdiv(rows, per),)](
-            qkv, cos, sin, segment_ids if segment_ids is not None else cos, q_out, k_out, rows, PAD_KEY_SCORE,
-            H=num_heads, D=head_dim, DP=dp, BLOCK_H=block_h, BLOCK_HALF=block_half, ROWS=per,
-            LANE=lane_dim is not None, ZERO_PAD=zero_padding or lane_dim is not None, num_warps=4)
+            qkv.view(_PAIR_TYPES[bits]), cos, sin, segment_ids if segment_ids is not None else cos, q_out, k_out,
+            rows, PAD_KEY_SCORE, H=num_heads, D=head_dim, DP=dp, BLOCK_H=block_h, BLOCK_HALF=block_half, ROWS=per,
+            LANE=lane_dim is not None, ZERO_PAD=zero_padding or lane_dim is not None, BITS=bits, num_warps=4)
     if lane_dim is None:
         return views
     return q_out, k_out, views[2]
