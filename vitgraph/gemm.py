@@ -132,9 +132,11 @@ def linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backen
     return F.linear(x, weight, bias)
 
 
-def rope_in_gemm(rows: int, backend: str) -> bool:
-    """Whether qkv of ``rows`` rows takes :func:`linear_qkv_rope` (the rotary in the GEMM's epilogue)."""
-    return backend == "quack" and rows >= QUACK_ROPE_MIN_ROWS and rows % 4 == 0  # fp32 row vectors: 16-byte aligned
+def rope_in_gemm(rows: int, weight: torch.Tensor, backend: str) -> bool:
+    """Whether qkv of ``rows`` rows (contiguous input) takes :func:`linear_qkv_rope`, the rotary in
+    the GEMM's epilogue. The per-row fp32 vectors need ``rows % 4 == 0`` (16-byte aligned rows)."""
+    return (backend == "quack" and rows >= QUACK_ROPE_MIN_ROWS and rows % 4 == 0 and weight.is_contiguous()
+            and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0)
 
 
 def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, freq_h: torch.Tensor,

@@ -6,7 +6,8 @@ of v, QuickGELU's three ops):
 
 * :func:`add_layernorm`: ``x += y`` (in place), then ``LayerNorm(x)``. It joins each
   residual add to the LayerNorm after it, across the block boundary too;
-* :func:`rotary_`: fp32 2-D rotary of q and k inside the packed ``qkv`` rows. It either
+* :func:`rotary_`: fp32 2-D rotary of q and k inside the packed ``qkv`` rows (each rotated
+  pair of dims side by side, the tower's interleaved layout, read as one integer). It either
   rotates in place (packed attention reads q, k, v straight out of ``qkv``; padding rows
   optionally zeroed, for kernels that read past a segment's end), or writes q
   and k into a wider head dim whose extra lane masks padding keys (dense attention over

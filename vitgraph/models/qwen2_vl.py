@@ -368,14 +368,17 @@ class Qwen2VisionTower(nn.Module):
         that follows it, the last one with the merger's. One padded segment (a dense bucket)
         attends through cuDNN with a masking lane; packed buckets through cuDNN's ragged
         attention when the backend is ``cudnn``; anything else through ``attend`` (with the
-        padding rows zeroed by the rotary kernel for ``fa4``).
+        padding rows zeroed by the rotary kernel for ``fa4``). With the ``quack`` GEMM backend,
+        from ``QUACK_ROPE_MIN_ROWS`` rows outside dense buckets, qkv's GEMM applies the rotary
+        and zeroes the padding rows in its epilogue (:mod:`vitgraph.gemm_rope`) and the rotary
+        kernel is skipped.
         """
         cfg, blocks = self.config, self.blocks
         rows = pixels.shape[0]
         backend = blocks[0].attn.backend
         lane = cfg.head_dim + LANE_PAD if batch.dense and batch.padded and backend in FLASH_BACKENDS else None
         zero_padding = batch.padded and lane is None and backend == "fa4"
-        rope_epilogue = lane is None and rope_in_gemm(rows, self.gemm_backend)
+        rope_epilogue = lane is None and rope_in_gemm(rows, blocks[0].attn.qkv.weight, self.gemm_backend)
         # The rotary inputs first: they live through the forward while their temporaries
         # do not, so the holes those leave sit at the start of the graphs' memory pool
         # rather than between the big activations.
