@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 from helpers import rel_err
 
+import vitgraph.gemm
 from vitgraph import kernels
 from vitgraph.config import PRESETS
+from vitgraph.gemm import rope_in_gemm
 from vitgraph.models.qwen2_vl import Qwen2VisionTower, apply_rotary, quick_gelu
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs triton")
@@ -101,6 +103,22 @@ def test_rotary_lane_masks_padding_keys():
     expect = F.scaled_dot_product_attention(to_bhsd(q0), to_bhsd(k0), to_bhsd(v0), scale=scale)[0].transpose(0, 1)
     assert torch.isfinite(got).all()
     assert rel_err(got[:real], expect) <= 1e-5
+
+
+def test_rotary_rejects_other_float_widths():
+    qkv, cos, sin = _qkv_case(4, 2, 8, torch.float32)
+    with pytest.raises(TypeError, match="qkv"):
+        kernels.rotary_(qkv.double(), cos, sin, 2)
+
+
+def test_rope_epilogue_only_where_it_was_measured_to_win():
+    weight = torch.empty(3 * 1280, 1280)
+    rows = vitgraph.gemm.QUACK_ROPE_MIN_ROWS
+    assert rope_in_gemm(rows, weight, "quack") and rope_in_gemm(4 * rows, weight, "quack")
+    assert not rope_in_gemm(rows - 4, weight, "quack")  # below the threshold: cuBLAS + the Triton pass
+    assert not rope_in_gemm(rows + 2, weight, "quack")  # per-row fp32 vectors need rows % 4 == 0
+    assert not rope_in_gemm(rows, weight, "cublas")
+    assert not rope_in_gemm(rows, weight[:, :1276], "quack")  # not contiguous
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
