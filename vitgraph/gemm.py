@@ -31,8 +31,9 @@ GEMM_BACKENDS = ("quack", "cublas")
 QUACK_ARCHS = (9,)  # compute capability majors whose quack GEMM configuration was measured (Hopper)
 QUACK_MIN_ROWS = 512  # fc1 + QuickGELU: from 512 rows quack wins (14.5 vs 17.2 µs; equal at 384)
 QUACK_QKV_MIN_ROWS = 2048  # plain qkv: quack's tile wins from 2048 rows (28.4 vs 31.5 µs), loses at 1024 (19.6 vs 17.8)
-# qkv with the rotary in its epilogue (vitgraph.gemm_rope) against qkv + the Triton rotary pass:
-# 22.9 -> 21.7 µs at 1024 rows, 68.0 -> 56.5 at 4096; 11.6 -> 14.0 at 256 (benchmarks/gemm_rope_epilogue.py).
+# qkv with the rotary in its epilogue (vitgraph.gemm_rope) against qkv + the Triton rotary pass,
+# µs per call on an H200 (benchmarks/gemm_rope_epilogue.py): 22.9 -> 22.1 at 1024 rows, 35.5 -> 31.1
+# at 2048, 66.6 -> 56.9 at 4096; 15.1 -> 14.6 at 512 (noise) and 11.6 -> 14.2 at 256 (cuBLAS wins).
 QUACK_ROPE_MIN_ROWS = 1024
 # quack's Hopper tile for fc1 (1280 -> 5120): the fastest at 1024 and 4096 rows of those measured.
 QUACK_TILE = dict(tile_m=128, tile_n=160, pingpong=True, cluster_m=1, cluster_n=2)
