@@ -29,7 +29,8 @@ TWO_PI_LO = 2 * math.pi - TWO_PI_HI  # the rest, for a two-step reduction
 
 
 def _epilogue_source() -> bytes:
-    return inspect.getsource(_gemm_rope_class).encode()
+    """What the compiled kernel depends on beyond quack's own sources (those key quack's cache)."""
+    return (inspect.getsource(_gemm_rope_class) + repr((TWO_PI_HI, TWO_PI_LO))).encode()
 
 
 @functools.cache
@@ -93,7 +94,6 @@ def _gemm_rope_class():
 
 @functools.cache
 def _compiler():
-    import cutlass.cute as cute
     from cutlass import BFloat16, Float32
     from quack.cache import jit_cache
     from quack.compile_utils import make_fake_tensor
@@ -115,7 +115,6 @@ def _compiler():
             gemm_cls, BFloat16, tile_mn, cluster_mnk, pingpong, True, False, False, device_capacity,
             m_a, m_b, m_d, None, epi_args, make_fake_scheduler_args(False, False, l), None)
 
-    del cute
     return compile_gemm_rope, hashlib.sha256(_epilogue_source()).hexdigest()[:16]
 
 
@@ -130,6 +129,9 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, freq_h: 
     """
     from quack.cute_dsl_utils import get_device_capacity, get_max_active_clusters
     from quack.gemm_tvm_ffi_utils import make_scheduler_args
+
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise TypeError(f"qkv_rope is compiled for bf16, got x {x.dtype} and weight {weight.dtype}")
 
     compile_gemm_rope, source_sha = _compiler()
     capacity = get_device_capacity(x.device)
