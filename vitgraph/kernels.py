@@ -183,6 +183,9 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
     With ``lane_dim = DP > D``: returns new ``q, k [T, H, DP]`` whose lane ``D`` masks padding keys
     (rows with ``segment_ids < 0``), and ``v``, a view of ``qkv`` with padding rows zeroed.
     """
+    bits = qkv.element_size() * 8
+    if bits not in _PAIR_TYPES or not qkv.is_floating_point():
+        raise TypeError(f"rotary_ needs a 16- or 32-bit float qkv, got {qkv.dtype}")
     rows = qkv.shape[0]
     head_dim = qkv.shape[1] // (3 * num_heads)
     views = qkv.view(rows, 3, num_heads, head_dim).unbind(1)
@@ -197,9 +200,6 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
         dp = lane_dim
         q_out = torch.empty(rows, num_heads, dp, device=qkv.device, dtype=qkv.dtype)
         k_out = torch.empty_like(q_out)
-    bits = qkv.element_size() * 8
-    if bits not in _PAIR_TYPES or not qkv.is_floating_point():
-        raise TypeError(f"rotary_ needs a 16- or 32-bit float qkv, got {qkv.dtype}")
     if rows:
         block_h, block_half = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim // 2)
         per = _rows_per_program(rows, block_h * block_half, per_program=4096)
