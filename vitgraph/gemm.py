@@ -107,10 +107,14 @@ def _quack():
     return gemm_act_tuned.fn, gemm_tuned.fn, name, config
 
 
+def _weight_fits(weight: torch.Tensor) -> bool:
+    # 16-byte aligned rows for TMA, of the weight and of an input as wide as its K; the weight
+    # is used as [K, N] through a transposed view.
+    return weight.is_contiguous() and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0
+
+
 def _quack_fits(x: torch.Tensor, weight: torch.Tensor, min_rows: int) -> bool:
-    # 16-byte aligned rows for TMA; the weight used as [K, N] through a transposed view.
-    return (x.shape[0] >= min_rows and x.is_contiguous() and weight.is_contiguous()
-            and x.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0)
+    return x.shape[0] >= min_rows and x.is_contiguous() and x.shape[1] == weight.shape[1] and _weight_fits(weight)
 
 
 def linear_quick_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backend: str) -> torch.Tensor:
@@ -136,8 +140,7 @@ def linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backen
 def rope_in_gemm(rows: int, weight: torch.Tensor, backend: str) -> bool:
     """Whether qkv of ``rows`` rows (contiguous input) takes :func:`linear_qkv_rope`, the rotary in
     the GEMM's epilogue. The per-row fp32 vectors need ``rows % 4 == 0`` (16-byte aligned rows)."""
-    return (backend == "quack" and rows >= QUACK_ROPE_MIN_ROWS and rows % 4 == 0 and weight.is_contiguous()
-            and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0)
+    return backend == "quack" and rows >= QUACK_ROPE_MIN_ROWS and rows % 4 == 0 and _weight_fits(weight)
 
 
 def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, freq_h: torch.Tensor,
