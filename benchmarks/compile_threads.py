@@ -12,9 +12,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 from vitgraph import kernels, gemm
-from vitgraph.attention import _fa4_varlen
+from vitgraph.attention import _fa4_forward
 t0 = time.perf_counter()
-gemm._quack(); fa4 = _fa4_varlen()
+gemm._quack(); fa4 = _fa4_forward()
 print(f"imports {time.perf_counter()-t0:.1f}s", flush=True)
 dev = "cuda"; T, H, D = 4096, 16, 80
 x = torch.randn(T, 1280, device=dev, dtype=torch.bfloat16)

@@ -10,8 +10,9 @@ from flash_attn.cute.interface import _flash_attn_fwd
 from vitgraph.bench.common import graph_replay_us
 
 H, D = 16, 80
-LAYOUTS = {"16x256": [256] * 16, "8x448": [448] * 8, "4x1024": [1024] * 4, "1x1024": [1024], "1x4096": [4096],
-           "1x9604": [9604], "mixed 1x3000+4x256": [3000] + [256] * 4}
+LAYOUTS = {"16x256": [256] * 16, "8x448": [448] * 8, "4x1024": [1024] * 4, "1x256": [256], "1x576": [576],
+           "1x1024": [1024], "1x1600": [1600], "1x2048": [2048], "2x2048": [2048] * 2, "1x4096": [4096],
+           "1x9604": [9604], "mixed 1x3000+4x256": [3000] + [256] * 4, "mixed 1x2048+8x256": [2048] + [256] * 8}
 TILES = [None, (128, 128), (128, 144), (128, 176)]
 for name, lens in LAYOUTS.items():
     total = sum(lens)

@@ -13,7 +13,7 @@ import time
 
 import torch
 from vitgraph import GraphedVisionEncoder
-from vitgraph.attention import _fa4_varlen
+from vitgraph.attention import _fa4_forward
 from vitgraph.bench.common import graph_replay_us
 
 smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
@@ -33,7 +33,7 @@ time.sleep(2)
 T, H, D = 4096, 16, 80
 qkv = torch.randn(T, 3, H, D, device="cuda", dtype=torch.bfloat16)
 cu = torch.tensor([0, T] + [T] * 15, device="cuda", dtype=torch.int32)
-fa4 = _fa4_varlen()
+fa4 = _fa4_forward()
 fn = lambda: fa4(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=T, max_seqlen_k=T)
 us, g = graph_replay_us(fn, inner=32)
 t = time.time(); marks["fa4"] = [t]

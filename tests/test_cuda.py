@@ -451,3 +451,78 @@ def test_cudnn_ragged_attention_in_a_graph_follows_new_layouts():
         got = box["out"][:real]
         assert torch.isfinite(got).all() and rel_err(got, ref) <= 1e-2, (lens, diff_report(got, ref))
         qkv[real:] = torch.randn_like(qkv[real:])
+
+
+def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):
+    """FlashAttention 4 with its 128-row tiles (batches whose max_seqlen is at most
+    FA4_SHORT_SEQLEN) and with its default tiles, against FA2 varlen, padding rows zeroed."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    import vitgraph.attention
+    from vitgraph.attention import attend, fa4_tile
+    from vitgraph.models.qwen2_vl import VisionBatch
+
+    if "fa4" not in available_backends("cuda"):
+        pytest.skip("flash-attn-4 is not installed")
+    assert fa4_tile(vitgraph.attention.FA4_SHORT_SEQLEN) == vitgraph.attention.FA4_SHORT_TILE
+    assert fa4_tile(vitgraph.attention.FA4_SHORT_SEQLEN + 1) is None
+    calls = []
+    forward = vitgraph.attention._fa4_forward()
+    monkeypatch.setattr(vitgraph.attention, "_fa4_forward",
+                        lambda: lambda *a, **kw: calls.append(kw["tile_mn"]) or forward(*a, **kw))
+    heads, head_dim, tokens, slots = 4, 80, 640, 8
+    lens = [300, 17, 200]
+    real = sum(lens)
+    cu = torch.tensor([0, 300, 317, 517] + [real] * (slots - 3), device="cuda", dtype=torch.int32)
+    ids = torch.full((tokens,), -1, device="cuda", dtype=torch.int32)
+    ids[:real] = torch.repeat_interleave(torch.arange(3, device="cuda", dtype=torch.int32),
+                                         torch.tensor(lens, device="cuda"))
+    q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    exact = cu[:4]
+    ref = varlen_attn(q[:real], k[:real], v[:real], exact, exact, 300, 300)
+    for cap, tile in ((tokens, vitgraph.attention.FA4_SHORT_TILE), (tokens - 1, None)):
+        monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", cap)
+        batch = VisionBatch(torch.zeros(tokens, 2, device="cuda", dtype=torch.int32), ids, cu, tokens)
+        v_poisoned = v.clone()
+        v_poisoned[real:] = float("nan")  # attend zeroes padding rows of v for FA4
+        got = attend("fa4", q, k, v_poisoned, batch)[:real]
+        assert calls[-1] == tile
+        assert torch.isfinite(got).all() and rel_err(got, ref) <= 1e-2, (tile, diff_report(got, ref))
+        print(f"\n[fa4] tile {tile or 'default'}: {diff_report(got, ref)}")
+
+
+def test_short_frame_buckets_replay_bitwise_and_take_short_steps(weights, eager_enc, monkeypatch):
+    """With a low FA4_SHORT_SEQLEN every budget above it gets a short-frame bucket (128-row
+    FA4 tiles) beside its packed one (default tiles): both replay bitwise equal to eager on
+    the same buffers, steps of short frames go to the short bucket, and results match."""
+    import vitgraph.attention
+
+    if "fa4" not in available_backends("cuda"):
+        pytest.skip("flash-attn-4 is not installed")
+    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 128)
+    enc = make(weights, mode="graph", attention="fa4", budgets=[128, 256, 512], dense_buckets=False)
+    assert [b.name for b in enc.buckets] == ["128x8", "256x8s128", "256x8", "512x8s128", "512x8"]
+    rng = random.Random(5)
+    for bucket in enc.bank.buckets:
+        grids, tokens = load_random_frames(enc.bank, bucket, rng) if bucket.max_seqlen == bucket.tokens else \
+            _load_short_frames(enc.bank, bucket)
+        replayed = enc.bank.replay(bucket)[:tokens // 4].clone()
+        eager = enc.bank.run_eager(bucket)[:tokens // 4]
+        assert torch.equal(replayed, eager), f"bucket {bucket.name}: {diff_report(replayed, eager)}"
+    short = [(1, 8, 8), (1, 6, 10), (1, 10, 12)]  # 244 tokens, longest frame 120
+    long = [(1, 8, 8), (1, 12, 12)]  # 208 tokens, longest frame 144
+    for grids, name in ((short, "256x8s128"), (long, "256x8")):
+        assert [s.bucket.name for s in enc.plan(grids).steps] == [name]
+        pixels = random_pixels(grids, seed=7).cuda()
+        before = enc.stats()["buckets"][name]["replays"]
+        got = enc.encode(pixels, grids)
+        assert enc.stats()["buckets"][name]["replays"] == before + 1
+        assert rel_err(got, eager_enc.encode(pixels, grids)) <= 1e-2, diff_report(got, eager_enc.encode(pixels, grids))
+
+
+def _load_short_frames(bank, bucket):
+    grids = [(1, 8, 8)] * (bucket.tokens // 128) + [(1, 2, 8)]  # 64-token frames, then one of 16
+    tokens = sum(t * h * w for t, h, w in grids)
+    pixels = random_pixels(grids, width=1176, seed=bucket.tokens).cuda().bfloat16()
+    bank.load(bucket, pixels, bank.stage_grids(bucket, grids))
+    return grids, tokens

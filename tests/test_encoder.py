@@ -10,7 +10,7 @@ from vitgraph import GraphedVisionEncoder
 from vitgraph.attention import available_backends, resolve_backend
 from vitgraph.capture.planner import make_buckets, plan_call
 from vitgraph.config import TINY
-from vitgraph.encoder import EngineOptions, dense_limit
+from vitgraph.encoder import EngineOptions, dense_limit, short_limit
 from vitgraph.gemm import resolve_gemm
 
 
@@ -177,6 +177,7 @@ def test_bad_out(encoder, out, error, words):
     (dict(pool_limit_bytes=0), "pool_limit_bytes"),
     (dict(dense_buckets="yes"), "dense_buckets"),
     (dict(route_single_frames=1), "route_single_frames"),
+    (dict(short_frame_buckets=None), "short_frame_buckets"),
     (dict(exact_eager_above=-1), "exact_eager_above"),
     (dict(dense_max_tokens=0), "dense_max_tokens"),
     (dict(dense_max_tokens=True), "dense_max_tokens"),
@@ -255,3 +256,16 @@ def test_dense_bucket_limit(options, attention, limit):
 def test_dense_buckets_follow_the_limit():
     enc = GraphedVisionEncoder.from_config("tiny", device="cpu", budgets=[64, 128, 256], dense_max_tokens=128)
     assert [(b.tokens, b.max_segments) for b in enc.requested_buckets if b.max_segments == 1] == [(64, 1), (128, 1)]
+
+
+def test_short_frame_buckets_only_with_fa4(monkeypatch):
+    import vitgraph.attention
+
+    assert short_limit(EngineOptions(), "fa4") == vitgraph.attention.FA4_SHORT_SEQLEN
+    assert short_limit(EngineOptions(short_frame_buckets=False), "fa4") is None
+    assert short_limit(EngineOptions(), "cudnn") is None
+    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 96)  # read when the encoder is built
+    assert short_limit(EngineOptions(), "fa4") == 96
+    # On CPU (sdpa) the ladder gets no short buckets.
+    enc = GraphedVisionEncoder.from_config("tiny", device="cpu", budgets=[64, 128, 256])
+    assert all(b.max_seqlen == b.tokens for b in enc.requested_buckets)

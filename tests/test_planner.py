@@ -128,6 +128,38 @@ def test_single_frame_steps_prefer_dense_buckets():
     assert [b.name for b in make_buckets([64, 128], 8, 4, dense=True, dense_up_to=64)] == ["64x1", "64x8", "128x8"]
 
 
+def test_short_frame_buckets_take_only_steps_whose_frames_fit():
+    buckets = make_buckets([64, 128, 256, 512], max_items=8, merge_unit=4, dense=True, dense_up_to=64,
+                           short_seqlen=64)
+    assert [b.name for b in buckets] == ["64x1", "64x8", "128x8s64", "128x8", "256x8s64", "256x8", "512x8s64",
+                                         "512x8"]
+    assert Bucket(128, 8, 64).max_seqlen == 64 and Bucket(128, 8).max_seqlen == 128
+    assert Bucket(128, 8, 999) == Bucket(128, 8)  # a cap at or above the tokens is no cap
+    # Every frame within the cap: the short bucket; one frame above it: the general one.
+    assert plan_call([(5, 8, 8)], buckets).steps[0].bucket.name == "512x8s64"
+    assert plan_call([(4, 8, 8), (1, 8, 10)], buckets).steps[0].bucket.name == "512x8"
+    assert plan_call([(2, 6, 8)], buckets).steps[0].bucket.name == "128x8s64"
+    # A single frame keeps its dense bucket; without one, the short bucket takes it if it fits.
+    assert plan_call([(1, 8, 8)], buckets).steps[0].bucket.name == "64x1"
+    assert plan_call([(1, 8, 12)], buckets).steps[0].bucket.name == "128x8"  # 96 tokens > 64
+    assert smallest_fit(buckets, 100, 2, longest=64).name == "128x8s64"
+    assert smallest_fit(buckets, 100, 2, longest=65).name == "128x8"
+    assert smallest_fit(buckets, 100, 2).name == "128x8s64"  # longest defaults to 0: no frame
+    # Routed single frames go to the short bucket where they fit.
+    routed = make_buckets([64, 128], 8, 4, dense=True, short_seqlen=100)
+    assert plan_call([(1, 6, 16)], routed).steps[0].bucket.name == "128x1"  # 96 tokens
+    assert plan_call([(1, 6, 16)], routed, packed_single_below={128: 100}).steps[0].bucket.name == "128x8s100"
+    assert plan_call([(1, 8, 14)], routed, packed_single_below={128: 120}).steps[0].bucket.name == "128x8"
+    # Random traffic: every step's frames fit its bucket's cap, and it is the least bucket that holds it.
+    rng = random.Random(3)
+    for _ in range(200):
+        grids = [(rng.randint(1, 3), 2 * rng.randint(1, 8), 2 * rng.randint(1, 8)) for _ in range(rng.randint(1, 6))]
+        for s in plan_call(grids, buckets).steps:
+            longest = max(h * w for _, h, w in s.grids)
+            assert longest <= s.bucket.max_seqlen
+            assert s.bucket == smallest_fit(buckets, s.tokens, s.segments, longest)
+
+
 def test_measured_thresholds_send_small_single_frames_to_the_packed_bucket():
     buckets = make_buckets([64, 128, 256, 512], max_items=8, merge_unit=4, dense=True)
     below = {512: 300, 128: 129}  # 512: frames under 300 tokens; 128: every frame

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from . import attention as attention_kernels
 from . import kernels
 from .attention import resolve_backend
 from .capture.graphs import GraphBank
@@ -59,6 +60,10 @@ class EngineOptions:
     # FlashAttention 4's packed bucket beat dense cuDNN for every single frame on an H200, so
     # the routing never used the dense graphs, which cost capture time), else exact_eager_above.
     dense_max_tokens: int | None = None
+    # With the fa4 backend, also capture per budget a packed bucket for steps whose frames all
+    # hold at most attention.FA4_SHORT_SEQLEN tokens: it attends with FlashAttention 4's 128-row
+    # tiles, which fit short frames better than its default 192-row ones (see vitgraph.attention).
+    short_frame_buckets: bool = True
     # Time each budget's dense and packed graphs at capture (about 1 s on an H200) and send a
     # single frame to the packed one where that is faster (see vitgraph.capture.routing).
     route_single_frames: bool = True
@@ -78,7 +83,7 @@ class EngineOptions:
             raise ValueError(f"gemm must be 'auto' or one of {GEMM_BACKENDS}, got {self.gemm!r}")
         if self.fuse is not None and not isinstance(self.fuse, bool):
             raise ValueError(f"fuse must be True, False or None (auto), got {self.fuse!r}")
-        for name in ("dense_buckets", "route_single_frames"):
+        for name in ("dense_buckets", "short_frame_buckets", "route_single_frames"):
             if not isinstance(getattr(self, name), bool):  # not "in (True, False)": 1 == True
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.budgets is not None and (isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence)
@@ -93,6 +98,13 @@ def dense_limit(options: EngineOptions, attention: str) -> int | None:
         limits.append(FA4_DENSE_MAX_TOKENS)
     limits = [n for n in limits if n is not None]
     return min(limits) if limits else None
+
+
+def short_limit(options: EngineOptions, attention_backend: str) -> int | None:
+    """The frame cap of the short-frame buckets to capture (None: none)."""
+    if options.short_frame_buckets and attention_backend == "fa4":
+        return attention_kernels.FA4_SHORT_SEQLEN
+    return None
 
 
 def _check_int(name: str, value, *, minimum: int, optional: bool = False) -> None:
@@ -204,7 +216,8 @@ class GraphedVisionEncoder:
             budgets = budget_ladder(self.options.min_budget, self.options.max_budget, align=tower.merge_unit)
         self.requested_buckets = make_buckets(list(budgets), self.options.max_items, tower.merge_unit,
                                               dense=self.options.dense_buckets,
-                                              dense_up_to=dense_limit(self.options, self.attention))
+                                              dense_up_to=dense_limit(self.options, self.attention),
+                                              short_seqlen=short_limit(self.options, self.attention))
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None

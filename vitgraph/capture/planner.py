@@ -7,16 +7,19 @@ A bucket is one captured graph. Its capacities are checked for every replay:
 * ``tokens``: patch rows (the static pixel buffer's height);
 * ``max_segments``: attention segments, i.e. frames (the length of ``cu_seqlens`` minus one);
 * ``max_seqlen``: the longest segment the attention kernel is launched for. It is
-  baked in at capture. It equals ``tokens``, the only bound that holds for every
-  packing; the kernels skip the empty query tiles past each segment's end, so a
-  loose value costs launch slots, not math.
+  baked in at capture. By default it equals ``tokens``, the only bound that holds for
+  every packing; the kernels skip the empty query tiles past each segment's end, so a
+  loose value costs launch slots, not math. A *short-frame* bucket caps it lower: it
+  takes only steps whose frames all fit, and its attention may pick a kernel made for
+  short segments (FlashAttention 4's 128-row tiles, see :func:`vitgraph.attention.fa4_tile`).
 
 A bucket with ``max_segments == 1`` is *dense*: it holds one frame, which attends
 through dense cuDNN attention with its padding keys masked (see
-:func:`vitgraph.attention.dense_masked`). Single-frame steps prefer it: buckets sort
-by ``(tokens, max_segments)``, so the smallest fit is the dense one when both exist,
-unless a threshold measured at capture sends small frames of that budget to the packed
-bucket (:mod:`vitgraph.capture.routing`).
+:func:`vitgraph.attention.dense_masked`). Buckets sort by ``(tokens, max_segments,
+max_seqlen)`` and a step takes the least one that holds it: single-frame steps prefer
+the dense bucket when their budget has one, unless a threshold measured at capture sends
+small frames of that budget to a packed bucket (:mod:`vitgraph.capture.routing`), and
+steps of short frames prefer their budget's short-frame bucket.
 """
 
 from __future__ import annotations
@@ -33,14 +36,19 @@ MAX_PADDING_WASTE = 0.125  # the automatic ladder keeps (bucket - tokens) / buck
 class Bucket:
     tokens: int
     max_segments: int
+    max_seqlen: int = 0  # the longest frame it takes; 0 (the default) means ``tokens``
 
-    @property
-    def max_seqlen(self) -> int:
-        return self.tokens
+    def __post_init__(self) -> None:
+        if not 0 < self.max_seqlen <= self.tokens:
+            object.__setattr__(self, "max_seqlen", self.tokens)
 
     @property
     def name(self) -> str:
-        return f"{self.tokens}x{self.max_segments}"
+        short = f"s{self.max_seqlen}" if self.max_seqlen < self.tokens else ""
+        return f"{self.tokens}x{self.max_segments}{short}"
+
+    def holds(self, tokens: int, segments: int, longest: int) -> bool:
+        return tokens <= self.tokens and segments <= self.max_segments and longest <= self.max_seqlen
 
 
 @dataclass
@@ -97,10 +105,11 @@ def budget_ladder(min_budget: int, max_budget: int, align: int = 4) -> list[int]
 
 
 def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int, dense: bool = False,
-                 dense_up_to: int | None = None) -> list[Bucket]:
+                 dense_up_to: int | None = None, short_seqlen: int | None = None) -> list[Bucket]:
     """One packed bucket per budget (a segment holds at least ``merge_unit`` tokens, which
     bounds how many segments a small bucket can ever see), plus a one-segment dense bucket
-    per budget up to ``dense_up_to`` tokens when ``dense``."""
+    per budget up to ``dense_up_to`` tokens when ``dense``, plus a short-frame packed bucket
+    (frames of at most ``short_seqlen`` tokens) per budget above ``short_seqlen``."""
     if not budgets:
         raise ValueError("budgets must not be empty")
     if isinstance(max_items, bool) or not isinstance(max_items, int) or max_items <= 0:
@@ -113,14 +122,17 @@ def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int, dense:
             raise ValueError(f"budgets lists {b} twice")
         seen.add(b)
     buckets = {Bucket(b, min(max_items, b // merge_unit)) for b in budgets}
+    if short_seqlen:
+        buckets |= {Bucket(b, min(max_items, b // merge_unit), short_seqlen) for b in budgets if b > short_seqlen}
     if dense:
         buckets |= {Bucket(b, 1) for b in budgets if dense_up_to is None or b <= dense_up_to}
     return sorted(buckets)
 
 
-def smallest_fit(buckets: Sequence[Bucket], tokens: int, segments: int) -> Bucket | None:
-    """The least ``(tokens, max_segments)`` bucket that holds the step, or None."""
-    return min((b for b in buckets if b.tokens >= tokens and b.max_segments >= segments), default=None)
+def smallest_fit(buckets: Sequence[Bucket], tokens: int, segments: int, longest: int = 0) -> Bucket | None:
+    """The least ``(tokens, max_segments, max_seqlen)`` bucket that holds the step (whose
+    longest frame has ``longest`` tokens), or None."""
+    return min((b for b in buckets if b.holds(tokens, segments, longest)), default=None)
 
 
 def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_above: int | None = None,
@@ -137,7 +149,7 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
 
     ``packed_single_below`` (``{budget: n}``, see :mod:`vitgraph.capture.routing`): a step
     holding one frame of fewer than ``n`` tokens, whose smallest fit is the dense bucket of
-    that budget, replays in the packed bucket instead.
+    that budget, replays in a packed bucket instead (the short-frame one where it fits).
     """
     packed_single_below = packed_single_below or {}
     plan = Plan()
@@ -152,21 +164,21 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
 
     offset = 0
     chunk: list[Grid] = []
-    chunk_tokens = chunk_segments = 0
+    chunk_tokens = chunk_segments = chunk_longest = 0
 
     def flush() -> None:
-        nonlocal chunk, chunk_tokens, chunk_segments, offset
+        nonlocal chunk, chunk_tokens, chunk_segments, chunk_longest, offset
         if chunk:
             if chunk_segments == 1 and exact_eager_above is not None and chunk_tokens > exact_eager_above:
                 plan.steps.append(Step(chunk, None, chunk_tokens, 1, offset, "exact_eager"))
             else:
-                bucket = smallest_fit(buckets, chunk_tokens, chunk_segments)
+                bucket = smallest_fit(buckets, chunk_tokens, chunk_segments, chunk_longest)
                 if (bucket is not None and bucket.max_segments == 1
                         and chunk_tokens < packed_single_below.get(bucket.tokens, 0)):
-                    bucket = smallest_fit(buckets, chunk_tokens, 2) or bucket
+                    bucket = smallest_fit(buckets, chunk_tokens, 2, chunk_longest) or bucket
                 plan.steps.append(Step(chunk, bucket, chunk_tokens, chunk_segments, offset))
             offset += chunk_tokens
-        chunk, chunk_tokens, chunk_segments = [], 0, 0
+        chunk, chunk_tokens, chunk_segments, chunk_longest = [], 0, 0, 0
 
     for t, h, w in grids:
         frame = h * w
@@ -191,6 +203,7 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
             chunk.append((take, h, w))
             chunk_tokens += take * frame
             chunk_segments += take
+            chunk_longest = max(chunk_longest, frame)
             left -= take
     flush()
     return plan

@@ -38,7 +38,8 @@ def single_frame_thresholds(bank: GraphBank, frame_grid: Callable[[int], Grid], 
     (``n`` a multiple of ``unit``)."""
     pairs: dict[int, dict[bool, Bucket]] = {}  # budget -> {dense?: bucket}
     for b in bank.buckets:
-        pairs.setdefault(b.tokens, {})[b.max_segments == 1] = b
+        if b.max_seqlen == b.tokens:  # dense against the packed bucket that takes any frame
+            pairs.setdefault(b.tokens, {})[b.max_segments == 1] = b
     thresholds = {}
     previous = 0
     for tokens in sorted(pairs):
