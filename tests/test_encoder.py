@@ -242,12 +242,13 @@ def test_random_weights_are_seeded_and_leave_the_global_rng_alone():
 
 @pytest.mark.parametrize("options, attention, limit", [
     (dict(), "cudnn", 8192),  # exact_eager_above
-    (dict(), "fa4", 2048),  # FA4_DENSE_MAX_TOKENS
+    (dict(), "fa4", 0),  # FA4_DENSE_MAX_TOKENS: none
     (dict(dense_max_tokens=4096), "fa4", 4096),  # an explicit limit wins over the fa4 default
     (dict(dense_max_tokens=16384), "cudnn", 8192),  # never above exact_eager_above
     (dict(exact_eager_above=None), "sdpa", None),
-    (dict(exact_eager_above=None), "fa4", 2048),
-    (dict(exact_eager_above=1024), "fa4", 1024),
+    (dict(exact_eager_above=None), "fa4", 0),
+    (dict(exact_eager_above=1024), "fa4", 0),
+    (dict(exact_eager_above=1024, dense_max_tokens=2048), "fa4", 1024),
 ])
 def test_dense_bucket_limit(options, attention, limit):
     assert dense_limit(EngineOptions(**options), attention) == limit

@@ -28,12 +28,12 @@ if TYPE_CHECKING:
 BACKENDS = ("fa4", "cudnn", "varlen", "flash", "sdpa")
 FLASH_BACKENDS = ("fa4", "cudnn", "varlen", "flash")  # fp16/bf16 only
 FA4_ARCHS = (9, 10)  # compute capability majors FlashAttention 4 has forward kernels for (Hopper, Blackwell)
-# FlashAttention 4 at head_dim 80 tiles queries by 192 rows on Hopper, which wastes most of the
-# last tile of a short segment. Where no segment can exceed this many tokens (a batch's
-# max_seqlen, which a graph bakes in), it runs with these 128x128 tiles instead: on an H200,
-# 16 frames of 256 tokens 40.7 -> 30.3 µs per block, 4x1024 62.0 -> 58.6, while one
-# 4096-token frame went 171 -> 176 (benchmarks/fa4_tiles.py).
-FA4_SHORT_SEQLEN = 1024
+# FlashAttention 4 at head_dim 80 tiles queries by 192 rows on Hopper, which wastes much of
+# the last tile of a short segment. Where no segment can exceed this many tokens (a batch's
+# max_seqlen, which a graph bakes in), it runs with these 128x128 tiles instead. On an H200
+# (benchmarks/fa4_tiles.py, µs per block): 16x256 40.7 -> 30.2, 4x1024 62.0 -> 58.8, one
+# 2048-token frame 65.0 -> 48.7, 2x2048 96.6 -> 97.4, but one 4096-token frame 169.6 -> 174.5.
+FA4_SHORT_SEQLEN = 2048
 FA4_SHORT_TILE = (128, 128)
 
 

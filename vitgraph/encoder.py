@@ -31,10 +31,12 @@ MODES = ("auto", "graph", "eager")
 # step's staged metadata: a repeated image size then costs no host-side metadata work.
 PLAN_CACHE_SIZE = 4096
 PLAN_CACHE_BYTES = 64 << 20  # staged metadata is 12 bytes per token
-# With the fa4 backend no dense bucket above this is captured by default: on an H200 the
-# routing timed at capture sent every single frame above 2048 tokens to FA4's packed bucket
-# (and kept the 2048 dense bucket only for frames of 1800-2048 tokens).
-FA4_DENSE_MAX_TOKENS = 2048
+# With the fa4 backend no dense bucket above this is captured by default, so none: on an
+# H200, FlashAttention 4's packed buckets (128-row tiles for frames of up to 2048 tokens) beat
+# the dense cuDNN buckets end to end for single frames of 256 and 1024 tokens (1x256 2.04 ->
+# 1.89 ms, 1x1024 3.59 -> 3.44), and the routing timed at capture already sent every single
+# frame above 2048 tokens to the packed buckets.
+FA4_DENSE_MAX_TOKENS = 0
 
 
 @dataclass
@@ -56,13 +58,13 @@ class EngineOptions:
     # on an H200 a 9604-token image took 69.1 ms eager against 73.2 ms replayed in the
     # 10496-token bucket). None: never. Dense buckets above it are not captured.
     exact_eager_above: int | None = 8192
-    # The largest dense bucket. None: FA4_DENSE_MAX_TOKENS with the fa4 backend (above it
-    # FlashAttention 4's packed bucket beat dense cuDNN for every single frame on an H200, so
-    # the routing never used the dense graphs, which cost capture time), else exact_eager_above.
+    # The largest dense bucket. None: none with the fa4 backend (FA4_DENSE_MAX_TOKENS: its
+    # packed buckets beat dense cuDNN for single frames on an H200), else exact_eager_above.
     dense_max_tokens: int | None = None
-    # With the fa4 backend, also capture per budget a packed bucket for steps whose frames all
-    # hold at most attention.FA4_SHORT_SEQLEN tokens: it attends with FlashAttention 4's 128-row
-    # tiles, which fit short frames better than its default 192-row ones (see vitgraph.attention).
+    # With the fa4 backend, also capture a packed bucket per budget above
+    # attention.FA4_SHORT_SEQLEN for steps whose frames all hold at most that many tokens: it
+    # attends with FlashAttention 4's 128-row tiles, which fit short frames better than its
+    # default 192-row ones (see vitgraph.attention). Smaller budgets use those tiles anyway.
     short_frame_buckets: bool = True
     # Time each budget's dense and packed graphs at capture (about 1 s on an H200) and send a
     # single frame to the packed one where that is faster (see vitgraph.capture.routing).
