@@ -40,6 +40,9 @@ def test_serving_reports_percentiles(tmp_path, capsys):
     assert {r["system"] for r in result["runs"]} == {"hf_eager", "vitgraph_eager"}
     for run in result["runs"]:
         assert 0 < run["p50_ms"] <= run["p90_ms"] <= run["p99_ms"] and run["throughput_rps"] > 0
+        slowest = [c["ms"] for c in run["slowest_calls"]]
+        assert slowest == sorted(slowest, reverse=True) and 0 < len(slowest) <= 3
+        assert all(c["tokens"] > 0 and c["frames"] > 0 for c in run["slowest_calls"])
     assert all(e < 1e-4 for e in result["check"].values())
 
 

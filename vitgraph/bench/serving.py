@@ -56,6 +56,7 @@ def simulate(run, pixels_for, grids, arrivals, max_tokens, device) -> dict:
     done = [0.0] * n
     clock, nxt = 0.0, 0
     busy = 0.0
+    calls = []  # (ms, tokens, frames) of each encode call
     while nxt < n:
         clock = max(clock, arrivals[nxt])
         batch = [nxt]
@@ -77,6 +78,7 @@ def simulate(run, pixels_for, grids, arrivals, max_tokens, device) -> dict:
         took = time.perf_counter() - start
         busy += took
         clock += took
+        calls.append((took * 1e3, tokens, sum(grids[i][0] for i in batch)))
         for i in batch:
             done[i] = clock
     latencies = sorted((done[i] - arrivals[i]) * 1e3 for i in range(n))
@@ -85,7 +87,8 @@ def simulate(run, pixels_for, grids, arrivals, max_tokens, device) -> dict:
         return float(np.percentile(latencies, p))
 
     return {"p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99), "mean_ms": statistics.fmean(latencies),
-            "throughput_rps": n / max(done), "utilisation": busy / max(done)}
+            "throughput_rps": n / max(done), "utilisation": busy / max(done),
+            "slowest_calls": [{"ms": ms, "tokens": t, "frames": f} for ms, t, f in sorted(calls, reverse=True)[:3]]}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,8 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             stats = simulate(runners[name], pixels_for, grids, arrivals, max_budget, device)
             result["runs"].append({"system": name, "load_rps": load, **stats})
-            print(f"  load {load:g}/s {name}: p50 {stats['p50_ms']:.1f} ms, p99 {stats['p99_ms']:.1f} ms",
-                  file=sys.stderr)
+            slowest = ", ".join(f"{c['ms']:.1f} ms ({c['tokens']} tokens, {c['frames']} frames)"
+                                for c in stats["slowest_calls"])
+            print(f"  load {load:g}/s {name}: p50 {stats['p50_ms']:.1f} ms, p99 {stats['p99_ms']:.1f} ms; "
+                  f"slowest calls {slowest}", file=sys.stderr)
 
     print(f"\nserving: {result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "
           f"{result['date']}; {n} requests per load, mean {result['mean_tokens_per_request']:.0f} patch tokens")
