@@ -460,17 +460,18 @@ def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):
     from torch.nn.attention.varlen import varlen_attn
 
     import vitgraph.attention
-    from vitgraph.attention import attend, fa4_tile
+    from vitgraph.attention import attend, fa4_tile, fa4_tile_kwargs
     from vitgraph.models.qwen2_vl import VisionBatch
 
     if "fa4" not in available_backends("cuda"):
         pytest.skip("flash-attn-4 is not installed")
-    assert fa4_tile(vitgraph.attention.FA4_SHORT_SEQLEN) == vitgraph.attention.FA4_SHORT_TILE
-    assert fa4_tile(vitgraph.attention.FA4_SHORT_SEQLEN + 1) is None
+    short, long = (fa4_tile_kwargs(getattr(vitgraph.attention, name)) for name in ("FA4_SHORT_TILE", "FA4_LONG_TILE"))
+    assert fa4_tile(vitgraph.attention.FA4_SHORT_SEQLEN) == short and short["tile_mn"][0] == 128
+    assert fa4_tile(vitgraph.attention.FA4_SHORT_SEQLEN + 1) == long
     calls = []
     forward = vitgraph.attention._fa4_forward()
     monkeypatch.setattr(vitgraph.attention, "_fa4_forward",
-                        lambda: lambda *a, **kw: calls.append(kw["tile_mn"]) or forward(*a, **kw))
+                        lambda: lambda *a, **kw: calls.append(kw.get("tile_mn")) or forward(*a, **kw))
     heads, head_dim, tokens, slots = 4, 80, 640, 8
     lens = [300, 17, 200]
     real = sum(lens)
@@ -481,7 +482,7 @@ def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):
     q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     exact = cu[:4]
     ref = varlen_attn(q[:real], k[:real], v[:real], exact, exact, 300, 300)
-    for cap, tile in ((tokens, vitgraph.attention.FA4_SHORT_TILE), (tokens - 1, None)):
+    for cap, tile in ((tokens, short["tile_mn"]), (tokens - 1, long.get("tile_mn"))):
         monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", cap)
         batch = VisionBatch(torch.zeros(tokens, 2, device="cuda", dtype=torch.int32), ids, cu, tokens)
         v_poisoned = v.clone()

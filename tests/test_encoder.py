@@ -270,3 +270,17 @@ def test_short_frame_buckets_only_with_fa4(monkeypatch):
     # On CPU (sdpa) the ladder gets no short buckets.
     enc = GraphedVisionEncoder.from_config("tiny", device="cpu", budgets=[64, 128, 256])
     assert all(b.max_seqlen == b.tokens for b in enc.requested_buckets)
+
+
+def test_fa4_tile_keywords(monkeypatch):
+    import vitgraph.attention
+    from vitgraph.attention import fa4_tile, fa4_tile_kwargs
+
+    assert fa4_tile_kwargs(None) == {}
+    assert fa4_tile_kwargs((128, 128)) == {"tile_mn": (128, 128)}
+    assert fa4_tile_kwargs((192, 144, False, True)) == {"tile_mn": (192, 144), "mma_pv_is_rs": False,
+                                                        "intra_wg_overlap": True}
+    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 1000)
+    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_TILE", (128, 96))
+    monkeypatch.setattr(vitgraph.attention, "FA4_LONG_TILE", None)
+    assert fa4_tile(1000) == {"tile_mn": (128, 96)} and fa4_tile(1001) == {}

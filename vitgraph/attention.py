@@ -34,7 +34,9 @@ FA4_ARCHS = (9, 10)  # compute capability majors FlashAttention 4 has forward ke
 # (benchmarks/fa4_tiles.py, µs per block): 16x256 40.7 -> 30.2, 4x1024 62.0 -> 58.8, one
 # 2048-token frame 65.0 -> 48.7, 2x2048 96.6 -> 97.4, but one 4096-token frame 169.6 -> 174.5.
 FA4_SHORT_SEQLEN = 2048
+# A tile is (m, n), or (m, n, pv_from_registers, intra_warpgroup_overlap); None: FA4's own choice.
 FA4_SHORT_TILE = (128, 128)
+FA4_LONG_TILE = None  # above FA4_SHORT_SEQLEN
 
 
 def _has_torch_varlen() -> bool:
@@ -72,10 +74,20 @@ def _fa4_forward():
     return _flash_attn_fwd
 
 
-def fa4_tile(max_seqlen: int) -> tuple[int, int] | None:
-    """FlashAttention 4's tile for a batch whose segments hold at most ``max_seqlen`` tokens
-    (None: its own choice)."""
-    return FA4_SHORT_TILE if max_seqlen <= FA4_SHORT_SEQLEN else None
+def fa4_tile_kwargs(tile: tuple | None) -> dict:
+    """FlashAttention 4's forward keywords for a tile (see ``FA4_SHORT_TILE``)."""
+    if tile is None:
+        return {}
+    m, n, *flags = tile
+    kwargs = {"tile_mn": (m, n)}
+    if flags:  # else FA4 turns both on for an explicit tile
+        kwargs["mma_pv_is_rs"], kwargs["intra_wg_overlap"] = flags
+    return kwargs
+
+
+def fa4_tile(max_seqlen: int) -> dict:
+    """FlashAttention 4's tile keywords for a batch whose segments hold at most ``max_seqlen`` tokens."""
+    return fa4_tile_kwargs(FA4_SHORT_TILE if max_seqlen <= FA4_SHORT_SEQLEN else FA4_LONG_TILE)
 
 
 def available_backends(device: torch.device | str) -> list[str]:
@@ -159,7 +171,7 @@ def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batc
             v = torch.where((batch.segment_ids >= 0)[:, None, None], v, 0.0)
         return _fa4_forward()(q, k, v, cu_seqlens_q=batch.cu_seqlens, cu_seqlens_k=batch.cu_seqlens,
                               max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen,
-                              tile_mn=fa4_tile(batch.max_seqlen))[0]
+                              **fa4_tile(batch.max_seqlen))[0]
     if batch.dense and not batch.padded:
         # One segment covers every row: plain SDPA, no mask (cuDNN on Hopper).
         return _sdpa_dense(q, k, v, None)
