@@ -504,6 +504,7 @@ def test_short_frame_buckets_replay_bitwise_and_take_short_steps(weights, eager_
     monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 128)
     enc = make(weights, mode="graph", attention="fa4", budgets=[128, 256, 512], dense_buckets=False)
     assert [b.name for b in enc.buckets] == ["128x8", "256x8s128", "256x8", "512x8s128", "512x8"]
+    assert enc.stats()["buckets"]["256x8s128"]["max_seqlen"] == 128 and enc.stats()["buckets"]["256x8"]["max_seqlen"] == 256
     rng = random.Random(5)
     for bucket in enc.bank.buckets:
         grids, tokens = load_random_frames(enc.bank, bucket, rng) if bucket.max_seqlen == bucket.tokens else \

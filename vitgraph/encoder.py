@@ -403,7 +403,7 @@ class GraphedVisionEncoder:
         """Replays and padding per bucket, eager fallbacks by reason, capture seconds and pool bytes."""
         with self._lock:
             buckets = {
-                b.name: {"tokens": b.tokens, "max_segments": b.max_segments,
+                b.name: {"tokens": b.tokens, "max_segments": b.max_segments, "max_seqlen": b.max_seqlen,
                          **vars(self._counters.buckets.get(b.name, BucketStats()))}
                 for b in self.buckets
             }
