@@ -33,6 +33,12 @@ def test_make_buckets_rejects(budgets, max_items, match):
         make_buckets(budgets, max_items, 4)
 
 
+@pytest.mark.parametrize("short_seqlen", [-1, 64.0, True, "64"])
+def test_make_buckets_rejects_bad_short_seqlen(short_seqlen):
+    with pytest.raises(ValueError, match="short_seqlen"):
+        make_buckets([64, 128], 8, 4, short_seqlen=short_seqlen)
+
+
 def test_small_buckets_cap_segments_by_merge_unit():
     buckets = make_buckets([16, 1024], max_items=64, merge_unit=4)
     assert buckets == [Bucket(16, 4), Bucket(1024, 64)]

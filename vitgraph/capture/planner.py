@@ -121,6 +121,9 @@ def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int, dense:
         if b in seen:
             raise ValueError(f"budgets lists {b} twice")
         seen.add(b)
+    if short_seqlen is not None and (isinstance(short_seqlen, bool) or not isinstance(short_seqlen, int)
+                                     or short_seqlen < 0):
+        raise ValueError(f"short_seqlen must be a non-negative int or None, got {short_seqlen!r}")
     buckets = {Bucket(b, min(max_items, b // merge_unit)) for b in budgets}
     if short_seqlen:
         buckets |= {Bucket(b, min(max_items, b // merge_unit), short_seqlen) for b in budgets if b > short_seqlen}
