@@ -2,6 +2,7 @@
 
     python benchmarks/ab_setting.py vitgraph.gemm.QUACK_QKV_MIN_ROWS=10**9   # qkv back on cuBLAS
     python benchmarks/ab_setting.py vitgraph.gemm.QUACK_MIN_ROWS=256 --cases 1x256 --rounds 7
+    python benchmarks/ab_setting.py vitgraph.attention.FA4_SHORT_SEQLEN=0 --cases --frames 40x40 44x46   # single frames
 
 Two graph encoders of the 2B model with the same random weights: ``default`` and
 ``changed``, the second built (captured) and called with the settings changed. Each round
@@ -26,6 +27,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("settings", nargs="+", help="module.NAME=value (an int, float or string literal, or 10**N)")
     p.add_argument("--cases", nargs="*", default=list(CASES))
+    p.add_argument("--frames", nargs="*", default=[], help="more cases: one frame of HxW patches each")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()
@@ -48,18 +50,26 @@ def main() -> None:
     for key in ("default", "changed"):
         apply(key)
         encoders[key] = GraphedVisionEncoder.from_config("qwen2-vl-2b", device=device, seed=0, progress=False)
-    # Single frames are routed by timings taken at capture; use one routing for both.
-    encoders["changed"]._packed_single_below = dict(encoders["default"]._packed_single_below)
+    # Single frames are routed by timings taken at capture: one routing for both, unless the
+    # settings change which buckets exist (then each keeps the routing it measured).
+    if encoders["changed"].buckets == encoders["default"].buckets:
+        encoders["changed"]._packed_single_below = dict(encoders["default"]._packed_single_below)
+    else:
+        print("bucket sets differ; each encoder keeps its own single-frame routing:",
+              {key: enc._packed_single_below for key, enc in encoders.items()})
     cfg = encoders["default"].config
 
     def encode(key, pixels, grids):
         apply(key)  # eager calls (1x9604) read settings at call time
         return encoders[key].encode(pixels, grids)
 
+    cases = {name: CASES[name] for name in args.cases}
+    for frame in args.frames:
+        h, w = (int(x) for x in frame.split("x"))
+        cases[f"1 frame {h}x{w}"] = [(1, h, w)]
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for name in args.cases:
-        grids = CASES[name]
+    for name, grids in cases.items():
         pixels = torch.randn(sum(t * h * w for t, h, w in grids), cfg.patch_width, generator=gen).to(device, torch.bfloat16)
         outs = {key: encode(key, pixels, grids).clone() for key in encoders}
         a, b = outs["default"].float(), outs["changed"].float()
