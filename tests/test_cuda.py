@@ -466,8 +466,9 @@ def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):
     if "fa4" not in available_backends("cuda"):
         pytest.skip("flash-attn-4 is not installed")
     short, long = (fa4_tile_kwargs(getattr(vitgraph.attention, name)) for name in ("FA4_SHORT_TILE", "FA4_LONG_TILE"))
-    assert fa4_tile(vitgraph.attention.FA4_SHORT_SEQLEN) == short and short["tile_mn"][0] == 128
-    assert fa4_tile(vitgraph.attention.FA4_SHORT_SEQLEN + 1) == long
+    dev = torch.device("cuda")
+    assert fa4_tile(1024, 16, dev) == short and short["tile_mn"][0] == 128  # see test_fa4_short_tile_rule_on_an_h200
+    assert fa4_tile(vitgraph.attention.FA4_SHORT_SEQLEN + 1, 16, dev) == long
     calls = []
     forward = vitgraph.attention._fa4_forward()
     monkeypatch.setattr(vitgraph.attention, "_fa4_forward",

@@ -10,7 +10,7 @@ from vitgraph import GraphedVisionEncoder
 from vitgraph.attention import available_backends, resolve_backend
 from vitgraph.capture.planner import make_buckets, plan_call
 from vitgraph.config import TINY
-from vitgraph.encoder import EngineOptions, dense_limit, short_limit
+from vitgraph.encoder import EngineOptions, dense_limit, short_cap_rule
 from vitgraph.gemm import resolve_gemm
 
 
@@ -259,28 +259,34 @@ def test_dense_buckets_follow_the_limit():
     assert [(b.tokens, b.max_segments) for b in enc.requested_buckets if b.max_segments == 1] == [(64, 1), (128, 1)]
 
 
-def test_short_frame_buckets_only_with_fa4(monkeypatch):
-    import vitgraph.attention
-
-    assert short_limit(EngineOptions(), "fa4") == vitgraph.attention.FA4_SHORT_SEQLEN
-    assert short_limit(EngineOptions(short_frame_buckets=False), "fa4") is None
-    assert short_limit(EngineOptions(), "cudnn") is None
-    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 96)  # read when the encoder is built
-    assert short_limit(EngineOptions(), "fa4") == 96
+def test_short_frame_buckets_only_with_fa4_on_cuda():
+    assert short_cap_rule(EngineOptions(), "fa4", 16, torch.device("cpu"), 4) is None
+    assert short_cap_rule(EngineOptions(short_frame_buckets=False), "fa4", 16, torch.device("cpu"), 4) is None
     # On CPU (sdpa) the ladder gets no short buckets.
     enc = GraphedVisionEncoder.from_config("tiny", device="cpu", budgets=[64, 128, 256])
     assert all(b.max_seqlen == b.tokens for b in enc.requested_buckets)
 
 
-def test_fa4_tile_keywords(monkeypatch):
+def test_fa4_short_tile_rule_on_an_h200(monkeypatch):
+    """132 SMs, 16 heads, 192-row default tiles. One frame of n tokens: ceil(16 * ceil(n / m) / 132)
+    waves of m-row tiles. Worked by hand: 1024 -> 128-row tiles 1 wave (128 CTAs) x 128 against
+    1 x 192; 1152 -> 2 waves (144) x 128 = 256 against 1 wave (96) x 192; 1536 -> 2 x 128 against
+    1 wave (128 CTAs) x 192; 1664 -> 2 x 128 against 2 waves (144) x 192."""
     import vitgraph.attention
-    from vitgraph.attention import fa4_tile, fa4_tile_kwargs
+    from vitgraph.attention import fa4_prefers_short_tile, fa4_short_cap, fa4_tile_kwargs
 
+    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_TILE", (128, 128))
+    monkeypatch.setattr(vitgraph.attention, "FA4_LONG_TILE", None)
+    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 2048)
+    short = {n: fa4_prefers_short_tile(n, 16, 132) for n in (256, 576, 1024, 1028, 1152, 1536, 1540, 1664, 2048, 2052)}
+    assert short == {256: True, 576: True, 1024: True, 1028: False, 1152: False, 1536: False, 1540: True,
+                     1664: True, 2048: True, 2052: False}
+    assert fa4_short_cap(1024, 16, 132, 4) is None and fa4_short_cap(2048, 16, 132, 4) is None
+    assert fa4_short_cap(1152, 16, 132, 4) == 1024 and fa4_short_cap(1536, 16, 132, 4) == 1024
+    assert fa4_short_cap(4096, 16, 132, 4) == 2048
+    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 0)  # short tiles off: no short buckets
+    assert fa4_short_cap(4096, 16, 132, 4) is None
     assert fa4_tile_kwargs(None) == {}
     assert fa4_tile_kwargs((128, 128)) == {"tile_mn": (128, 128)}
     assert fa4_tile_kwargs((192, 144, False, True)) == {"tile_mn": (192, 144), "mma_pv_is_rs": False,
                                                         "intra_wg_overlap": True}
-    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 1000)
-    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_TILE", (128, 96))
-    monkeypatch.setattr(vitgraph.attention, "FA4_LONG_TILE", None)
-    assert fa4_tile(1000) == {"tile_mn": (128, 96)} and fa4_tile(1001) == {}

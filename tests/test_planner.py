@@ -33,10 +33,10 @@ def test_make_buckets_rejects(budgets, max_items, match):
         make_buckets(budgets, max_items, 4)
 
 
-@pytest.mark.parametrize("short_seqlen", [-1, 64.0, True, "64"])
-def test_make_buckets_rejects_bad_short_seqlen(short_seqlen):
-    with pytest.raises(ValueError, match="short_seqlen"):
-        make_buckets([64, 128], 8, 4, short_seqlen=short_seqlen)
+@pytest.mark.parametrize("cap", [-1, 0, 64.0, True, "64", 128, 200])
+def test_make_buckets_rejects_bad_short_caps(cap):
+    with pytest.raises(ValueError, match="short_cap"):
+        make_buckets([64, 128], 8, 4, short_cap=lambda b: cap if b == 128 else None)
 
 
 def test_small_buckets_cap_segments_by_merge_unit():
@@ -136,7 +136,7 @@ def test_single_frame_steps_prefer_dense_buckets():
 
 def test_short_frame_buckets_take_only_steps_whose_frames_fit():
     buckets = make_buckets([64, 128, 256, 512], max_items=8, merge_unit=4, dense=True, dense_up_to=64,
-                           short_seqlen=64)
+                           short_cap=lambda b: 64 if b > 64 else None)
     assert [b.name for b in buckets] == ["64x1", "64x8", "128x8s64", "128x8", "256x8s64", "256x8", "512x8s64",
                                          "512x8"]
     assert Bucket(128, 8, 64).max_seqlen == 64 and Bucket(128, 8).max_seqlen == 128
@@ -152,7 +152,7 @@ def test_short_frame_buckets_take_only_steps_whose_frames_fit():
     assert smallest_fit(buckets, 100, 2, longest=65).name == "128x8"
     assert smallest_fit(buckets, 100, 2).name == "128x8s64"  # longest defaults to 0: no frame
     # Routed single frames go to the short bucket where they fit.
-    routed = make_buckets([64, 128], 8, 4, dense=True, short_seqlen=100)
+    routed = make_buckets([64, 128], 8, 4, dense=True, short_cap=lambda b: 100 if b > 100 else None)
     assert plan_call([(1, 6, 16)], routed).steps[0].bucket.name == "128x1"  # 96 tokens
     assert plan_call([(1, 6, 16)], routed, packed_single_below={128: 100}).steps[0].bucket.name == "128x8s100"
     assert plan_call([(1, 8, 14)], routed, packed_single_below={128: 120}).steps[0].bucket.name == "128x8"

@@ -15,7 +15,9 @@ holds.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -29,14 +31,17 @@ BACKENDS = ("fa4", "cudnn", "varlen", "flash", "sdpa")
 FLASH_BACKENDS = ("fa4", "cudnn", "varlen", "flash")  # fp16/bf16 only
 FA4_ARCHS = (9, 10)  # compute capability majors FlashAttention 4 has forward kernels for (Hopper, Blackwell)
 # FlashAttention 4 at head_dim 80 tiles queries by 192 rows on Hopper, which wastes much of
-# the last tile of a short segment. Where no segment can exceed this many tokens (a batch's
-# max_seqlen, which a graph bakes in), it runs with these 128x128 tiles instead. On an H200
-# (benchmarks/fa4_tiles.py, µs per block): 16x256 40.7 -> 30.2, 4x1024 62.0 -> 58.8, one
-# 2048-token frame 65.0 -> 48.7, 2x2048 96.6 -> 97.4, but one 4096-token frame 169.6 -> 174.5.
+# the last tile of a short segment. Where no segment can exceed FA4_SHORT_SEQLEN tokens (a
+# batch's max_seqlen, which a graph bakes in), it may run with 128-row tiles instead; see
+# fa4_prefers_short_tile for when. On an H200 (benchmarks/fa4_tiles.py, µs per block):
+# 16x256 40.7 -> 30.2, 4x1024 62.0 -> 58.8, one 2048-token frame 65.0 -> 48.7, 2x2048 96.6 ->
+# 97.4, but one 4096-token frame 169.6 -> 174.5.
 FA4_SHORT_SEQLEN = 2048
 # A tile is (m, n), or (m, n, pv_from_registers, intra_warpgroup_overlap); None: FA4's own choice.
 FA4_SHORT_TILE = (128, 128)
-FA4_LONG_TILE = None  # above FA4_SHORT_SEQLEN
+FA4_LONG_TILE = None
+FA4_OWN_TILE_M = 192  # the query tile FA4 picks itself on Hopper at head_dim <= 96 (non-causal)
+FA4_SHORT_TILE_ARCHS = (9,)  # measured on Hopper only; elsewhere FA4 keeps its own tiles
 
 
 def _has_torch_varlen() -> bool:
@@ -85,9 +90,53 @@ def fa4_tile_kwargs(tile: tuple | None) -> dict:
     return kwargs
 
 
-def fa4_tile(max_seqlen: int) -> dict:
-    """FlashAttention 4's tile keywords for a batch whose segments hold at most ``max_seqlen`` tokens."""
-    return fa4_tile_kwargs(FA4_SHORT_TILE if max_seqlen <= FA4_SHORT_SEQLEN else FA4_LONG_TILE)
+def _tile_m(tile: tuple | None) -> int:
+    return FA4_OWN_TILE_M if tile is None else tile[0]
+
+
+def fa4_prefers_short_tile(max_seqlen: int, heads: int, sm_count: int) -> bool:
+    """Whether a batch whose segments hold at most ``max_seqlen`` tokens attends with
+    ``FA4_SHORT_TILE`` rather than ``FA4_LONG_TILE``.
+
+    Never above ``FA4_SHORT_SEQLEN``. Below it, one frame of ``max_seqlen`` tokens (what a
+    bucket's single-frame steps hold) launches ``heads * ceil(n / m)`` CTAs, one per SM at a
+    time, and takes about ``waves * m`` tile-rows of time; the shorter tile must not take
+    longer. On an H200 (132 SMs, 16 heads) 128-row tiles then serve up to 1024 tokens and
+    from 1537 to 2048; between, 192-row tiles fit one wave: a 1156-token frame replayed 0.26
+    ms slower with 128-row tiles (benchmarks/ab_setting.py --frames)."""
+    if max_seqlen > FA4_SHORT_SEQLEN:
+        return False
+
+    def cost(m: int) -> int:
+        return math.ceil(heads * math.ceil(max_seqlen / m) / sm_count) * m
+
+    return cost(_tile_m(FA4_SHORT_TILE)) <= cost(_tile_m(FA4_LONG_TILE))
+
+
+def fa4_short_cap(budget: int, heads: int, sm_count: int, unit: int) -> int | None:
+    """The frame cap of a short-frame bucket for ``budget``, or None where its own packed
+    bucket attends with the short tile already: the largest frame length (a multiple of
+    ``unit``) below the budget that takes the short tile."""
+    if fa4_prefers_short_tile(budget, heads, sm_count):
+        return None
+    cap = min(budget - unit, FA4_SHORT_SEQLEN) // unit * unit
+    while cap > 0 and not fa4_prefers_short_tile(cap, heads, sm_count):
+        cap -= unit
+    return cap if cap > 0 else None
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fa4_tile(max_seqlen: int, heads: int, device: torch.device) -> dict:
+    """FlashAttention 4's tile keywords for a batch on ``device`` whose segments hold at most
+    ``max_seqlen`` tokens."""
+    if torch.cuda.get_device_capability(device)[0] not in FA4_SHORT_TILE_ARCHS:
+        return {}
+    short = fa4_prefers_short_tile(max_seqlen, heads, _sm_count(device))
+    return fa4_tile_kwargs(FA4_SHORT_TILE if short else FA4_LONG_TILE)
 
 
 def available_backends(device: torch.device | str) -> list[str]:
@@ -171,7 +220,7 @@ def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batc
             v = torch.where((batch.segment_ids >= 0)[:, None, None], v, 0.0)
         return _fa4_forward()(q, k, v, cu_seqlens_q=batch.cu_seqlens, cu_seqlens_k=batch.cu_seqlens,
                               max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen,
-                              **fa4_tile(batch.max_seqlen))[0]
+                              **fa4_tile(batch.max_seqlen, q.shape[1], q.device))[0]
     if batch.dense and not batch.padded:
         # One segment covers every row: plain SDPA, no mask (cuDNN on Hopper).
         return _sdpa_dense(q, k, v, None)

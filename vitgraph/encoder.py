@@ -8,7 +8,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -61,10 +61,10 @@ class EngineOptions:
     # The largest dense bucket. None: none with the fa4 backend (FA4_DENSE_MAX_TOKENS: its
     # packed buckets beat dense cuDNN for single frames on an H200), else exact_eager_above.
     dense_max_tokens: int | None = None
-    # With the fa4 backend, also capture a packed bucket per budget above
-    # attention.FA4_SHORT_SEQLEN for steps whose frames all hold at most that many tokens: it
-    # attends with FlashAttention 4's 128-row tiles, which fit short frames better than its
-    # default 192-row ones (see vitgraph.attention). Smaller budgets use those tiles anyway.
+    # With the fa4 backend on Hopper, also capture a packed bucket for short frames in each
+    # budget whose own bucket attends with FlashAttention 4's default 192-row tiles: it takes
+    # steps whose frames all fit a cap (2048 tokens above 2048 on an H200) and attends with
+    # 128-row tiles, which fit short frames better (see vitgraph.attention.fa4_short_caps).
     short_frame_buckets: bool = True
     # Time each budget's dense and packed graphs at capture (about 1 s on an H200) and send a
     # single frame to the packed one where that is faster (see vitgraph.capture.routing).
@@ -102,11 +102,15 @@ def dense_limit(options: EngineOptions, attention: str) -> int | None:
     return min(limits) if limits else None
 
 
-def short_limit(options: EngineOptions, attention_backend: str) -> int | None:
-    """The frame cap of the short-frame buckets to capture (None: none)."""
-    if options.short_frame_buckets and attention_backend == "fa4":
-        return attention_kernels.FA4_SHORT_SEQLEN
-    return None
+def short_cap_rule(options: EngineOptions, attention_backend: str, heads: int, device: torch.device,
+                   unit: int) -> Callable[[int], int | None] | None:
+    """``budget -> frame cap`` of the short-frame bucket to capture for it (None: none)."""
+    if not options.short_frame_buckets or attention_backend != "fa4" or device.type != "cuda":
+        return None
+    if torch.cuda.get_device_capability(device)[0] not in attention_kernels.FA4_SHORT_TILE_ARCHS:
+        return None
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    return lambda budget: attention_kernels.fa4_short_cap(budget, heads, sm_count, unit)
 
 
 def _check_int(name: str, value, *, minimum: int, optional: bool = False) -> None:
@@ -219,7 +223,9 @@ class GraphedVisionEncoder:
         self.requested_buckets = make_buckets(list(budgets), self.options.max_items, tower.merge_unit,
                                               dense=self.options.dense_buckets,
                                               dense_up_to=dense_limit(self.options, self.attention),
-                                              short_seqlen=short_limit(self.options, self.attention))
+                                              short_cap=short_cap_rule(self.options, self.attention,
+                                                                       tower.config.num_heads, self.device,
+                                                                       tower.merge_unit))
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None

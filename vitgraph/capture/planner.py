@@ -25,7 +25,7 @@ steps of short frames prefer their budget's short-frame bucket.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 Grid = tuple[int, int, int]
 
@@ -105,11 +105,12 @@ def budget_ladder(min_budget: int, max_budget: int, align: int = 4) -> list[int]
 
 
 def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int, dense: bool = False,
-                 dense_up_to: int | None = None, short_seqlen: int | None = None) -> list[Bucket]:
+                 dense_up_to: int | None = None, short_cap: Callable[[int], int | None] | None = None
+                 ) -> list[Bucket]:
     """One packed bucket per budget (a segment holds at least ``merge_unit`` tokens, which
     bounds how many segments a small bucket can ever see), plus a one-segment dense bucket
     per budget up to ``dense_up_to`` tokens when ``dense``, plus a short-frame packed bucket
-    (frames of at most ``short_seqlen`` tokens) per budget above ``short_seqlen``."""
+    for frames of at most ``short_cap(budget)`` tokens per budget where that is not None."""
     if not budgets:
         raise ValueError("budgets must not be empty")
     if isinstance(max_items, bool) or not isinstance(max_items, int) or max_items <= 0:
@@ -121,12 +122,14 @@ def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int, dense:
         if b in seen:
             raise ValueError(f"budgets lists {b} twice")
         seen.add(b)
-    if short_seqlen is not None and (isinstance(short_seqlen, bool) or not isinstance(short_seqlen, int)
-                                     or short_seqlen < 0):
-        raise ValueError(f"short_seqlen must be a non-negative int or None, got {short_seqlen!r}")
     buckets = {Bucket(b, min(max_items, b // merge_unit)) for b in budgets}
-    if short_seqlen:
-        buckets |= {Bucket(b, min(max_items, b // merge_unit), short_seqlen) for b in budgets if b > short_seqlen}
+    for b in budgets if short_cap is not None else ():
+        cap = short_cap(b)
+        if cap is None:
+            continue
+        if isinstance(cap, bool) or not isinstance(cap, int) or not 0 < cap < b:
+            raise ValueError(f"short_cap({b}) must be None or a frame cap below the budget, got {cap!r}")
+        buckets.add(Bucket(b, min(max_items, b // merge_unit), cap))
     if dense:
         buckets |= {Bucket(b, 1) for b in budgets if dense_up_to is None or b <= dense_up_to}
     return sorted(buckets)
