@@ -219,3 +219,26 @@ def test_large_single_frames_run_eagerly_at_their_exact_shape():
     assert [s.bucket.tokens for s in plan.steps] == [512]
     plan = plan_call([(1, 16, 16)], BUCKETS, exact_eager_above=256)  # the threshold is exclusive
     assert plan.steps[0].bucket.tokens == 256
+
+
+def test_default_h200_ladder_plans_the_serving_mix():
+    """The fa4 defaults on an H200 (132 SMs, 16 heads): 41 packed buckets plus the short-frame
+    ones the tile rule asks for; every step of the serving benchmark's traffic, batched as its
+    loop batches it, lands in the least bucket that holds it, within every capacity."""
+    from vitgraph.attention import fa4_short_cap
+    from vitgraph.bench.serving import request_grids
+
+    buckets = make_buckets(budget_ladder(256, 16384), 16, 4, short_cap=lambda b: fa4_short_cap(b, 16, 132, 4))
+    assert len(buckets) == 64 and sum(b.max_seqlen < b.tokens for b in buckets) == 23
+    grids = request_grids(300, 0, 12845056)
+    used = set()
+    for start in range(0, len(grids), 7):  # calls of 7 requests
+        for s in plan_call(grids[start:start + 7], buckets, exact_eager_above=8192).steps:
+            if s.bucket is None:
+                assert s.reason in ("exact_eager", "oversize")
+                continue
+            longest = max(h * w for _, h, w in s.grids)
+            assert s.bucket.holds(s.tokens, s.segments, longest)
+            assert s.bucket == smallest_fit(buckets, s.tokens, s.segments, longest)
+            used.add(s.bucket.max_seqlen < s.bucket.tokens)
+    assert used == {True, False}  # both kinds of bucket take traffic
