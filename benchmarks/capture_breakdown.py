@@ -16,23 +16,12 @@ t0 = time.perf_counter()
 import torch  # noqa: E402
 import triton.compiler as tc  # noqa: E402
 
-acc = {}
-
-
-def timed(name, fn):
-    def wrapper(*a, **k):
-        s = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            t, n = acc.get(name, (0.0, 0))
-            acc[name] = (t + time.perf_counter() - s, n + 1)
-    return wrapper
-
-
-tc.compile = timed("triton_compile", tc.compile)
 from vitgraph import GraphedVisionEncoder  # noqa: E402
+from vitgraph.bench.common import CallTimer  # noqa: E402
 from vitgraph.capture import graphs  # noqa: E402
+
+timer = CallTimer()
+tc.compile = timer.wrap("triton_compile", tc.compile)
 
 t1 = time.perf_counter()
 cute_import = 0.0
@@ -41,7 +30,7 @@ if "--fa4" in sys.argv:
     import cutlass.cute  # noqa: E402
     import flash_attn.cute  # noqa: E402,F401
     cute_import = time.perf_counter() - s
-    cutlass.cute.compile = timed("cute_compile", cutlass.cute.compile)
+    cutlass.cute.compile = timer.wrap("cute_compile", cutlass.cute.compile)
 per_bucket = []
 orig = graphs.GraphBank._capture_one
 
@@ -71,5 +60,5 @@ packed = sum(t for _, seg, t in per_bucket if seg > 1)
 print(f"[{attn}] import {t1 - t0:.1f}s cute-import {cute_import:.1f}s | CUDA init {t2 - t1:.1f}s | weights {t3 - t2:.1f}s | "
       f"capture {stats['capture_seconds']:.1f}s (routing {enc._routing_seconds:.1f}s; wall {t4 - t3:.1f}s) | "
       f"graphs packed {packed:.1f}s dense {dense:.1f}s | "
-      + " ".join(f"{k} {t:.1f}s/{n}" for k, (t, n) in acc.items())
+      + " ".join(f"{k} {t:.1f}s/{timer.calls[k]}" for k, t in timer.seconds.items())
       + " | slowest: " + ", ".join(f"{n}x{s} {t:.2f}" for n, s, t in slow), flush=True)

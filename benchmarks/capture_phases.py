@@ -9,29 +9,15 @@ next ``empty_cache``) or launches under capture; ``torch.cuda.graph.__exit__`` (
 instantiation) and ``torch.cuda.empty_cache`` are wrapped.
 """
 import time
-from collections import defaultdict
 
 import torch
 
 from vitgraph import GraphedVisionEncoder
+from vitgraph.bench.common import CallTimer
 
-acc = defaultdict(float)
-calls = defaultdict(int)
-
-
-def timed(name, fn):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            acc[name] += time.perf_counter() - start
-            calls[name] += 1
-    return wrapper
-
-
-torch.cuda.empty_cache = timed("empty_cache", torch.cuda.empty_cache)
-torch.cuda.graph.__exit__ = timed("capture end + instantiate", torch.cuda.graph.__exit__)
+timer = CallTimer()
+torch.cuda.empty_cache = timer.wrap("empty_cache", torch.cuda.empty_cache)
+torch.cuda.graph.__exit__ = timer.wrap("capture end + instantiate", torch.cuda.graph.__exit__)
 
 enc = GraphedVisionEncoder.from_config("qwen2-vl-2b", device="cuda", progress=False, capture=False)
 forward_state = {}
@@ -48,8 +34,7 @@ def after_forward(module, args, output):
     else:
         torch.cuda.current_stream().synchronize()
         name = "warm-up forwards (host+gpu)"
-    acc[name] += time.perf_counter() - forward_state["start"]
-    calls[name] += 1
+    timer.add(name, time.perf_counter() - forward_state["start"])
 
 
 enc.tower.register_forward_pre_hook(before_forward)
@@ -59,4 +44,4 @@ start = time.perf_counter()
 enc.capture()
 total = time.perf_counter() - start
 print(f"capture {total:.2f} s of {len(enc.stats()['buckets'])} graphs; routing {enc._routing_seconds:.2f} s; "
-      + ", ".join(f"{k} {v:.2f} s ({calls[k]} calls)" for k, v in acc.items()))
+      + ", ".join(f"{k} {v:.2f} s ({timer.calls[k]} calls)" for k, v in timer.seconds.items()))

@@ -120,3 +120,21 @@ def test_serving_loop_example_returns_one_embedding_per_request():
     server.close()
     for image, got in zip(images, results):
         torch.testing.assert_close(got, enc.encode_images([image])[0], rtol=1e-5, atol=1e-6)
+
+
+def test_call_timer_counts_every_call_and_keeps_the_result():
+    from vitgraph.bench.common import CallTimer
+
+    timer = CallTimer()
+    square = timer.wrap("square", lambda x: x * x)
+
+    def fail():
+        raise RuntimeError("boom")
+
+    failing = timer.wrap("fail", fail)
+    assert square(3) == 9 and square(4) == 16
+    with pytest.raises(RuntimeError, match="boom"):
+        failing()
+    timer.add("manual", 0.5)
+    assert dict(timer.calls) == {"square": 2, "fail": 1, "manual": 1}
+    assert timer.seconds["square"] > 0 and timer.seconds["fail"] > 0 and timer.seconds["manual"] == 0.5

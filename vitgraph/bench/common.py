@@ -8,6 +8,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +37,28 @@ def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup
         sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+class CallTimer:
+    """Wall seconds and call counts per name, for profiling scripts that wrap library functions."""
+
+    def __init__(self) -> None:
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.calls: defaultdict[str, int] = defaultdict(int)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] += seconds
+        self.calls[name] += 1
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        """``fn``, timed under ``name`` (a call that raises counts too)."""
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(name, time.perf_counter() - start)
+        return timed
 
 
 def graph_replay_us(fn: Callable[[], object], inner: int = 10, reps: int = 15):
