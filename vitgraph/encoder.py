@@ -54,9 +54,10 @@ class EngineOptions:
     # Also capture a one-frame bucket per budget: a step holding a single frame (most images)
     # replays there with dense cuDNN attention instead of packed varlen attention.
     dense_buckets: bool = True
-    # A step holding one frame of more tokens runs eagerly at its exact shape (GPU-bound there:
-    # on an H200 a 9604-token image took 69.1 ms eager against 73.2 ms replayed in the
-    # 10496-token bucket). None: never. Dense buckets above it are not captured.
+    # A step of more tokens (one frame or many) runs eagerly at its exact shape: the GPU sets
+    # the pace there, and a replay would only add its bucket's padding (see
+    # benchmarks/eager_crossover.py). No bucket is captured above it; steps are still packed
+    # up to the largest budget. None: never.
     exact_eager_above: int | None = 8192
     # The largest dense bucket. None: none with the fa4 backend (FA4_DENSE_MAX_TOKENS: its
     # packed buckets beat dense cuDNN for single frames on an H200), else exact_eager_above.
@@ -220,12 +221,18 @@ class GraphedVisionEncoder:
         budgets = self.options.budgets
         if budgets is None:
             budgets = budget_ladder(self.options.min_budget, self.options.max_budget, align=tower.merge_unit)
+        eager_above = self.options.exact_eager_above
+        if eager_above is not None and all(isinstance(b, int) and b > eager_above for b in budgets):
+            raise ValueError(f"exact_eager_above ({eager_above}) is below every budget, so no step could replay; "
+                             f"use mode='eager' for that")
         self.requested_buckets = make_buckets(list(budgets), self.options.max_items, tower.merge_unit,
                                               dense=self.options.dense_buckets,
                                               dense_up_to=dense_limit(self.options, self.attention),
                                               short_cap=short_cap_rule(self.options, self.attention,
                                                                        tower.config.num_heads, self.device,
-                                                                       tower.merge_unit))
+                                                                       tower.merge_unit),
+                                              graph_up_to=eager_above)
+        self.max_step_tokens = max(budgets)
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
@@ -319,7 +326,8 @@ class GraphedVisionEncoder:
             prepared = self._prepared.get(key)
         if prepared is not None:
             return prepared
-        plan = plan_call(grids, self.buckets, self.options.exact_eager_above, self._packed_single_below)
+        plan = plan_call(grids, self.buckets, self.options.exact_eager_above, self._packed_single_below,
+                         self.max_step_tokens)
         staged = [None if step.bucket is None else self.bank.stage_grids(step.bucket, step.grids)
                   for step in plan.steps]
         prepared = _Prepared(plan, staged)
