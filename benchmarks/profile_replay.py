@@ -8,7 +8,6 @@ Triton kernels), other (copies, fills, unfused elementwise).
 """
 
 import argparse
-import re
 import time
 from collections import defaultdict
 
@@ -16,14 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from vitgraph import GraphedVisionEncoder
+from vitgraph.bench.common import KERNEL_CLASSES, kernel_class
 from vitgraph.bench.latency import CASES
-
-CLASSES = [("attention", r"flash|fmha|cudnn|sdpa|attn"), ("gemm", r"gemm|nvjet|xmma|cutlass|sm90_|cublas"),
-           ("fused", r"triton|_add_layernorm|_rotary|_quick_gelu"), ("other", r".")]
-
-
-def kernel_class(name: str) -> str:
-    return next(c for c, pattern in CLASSES if re.search(pattern, name, re.I))
 
 
 parser = argparse.ArgumentParser()
@@ -85,7 +78,7 @@ for case in args.cases:
             per_kernel[evt.name] += evt.device_time / 5
     total = sum(per_class.values())
     wall = sorted(walls)[len(walls) // 2] * 1e6
-    parts = "  ".join(f"{c} {per_class[c]:7.0f}" for c, _ in CLASSES)
+    parts = "  ".join(f"{c} {per_class[c]:7.0f}" for c, _ in KERNEL_CLASSES)
     print(f"== {case:<14} wall {wall:7.0f} us   kernels {total:7.0f} us   {parts}")
     if before:
         med = lambda xs: sorted(xs)[len(xs) // 2] * 1e6

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -59,6 +60,15 @@ class CallTimer:
             finally:
                 self.add(name, time.perf_counter() - start)
         return timed
+
+
+KERNEL_CLASSES = [("attention", r"flash|fmha|cudnn|sdpa|attn"), ("gemm", r"gemm|nvjet|xmma|cutlass|sm90_|cublas"),
+                  ("fused", r"triton|_add_layernorm|_rotary|_quick_gelu"), ("other", r".")]
+
+
+def kernel_class(name: str) -> str:
+    """attention (flash/cuDNN), gemm (cuBLAS/cuBLASLt/CUTLASS), fused (vitgraph's Triton kernels), or other."""
+    return next(c for c, pattern in KERNEL_CLASSES if re.search(pattern, name, re.I))
 
 
 def graph_replay_us(fn: Callable[[], object], inner: int = 10, reps: int = 15):
