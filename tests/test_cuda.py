@@ -254,20 +254,24 @@ def test_oversize_item_takes_eager_fallback(graph_enc, eager_enc):
     assert rel_err(got, eager_enc.encode(pixels, grids)) <= 1e-2
 
 
-def test_steps_above_exact_eager_above_run_eagerly(weights, eager_enc):
-    """No graph above the threshold; a packed step of several frames beyond it runs eagerly at
-    its exact shape (bitwise what the eager encoder gives), smaller ones still replay."""
-    enc = make(weights, mode="graph", exact_eager_above=256)
-    assert max(b.tokens for b in enc.buckets) == 256
-    grids = [(1, 12, 12), (2, 8, 10), (1, 4, 4)]  # 144 + 160 + 16 tokens: one step of 320
-    pixels = random_pixels(grids, seed=12).cuda()
-    (step,) = enc.plan(grids).steps
-    assert step.bucket is None and step.reason == "exact_eager" and step.segments == 4
-    assert torch.equal(enc.encode(pixels, grids), eager_enc.encode(pixels, grids))
-    small = grids[:1]
-    assert enc.plan(small).steps[0].bucket is not None
-    assert rel_err(enc.encode(pixels[:144], small), eager_enc.encode(pixels[:144], small)) <= 1e-2
-    assert enc.stats()["eager_fallbacks"] == {"exact_eager": 1}
+@pytest.mark.parametrize("backend", ["fa4", "cudnn", "varlen"])
+def test_padded_large_packed_steps_run_eagerly(weights, backend):
+    """Above exact_eager_above, a step of several frames that its bucket would pad enough runs
+    eagerly at its exact shape (bitwise what an eager encoder gives), unless the backend's
+    graphs attend through a faster kernel than its eager calls (cudnn); a well-filled one replays."""
+    if backend not in available_backends("cuda"):
+        pytest.skip(f"{backend} is not available")
+    enc = make(weights, mode="graph", attention=backend, exact_eager_above=256)
+    eager = make(weights, mode="eager", attention=backend)
+    padded = [(1, 12, 12), (2, 8, 10), (1, 4, 4)]  # 144 + 160 + 16 = 320 tokens in the 512 bucket
+    full = [(1, 16, 16), (1, 8, 30)]  # 256 + 240 = 496 tokens in 512: 3% padding
+    for grids, replays in ((padded, backend == "cudnn"), (full, True)):
+        pixels = random_pixels(grids, seed=12).cuda()
+        (step,) = enc.plan(grids).steps
+        assert (step.bucket is not None) == replays and step.segments == sum(t for t, _, _ in grids)
+        got, want = enc.encode(pixels, grids), eager.encode(pixels, grids)
+        assert torch.equal(got, want) if not replays else rel_err(got, want) <= 1e-2
+    assert enc.stats()["eager_fallbacks"] == ({} if backend == "cudnn" else {"exact_eager": 1})
 
 
 def test_many_frames_beyond_segment_capacity_are_split(graph_enc, eager_enc):

@@ -179,7 +179,6 @@ def test_bad_out(encoder, out, error, words):
     (dict(route_single_frames=1), "route_single_frames"),
     (dict(short_frame_buckets=None), "short_frame_buckets"),
     (dict(exact_eager_above=-1), "exact_eager_above"),
-    (dict(exact_eager_above=100, budgets=[128, 256]), "exact_eager_above (100) is below every budget"),
     (dict(dense_max_tokens=0), "dense_max_tokens"),
     (dict(dense_max_tokens=True), "dense_max_tokens"),
     (dict(fuse="yes"), "fuse"),
@@ -258,13 +257,6 @@ def test_dense_bucket_limit(options, attention, limit):
 def test_dense_buckets_follow_the_limit():
     enc = GraphedVisionEncoder.from_config("tiny", device="cpu", budgets=[64, 128, 256], dense_max_tokens=128)
     assert [(b.tokens, b.max_segments) for b in enc.requested_buckets if b.max_segments == 1] == [(64, 1), (128, 1)]
-
-
-def test_no_buckets_above_exact_eager_above_but_steps_pack_to_the_largest_budget():
-    enc = GraphedVisionEncoder.from_config("tiny", device="cpu", budgets=[64, 128, 256], exact_eager_above=128)
-    assert {b.tokens for b in enc.requested_buckets} == {64, 128} and enc.max_step_tokens == 256
-    enc = GraphedVisionEncoder.from_config("tiny", device="cpu", budgets=[64, 128, 256], exact_eager_above=None)
-    assert {b.tokens for b in enc.requested_buckets} == {64, 128, 256}
 
 
 def test_short_frame_buckets_only_with_fa4_on_cuda():

@@ -37,6 +37,15 @@ PLAN_CACHE_BYTES = 64 << 20  # staged metadata is 12 bytes per token
 # 1.89 ms, 1x1024 3.59 -> 3.44), and the routing timed at capture already sent every single
 # frame above 2048 tokens to the packed buckets.
 FA4_DENSE_MAX_TOKENS = 0
+# A step of several frames above exact_eager_above runs eagerly when its bucket would pad it
+# by at least this share. On an H200 with FlashAttention 4, eager took about 2.8% longer
+# than a replay of the same rows, and each 1% of padding cost the replay about 0.73%
+# (benchmarks/eager_crossover.py over 19 batches of 8-16k tokens): even at about 3.8%.
+EAGER_MIN_PADDING = 0.04
+# Backends whose packed graphs attend through another kernel than eager calls do: with
+# "cudnn" the graphs use cuDNN's ragged attention and eager calls FA2 varlen, 15-22% slower
+# end to end at 8-15k tokens, so no padding pays for eager there.
+PACKED_EAGER_SLOWER = ("cudnn",)
 
 
 @dataclass
@@ -54,10 +63,10 @@ class EngineOptions:
     # Also capture a one-frame bucket per budget: a step holding a single frame (most images)
     # replays there with dense cuDNN attention instead of packed varlen attention.
     dense_buckets: bool = True
-    # A step of more tokens (one frame or many) runs eagerly at its exact shape: the GPU sets
-    # the pace there, and a replay would only add its bucket's padding (see
-    # benchmarks/eager_crossover.py). No bucket is captured above it; steps are still packed
-    # up to the largest budget. None: never.
+    # A step holding one frame of more tokens runs eagerly at its exact shape (GPU-bound there:
+    # on an H200 a 9604-token image took 69.1 ms eager against 73.2 ms replayed in the
+    # 10496-token bucket); so does a step of several frames whose bucket would pad it by
+    # EAGER_MIN_PADDING or more. None: never. Dense buckets above it are not captured.
     exact_eager_above: int | None = 8192
     # The largest dense bucket. None: none with the fa4 backend (FA4_DENSE_MAX_TOKENS: its
     # packed buckets beat dense cuDNN for single frames on an H200), else exact_eager_above.
@@ -221,18 +230,12 @@ class GraphedVisionEncoder:
         budgets = self.options.budgets
         if budgets is None:
             budgets = budget_ladder(self.options.min_budget, self.options.max_budget, align=tower.merge_unit)
-        eager_above = self.options.exact_eager_above
-        if eager_above is not None and all(isinstance(b, int) and b > eager_above for b in budgets):
-            raise ValueError(f"exact_eager_above ({eager_above}) is below every budget, so no step could replay; "
-                             f"use mode='eager' for that")
         self.requested_buckets = make_buckets(list(budgets), self.options.max_items, tower.merge_unit,
                                               dense=self.options.dense_buckets,
                                               dense_up_to=dense_limit(self.options, self.attention),
                                               short_cap=short_cap_rule(self.options, self.attention,
                                                                        tower.config.num_heads, self.device,
-                                                                       tower.merge_unit),
-                                              graph_up_to=eager_above)
-        self.max_step_tokens = max(budgets)
+                                                                       tower.merge_unit))
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
@@ -326,8 +329,9 @@ class GraphedVisionEncoder:
             prepared = self._prepared.get(key)
         if prepared is not None:
             return prepared
+        eager_padding = None if self.attention in PACKED_EAGER_SLOWER else EAGER_MIN_PADDING
         plan = plan_call(grids, self.buckets, self.options.exact_eager_above, self._packed_single_below,
-                         self.max_step_tokens)
+                         eager_padding)
         staged = [None if step.bucket is None else self.bank.stage_grids(step.bucket, step.grids)
                   for step in plan.steps]
         prepared = _Prepared(plan, staged)

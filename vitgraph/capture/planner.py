@@ -105,13 +105,12 @@ def budget_ladder(min_budget: int, max_budget: int, align: int = 4) -> list[int]
 
 
 def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int, dense: bool = False,
-                 dense_up_to: int | None = None, short_cap: Callable[[int], int | None] | None = None,
-                 graph_up_to: int | None = None) -> list[Bucket]:
+                 dense_up_to: int | None = None, short_cap: Callable[[int], int | None] | None = None
+                 ) -> list[Bucket]:
     """One packed bucket per budget (a segment holds at least ``merge_unit`` tokens, which
     bounds how many segments a small bucket can ever see), plus a one-segment dense bucket
     per budget up to ``dense_up_to`` tokens when ``dense``, plus a short-frame packed bucket
-    for frames of at most ``short_cap(budget)`` tokens per budget where that is not None.
-    Budgets above ``graph_up_to`` get no bucket: their steps run eagerly (see :func:`plan_call`)."""
+    for frames of at most ``short_cap(budget)`` tokens per budget where that is not None."""
     if not budgets:
         raise ValueError("budgets must not be empty")
     if isinstance(max_items, bool) or not isinstance(max_items, int) or max_items <= 0:
@@ -123,10 +122,6 @@ def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int, dense:
         if b in seen:
             raise ValueError(f"budgets lists {b} twice")
         seen.add(b)
-    if graph_up_to is not None:
-        budgets = [b for b in budgets if b <= graph_up_to]
-        if not budgets:
-            raise ValueError(f"every budget is above {graph_up_to} tokens, where steps run eagerly: no bucket left")
     buckets = {Bucket(b, min(max_items, b // merge_unit)) for b in budgets}
     for b in budgets if short_cap is not None else ():
         cap = short_cap(b)
@@ -147,18 +142,20 @@ def smallest_fit(buckets: Sequence[Bucket], tokens: int, segments: int, longest:
 
 
 def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_above: int | None = None,
-              packed_single_below: Mapping[int, int] | None = None, max_step_tokens: int | None = None) -> Plan:
-    """Pack frames greedily, in order, into steps no larger than the largest bucket.
+              packed_single_below: Mapping[int, int] | None = None, eager_padding: float | None = None) -> Plan:
+    """Pack frames greedily, in order, into replays no larger than the largest bucket.
 
     Frames are the unit of packing: each is its own attention segment and its own
     set of merger groups, so a long video may span replays and its rows still come
-    back in order. A single frame larger than every step runs eagerly; consecutive
-    eager items share one eager step. A step of more than ``exact_eager_above`` tokens
-    (any number of frames) also runs eagerly, at its exact shape: there the GPU, not
-    launch overhead, sets the pace, and padding would be pure extra work. When the largest
-    bucket reaches that threshold, steps are packed up to ``max_step_tokens`` (the
-    largest budget, whose buckets need not be captured). The concatenated step outputs
-    are the call's output in item order.
+    back in order. A single frame larger than every bucket runs eagerly; consecutive
+    eager items share one eager step. A step holding one frame of more than
+    ``exact_eager_above`` tokens also runs eagerly, at its exact shape: there the GPU,
+    not launch overhead, sets the pace, and padding would be pure extra work. A step of
+    several frames and more than ``exact_eager_above`` tokens runs eagerly when its bucket
+    would pad it by at least ``eager_padding`` of the bucket's rows (None: never): an eager
+    run launches every kernel from the host and costs a little more than a replay of the
+    same rows, so only enough padding pays for it. The concatenated step outputs are the
+    call's output in item order.
 
     ``packed_single_below`` (``{budget: n}``, see :mod:`vitgraph.capture.routing`): a step
     holding one frame of fewer than ``n`` tokens, whose smallest fit is the dense bucket of
@@ -171,9 +168,8 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
         if grids:
             plan.steps.append(Step(list(grids), None, tokens, sum(t for t, _, _ in grids), 0, "no_graphs"))
         return plan
-    cap_tokens = max(b.tokens for b in buckets)
-    if exact_eager_above is not None and max_step_tokens is not None and cap_tokens >= exact_eager_above:
-        cap_tokens = max(cap_tokens, max_step_tokens)  # every step that no bucket holds runs eagerly anyway
+    largest = max(buckets, key=lambda b: b.tokens)
+    cap_tokens = largest.tokens
     cap_segments = max(b.max_segments for b in buckets)
 
     offset = 0
@@ -183,14 +179,16 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
     def flush() -> None:
         nonlocal chunk, chunk_tokens, chunk_segments, chunk_longest, offset
         if chunk:
-            if exact_eager_above is not None and chunk_tokens > exact_eager_above:
-                plan.steps.append(Step(chunk, None, chunk_tokens, chunk_segments, offset, "exact_eager"))
-            else:
-                bucket = smallest_fit(buckets, chunk_tokens, chunk_segments, chunk_longest)
-                if (bucket is not None and bucket.max_segments == 1
-                        and chunk_tokens < packed_single_below.get(bucket.tokens, 0)):
-                    bucket = smallest_fit(buckets, chunk_tokens, 2, chunk_longest) or bucket
-                plan.steps.append(Step(chunk, bucket, chunk_tokens, chunk_segments, offset))
+            # A chunk never exceeds the largest bucket's capacities, so some bucket holds it.
+            bucket = smallest_fit(buckets, chunk_tokens, chunk_segments, chunk_longest)
+            if bucket.max_segments == 1 and chunk_tokens < packed_single_below.get(bucket.tokens, 0):
+                bucket = smallest_fit(buckets, chunk_tokens, 2, chunk_longest) or bucket
+            reason = None
+            if exact_eager_above is not None and chunk_tokens > exact_eager_above and (
+                    chunk_segments == 1 or (eager_padding is not None
+                                            and bucket.tokens - chunk_tokens >= eager_padding * bucket.tokens)):
+                bucket, reason = None, "exact_eager"
+            plan.steps.append(Step(chunk, bucket, chunk_tokens, chunk_segments, offset, reason))
             offset += chunk_tokens
         chunk, chunk_tokens, chunk_segments, chunk_longest = [], 0, 0, 0
 
