@@ -102,7 +102,11 @@ def load_random_frames(bank, bucket, rng):
                 or len(grids) == bucket.max_segments):
             break
         grids.append(g)
-    grids = grids or [(1, 2, 2)]
+    return load_frames(bank, bucket, grids or [(1, 2, 2)])
+
+
+def load_frames(bank, bucket, grids):
+    """Load random pixels of ``grids`` into ``bucket``'s buffers; returns (grids, tokens)."""
     tokens = sum(t * h * w for t, h, w in grids)
     pixels = random_pixels(grids, width=1176, seed=bucket.tokens).cuda().bfloat16()
     bank.load(bucket, pixels, bank.stage_grids(bucket, grids))
@@ -545,8 +549,4 @@ def test_short_frame_buckets_replay_bitwise_and_take_short_steps(weights, eager_
 
 
 def _load_short_frames(bank, bucket):
-    grids = [(1, 8, 8)] * (bucket.tokens // 128) + [(1, 2, 8)]  # 64-token frames, then one of 16
-    tokens = sum(t * h * w for t, h, w in grids)
-    pixels = random_pixels(grids, width=1176, seed=bucket.tokens).cuda().bfloat16()
-    bank.load(bucket, pixels, bank.stage_grids(bucket, grids))
-    return grids, tokens
+    return load_frames(bank, bucket, [(1, 8, 8)] * (bucket.tokens // 128) + [(1, 2, 8)])  # 64-token frames, one of 16

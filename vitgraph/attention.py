@@ -126,16 +126,24 @@ def fa4_short_cap(budget: int, heads: int, sm_count: int, unit: int) -> int | No
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _arch_and_sm_count(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)[0], torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def short_tile_sm_count(device: torch.device) -> int | None:
+    """The SM count of a CUDA ``device`` where FA4's tile follows the batch (an arch in
+    ``FA4_SHORT_TILE_ARCHS``), else None."""
+    arch, sm_count = _arch_and_sm_count(device)
+    return sm_count if arch in FA4_SHORT_TILE_ARCHS else None
 
 
 def fa4_tile(max_seqlen: int, heads: int, device: torch.device) -> dict:
     """FlashAttention 4's tile keywords for a batch on ``device`` whose segments hold at most
     ``max_seqlen`` tokens."""
-    if torch.cuda.get_device_capability(device)[0] not in FA4_SHORT_TILE_ARCHS:
+    sm_count = short_tile_sm_count(device)
+    if sm_count is None:
         return {}
-    short = fa4_prefers_short_tile(max_seqlen, heads, _sm_count(device))
+    short = fa4_prefers_short_tile(max_seqlen, heads, sm_count)
     return fa4_tile_kwargs(FA4_SHORT_TILE if short else FA4_LONG_TILE)
 
 

@@ -117,9 +117,9 @@ def short_cap_rule(options: EngineOptions, attention_backend: str, heads: int, d
     """``budget -> frame cap`` of the short-frame bucket to capture for it (None: none)."""
     if not options.short_frame_buckets or attention_backend != "fa4" or device.type != "cuda":
         return None
-    if torch.cuda.get_device_capability(device)[0] not in attention_kernels.FA4_SHORT_TILE_ARCHS:
+    sm_count = attention_kernels.short_tile_sm_count(device)
+    if sm_count is None:
         return None
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     return lambda budget: attention_kernels.fa4_short_cap(budget, heads, sm_count, unit)
 
 
