@@ -41,6 +41,29 @@ def test_add_layernorm(dtype, rows, width):
     assert torch.equal(got_x, before) and rel_err(again, expect_h) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype, partial_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                   (torch.bfloat16, torch.bfloat16)])
+def test_add_layernorm_sums_split_k_partials(dtype, partial_dtype):
+    """y as [S, T, N] partial products (a split-K GEMM's) plus a bias: summed in fp32, then
+    added, exactly as one fp32 sum of the partials and the bias rounded once into x."""
+    rows, width, splits = 9, 80, 3
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, width, generator=g).to(DEVICE, dtype)
+    parts = torch.randn(splits, rows, width, generator=g).to(DEVICE, partial_dtype)
+    y_bias = torch.randn(width, generator=g).to(DEVICE, dtype)
+    w, b = torch.ones(width, device=DEVICE, dtype=dtype), torch.zeros(width, device=DEVICE, dtype=dtype)
+    expect_x = (x.float() + (parts[0].float() + parts[1].float() + parts[2].float() + y_bias.float())).to(dtype)
+    got_x = x.clone()
+    got_h = kernels.add_layernorm(got_x, parts, w, b, 1e-6, y_bias=y_bias)
+    if DEVICE == "cuda" or dtype == torch.float32:
+        torch.testing.assert_close(got_x, expect_x, rtol=1e-6, atol=1e-6)  # fp32 sums may associate differently
+    else:
+        torch.testing.assert_close(got_x, expect_x, rtol=2 ** -7, atol=0)
+    assert rel_err(got_h, F.layer_norm(expect_x.float(), (width,), eps=1e-6)) <= TOL[dtype]
+    with pytest.raises(ValueError, match="y must be"):
+        kernels.add_layernorm(x.clone(), parts[:, :4], w, b, 1e-6)
+
+
 def _qkv_case(rows, heads, head_dim, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(rows, 3 * heads * head_dim, generator=g).to(DEVICE, dtype)

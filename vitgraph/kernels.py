@@ -61,16 +61,23 @@ if available():
         return diff * rstd * w + b
 
     @triton.jit
-    def _add_layernorm_kernel(x_ptr, y_ptr, h_ptr, w_ptr, b_ptr, rows, eps,
-                              N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_Y: tl.constexpr):
+    def _add_layernorm_kernel(x_ptr, y_ptr, y_bias_ptr, h_ptr, w_ptr, b_ptr, rows, eps,
+                              N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_Y: tl.constexpr,
+                              SPLITS: tl.constexpr, HAS_Y_BIAS: tl.constexpr):
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
         c = tl.arange(0, BLOCK_N)[None, :]
         mask = (r < rows) & (c < N)
         offs = r.to(tl.int64) * N + c
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         if HAS_Y:
+            # y: SPLITS partial products [SPLITS, rows, N] (a split-K GEMM's), summed in fp32.
+            y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            for s in tl.static_range(1, SPLITS):
+                y += tl.load(y_ptr + s * rows * N + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_Y_BIAS:
+                y += tl.load(y_bias_ptr + c, mask=c < N, other=0.0).to(tl.float32)
             # Round the sum to the stream dtype first: the residual stream is stored rounded.
-            x = (x.to(tl.float32) + tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            x = (x.to(tl.float32) + y).to(x.dtype)
             tl.store(x_ptr + offs, x, mask=mask)
         h = layernorm_rows(x.to(tl.float32), mask, c, w_ptr, b_ptr, N, eps)
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
@@ -156,16 +163,22 @@ def _rows_per_program(rows: int, width: int, per_program: int = 8192) -> int:
 
 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
-                  eps: float) -> torch.Tensor:
-    """``x += y`` in place (when ``y`` is given), then return ``LayerNorm(x)``. ``x``, ``y``: ``[T, N]`` contiguous."""
+                  eps: float, y_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x += y`` in place (when ``y`` is given), then return ``LayerNorm(x)``. ``x``: ``[T, N]``
+    contiguous; ``y``: ``[T, N]``, or ``[S, T, N]`` partial products that are summed (in fp32,
+    with ``y_bias [N]`` when given) before the add."""
     rows, n = x.shape
     h = torch.empty_like(x)
     if rows == 0:
         return h
+    if y is not None and (not y.is_contiguous() or y.shape[-2:] != x.shape or y.dim() not in (2, 3)):
+        raise ValueError(f"y must be a contiguous [T, N] or [S, T, N] tensor for x {tuple(x.shape)}, "
+                         f"got {tuple(y.shape)}")
     per = _rows_per_program(rows, n)
     _add_layernorm_kernel[(triton.cdiv(rows, per),)](
-        x, y if y is not None else x, h, weight, bias, rows, eps,
-        N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=per, HAS_Y=y is not None, num_warps=8)
+        x, y if y is not None else x, y_bias if y_bias is not None else x, h, weight, bias, rows, eps,
+        N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=per, HAS_Y=y is not None,
+        SPLITS=y.shape[0] if y is not None and y.dim() == 3 else 1, HAS_Y_BIAS=y_bias is not None, num_warps=8)
     return h
 
 
