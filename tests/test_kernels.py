@@ -152,10 +152,29 @@ def test_quick_gelu_in_place(dtype):
     assert got.data_ptr() == x.data_ptr() and rel_err(got, expect) <= TOL[dtype] / 2
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_fused_forward_matches_reference(padded):
+def test_linear_split_k(monkeypatch):
+    """Below SPLIT_K_MAX_ROWS rows (where measured): two partial products over K's halves plus
+    the bias, which sum to the plain linear; above it, or where not measured, the plain linear."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(24, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(32, generator=g)
+    x, w, b = x.to(DEVICE), w.to(DEVICE), b.to(DEVICE)
+    monkeypatch.setattr(vitgraph.gemm, "_split_k_device", lambda device: True)
+    parts, bias = vitgraph.gemm.linear_split_k(x, w, b)
+    assert parts.shape == (2, 24, 32) and bias is b
+    torch.testing.assert_close(parts.sum(0) + b, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_MAX_ROWS", 16)
+    y, bias = vitgraph.gemm.linear_split_k(x, w, b)
+    assert bias is None and torch.equal(y, F.linear(x, w, b))
+    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_MAX_ROWS", 512)
+    monkeypatch.setattr(vitgraph.gemm, "_split_k_device", lambda device: False)
+    assert vitgraph.gemm.linear_split_k(x, w, b)[1] is None
+
+
+@pytest.mark.parametrize("padded, split_k", [(False, False), (True, False), (True, True)])
+def test_fused_forward_matches_reference(padded, split_k, monkeypatch):
     """The whole fused forward (fp32, sdpa attention) against the plain one, unpadded and in a
-    padded packed layout whose padding rows hold NaN."""
+    padded packed layout whose padding rows hold NaN; also with proj and fc2 split in K."""
+    monkeypatch.setattr(vitgraph.gemm, "_split_k_device", lambda device: split_k)
     torch.manual_seed(0)
     tower = Qwen2VisionTower(PRESETS["tiny"]).to(DEVICE).eval()
     with torch.no_grad():

@@ -10,6 +10,10 @@ written) and quack's tile also beats cuBLAS there: 93.7 -> 73.6 µs per block on
 Triton pass is as fast, so small inputs keep it. The plain qkv GEMM also takes quack's tile
 from ``QUACK_QKV_MIN_ROWS`` rows, where it beats cuBLAS's choice. Every call with the same shape
 takes the same path, so graph replay stays bitwise equal to eager.
+
+proj and fc2 at small row counts (:func:`linear_split_k`, any backend): K split in two as one
+strided-batched cuBLAS GEMM, for twice the output tiles; the add+LayerNorm kernel after each
+sums the two partial products with the bias.
 """
 
 from __future__ import annotations
@@ -37,6 +41,15 @@ QUACK_QKV_MIN_ROWS = 2048  # plain qkv: quack's tile wins from 2048 rows (28.4 v
 QUACK_ROPE_MIN_ROWS = 1024
 # quack's Hopper tile for fc1 (1280 -> 5120): the fastest at 1024 and 4096 rows of those measured.
 QUACK_TILE = dict(tile_m=128, tile_n=160, pingpong=True, cluster_m=1, cluster_n=2)
+# proj and fc2 (N = 1280) up to this many rows: K split in SPLIT_K halves, one strided-batched
+# cuBLAS GEMM whose partial products the next add+LayerNorm sums. At 256 rows a 128x128 tile
+# grid has 20 tiles for 132 SMs. GEMM + add+LayerNorm, µs on an H200
+# (benchmarks/gemm_batched_split_k.py): proj 8.8 -> 7.8 at 256 rows, 9.4 -> 8.4 at 384,
+# 9.9 -> 9.3 at 512; fc2 16.1 -> 12.7, 16.5 -> 14.3, 17.6 -> 15.6; none at 1024 or more, and
+# more than two splits or fp32 partials were slower.
+SPLIT_K_MAX_ROWS = 512
+SPLIT_K = 2
+SPLIT_K_ARCHS = (9,)  # compute capability majors where it was measured (Hopper)
 
 
 def quack_available(device: torch.device | str) -> bool:
@@ -135,6 +148,26 @@ def linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backen
         gemm(x, weight.t(), out, bias=bias, config=config)
         return out
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _split_k_device(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in SPLIT_K_ARCHS
+
+
+def linear_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x @ weight.T + bias`` for :func:`vitgraph.kernels.add_layernorm` to add: ``(y, None)``
+    with the bias applied, or, for at most ``SPLIT_K_MAX_ROWS`` rows on a GPU where it was
+    measured, ``(partials, bias)``: ``[SPLIT_K, T, N]`` products of K's slices from one
+    strided-batched GEMM over views (no copies), which the kernel sums with the bias."""
+    rows, k = x.shape
+    if (rows > SPLIT_K_MAX_ROWS or k % (8 * SPLIT_K) or not (x.is_contiguous() and weight.is_contiguous())
+            or not _split_k_device(x.device)):
+        return F.linear(x, weight, bias), None
+    xs = x.view(rows, SPLIT_K, k // SPLIT_K).transpose(0, 1)  # [S, T, K/S]
+    ws = weight.view(weight.shape[0], SPLIT_K, k // SPLIT_K).permute(1, 2, 0)  # [S, K/S, N]
+    return torch.bmm(xs, ws), bias
 
 
 def rope_in_gemm(rows: int, weight: torch.Tensor, backend: str) -> bool:

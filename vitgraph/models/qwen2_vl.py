@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from .. import cudnn_attention, kernels
 from ..attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked
 from ..config import VisionConfig
-from ..gemm import linear_qkv, linear_qkv_rope, linear_quick_gelu, rope_in_gemm
+from ..gemm import linear_qkv, linear_qkv_rope, linear_quick_gelu, linear_split_k, rope_in_gemm
 
 Grid = tuple[int, int, int]
 
@@ -371,7 +371,8 @@ class Qwen2VisionTower(nn.Module):
         padding rows zeroed by the rotary kernel for ``fa4``). With the ``quack`` GEMM backend,
         from ``QUACK_ROPE_MIN_ROWS`` rows outside dense buckets, qkv's GEMM applies the rotary
         and zeroes the padding rows in its epilogue (:mod:`vitgraph.gemm_rope`) and the rotary
-        kernel is skipped.
+        kernel is skipped. At small row counts proj and fc2 split K in two
+        (:func:`vitgraph.gemm.linear_split_k`) and the add+LayerNorm after each sums the halves.
         """
         cfg, blocks = self.config, self.blocks
         rows = pixels.shape[0]
@@ -423,18 +424,18 @@ class Qwen2VisionTower(nn.Module):
                 out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding or rope_epilogue)
                 del q, k, v
             del qkv
-            y = F.linear(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias)
+            y, y_bias = linear_split_k(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias)
             del out
-            h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps)
+            h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias)
             del y
             if block.act_name == "quick_gelu":
                 f = linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)
             else:
                 f = _ACTIVATIONS[block.act_name](F.linear(h, mlp.fc1.weight, mlp.fc1.bias))
             del h
-            z = F.linear(f, mlp.fc2.weight, mlp.fc2.bias)
+            z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)
             del f
             norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else self.merger.ln_q
-            h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps)
+            h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps, z_bias)
             del z
         return self.merger.mlp(h.view(-1, self.merger.merged_dim))
