@@ -1,6 +1,7 @@
 """proj and fc2 as a split-K *batched* cuBLAS GEMM whose partial products the next add+LayerNorm sums.
 
     python benchmarks/gemm_batched_split_k.py 256 512 1024 2048 4096
+    python benchmarks/gemm_batched_split_k.py 256 512 --layers qkv fc1   # the GEMM alone (their consumers differ)
 
 At a few hundred rows, proj (1280 -> 1280) and fc2 (5120 -> 1280) have 20-80 output tiles
 of 128x128 for 132 SMs. Splitting K into S slices as one strided-batched GEMM (``torch.bmm``
@@ -9,7 +10,8 @@ add+LayerNorm kernel that follows sums the S partials in fp32, with the bias
 (``kernels.add_layernorm(x, partials, ..., y_bias=bias)``). Partials in bf16 or fp32
 (``bmm(..., out_dtype=torch.float32)``). Timed per GEMM + add_layernorm pair, µs, inside
 CUDA graphs with 8 weight sets rotated so that weights stream from DRAM as in the tower;
-the GEMM alone too. Error: the LayerNorm output against the unsplit pair's.
+the GEMM alone too ("pair" is the GEMM alone for qkv and fc1, whose consumers differ). Error:
+the LayerNorm output (the sum, for qkv and fc1) against the unsplit path's.
 """
 
 import argparse
@@ -22,39 +24,46 @@ from vitgraph.bench.common import graph_per_call_us, rel_err
 
 WIDTH = 1280
 SETS = 8
+LAYERS = {"proj": (1280, 1280), "fc2": (5120, 1280), "qkv": (1280, 3840), "fc1": (1280, 5120)}  # (K, N)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("rows", nargs="*", type=int, default=[256, 512, 1024, 2048, 4096])
     p.add_argument("--splits", nargs="*", type=int, default=[2, 3, 4, 5, 8])
+    p.add_argument("--layers", nargs="*", default=["proj", "fc2"], choices=list(LAYERS))
     args = p.parse_args()
     torch.manual_seed(0)
     dev, bf16 = "cuda", torch.bfloat16
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     ln_w, ln_b = torch.ones(WIDTH, device=dev, dtype=bf16), torch.zeros(WIDTH, device=dev, dtype=bf16)
     summary = {}
-    for layer, k in (("proj", 1280), ("fc2", 5120)):
-        weights = [torch.randn(WIDTH, k, device=dev, dtype=bf16) / k ** 0.5 for _ in range(SETS)]
-        biases = [0.1 * torch.randn(WIDTH, device=dev, dtype=bf16) for _ in range(SETS)]
+    for layer in args.layers:
+        k, n = LAYERS[layer]
+        weights = [torch.randn(n, k, device=dev, dtype=bf16) / k ** 0.5 for _ in range(SETS)]
+        biases = [0.1 * torch.randn(n, device=dev, dtype=bf16) for _ in range(SETS)]
         for m in args.rows:
             x = torch.randn(m, k, device=dev, dtype=bf16)
             resid = torch.randn(m, WIDTH, device=dev, dtype=bf16)
 
-            def pair(i, y, y_bias=None):
+            def pair(i, y, y_bias=None):  # the GEMM's consumer; only proj and fc2 feed an add+LayerNorm
+                if n != WIDTH:
+                    return y
                 return kernels.add_layernorm(resid, y, ln_w, ln_b, 1e-6, y_bias=y_bias)
 
             base_gemm = graph_per_call_us([lambda i=i: F.linear(x, weights[i], biases[i]) for i in range(SETS)])
             base = graph_per_call_us([lambda i=i: pair(i, F.linear(x, weights[i], biases[i])) for i in range(SETS)])
             start = resid.clone()
-            ref = kernels.add_layernorm(start.clone(), F.linear(x, weights[0], biases[0]), ln_w, ln_b, 1e-6)
-            rows = [f"{layer:>4} M={m:5d}  cuBLAS: gemm {base_gemm:6.1f}  +LN {base:6.1f}"]
+            ref = F.linear(x, weights[0], biases[0])
+            if n == WIDTH:
+                ref = kernels.add_layernorm(start.clone(), ref, ln_w, ln_b, 1e-6)
+            rows = [f"{layer:>4} M={m:5d}  cuBLAS: gemm {base_gemm:6.1f}  pair {base:6.1f}"]
             best = (base, "unsplit")
             for s in args.splits:
                 if k % (8 * s):
                     continue
                 xs = x.view(m, s, k // s).transpose(0, 1)  # [S, M, K/S], no copy
-                ws = [w.view(WIDTH, s, k // s).permute(1, 2, 0) for w in weights]  # [S, K/S, N], no copy
+                ws = [w.view(n, s, k // s).permute(1, 2, 0) for w in weights]  # [S, K/S, N], no copy
                 for name, out_dtype in (("bf16", None), ("fp32", torch.float32)):
                     def gemm(i, xs=xs, ws=ws, out_dtype=out_dtype):
                         return torch.bmm(xs, ws[i]) if out_dtype is None else torch.bmm(xs, ws[i], out_dtype=out_dtype)
@@ -65,8 +74,9 @@ def main() -> None:
                         continue
                     g_us = graph_per_call_us([lambda i=i: gemm(i) for i in range(SETS)])
                     p_us = graph_per_call_us([lambda i=i: pair(i, gemm(i), biases[i]) for i in range(SETS)])
-                    got = kernels.add_layernorm(start.clone(), gemm(0), ln_w, ln_b, 1e-6, y_bias=biases[0])
-                    rows.append(f"      S={s} {name}: gemm {g_us:6.1f}  +LN {p_us:6.1f}  err {rel_err(got, ref):.1e}")
+                    got = gemm(0).sum(0) + biases[0] if n != WIDTH else \
+                        kernels.add_layernorm(start.clone(), gemm(0), ln_w, ln_b, 1e-6, y_bias=biases[0])
+                    rows.append(f"      S={s} {name}: gemm {g_us:6.1f}  pair {p_us:6.1f}  err {rel_err(got, ref):.1e}")
                     best = min(best, (p_us, f"S={s} {name}"))
             print("\n".join(rows))
             summary[(layer, m)] = (base, *best)
