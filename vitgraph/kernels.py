@@ -162,6 +162,16 @@ def _rows_per_program(rows: int, width: int, per_program: int = 8192) -> int:
     return min(per, triton.next_power_of_2(max(rows, 1)))
 
 
+# add_layernorm's launch: (rows per program, warps) up to LAYERNORM_SMALL_ROWS rows, and above.
+# At 1280 wide on an H200 (benchmarks/layernorm_programs.py, µs per call in graphs), one row per
+# program fills more SMs at small row counts: 256 rows 3.18 -> 2.59 (2.92 with two split-K
+# partials, from 3.45), 512 rows 3.18 -> 2.86; from 1024 rows two rows and 4 warps: 3.73 ->
+# 3.50 at 1024, 8.55 -> 7.96 at 4096 (four rows and 8 warps before).
+LAYERNORM_SMALL_ROWS = 512
+LAYERNORM_SMALL = (1, 8)
+LAYERNORM_LARGE = (2, 4)
+
+
 def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
                   eps: float, y_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x += y`` in place (when ``y`` is given), then return ``LayerNorm(x)``. ``x``: ``[T, N]``
@@ -174,11 +184,12 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
     if y is not None and (not y.is_contiguous() or y.shape[-2:] != x.shape or y.dim() not in (2, 3)):
         raise ValueError(f"y must be a contiguous [T, N] or [S, T, N] tensor for x {tuple(x.shape)}, "
                          f"got {tuple(y.shape)}")
-    per = _rows_per_program(rows, n)
+    per, warps = LAYERNORM_SMALL if rows <= LAYERNORM_SMALL_ROWS else LAYERNORM_LARGE
     _add_layernorm_kernel[(triton.cdiv(rows, per),)](
         x, y if y is not None else x, y_bias if y_bias is not None else x, h, weight, bias, rows, eps,
         N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=per, HAS_Y=y is not None,
-        SPLITS=y.shape[0] if y is not None and y.dim() == 3 else 1, HAS_Y_BIAS=y_bias is not None, num_warps=8)
+        SPLITS=y.shape[0] if y is not None and y.dim() == 3 else 1, HAS_Y_BIAS=y_bias is not None,
+        num_warps=warps)
     return h
 
 
