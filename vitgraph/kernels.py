@@ -165,11 +165,13 @@ def _rows_per_program(rows: int, width: int, per_program: int = 8192) -> int:
 # add_layernorm's launch: (rows per program, warps) up to LAYERNORM_SMALL_ROWS rows, and above.
 # At 1280 wide on an H200 (benchmarks/layernorm_programs.py, µs per call in graphs), one row per
 # program fills more SMs at small row counts: 256 rows 3.18 -> 2.59 (2.92 with two split-K
-# partials, from 3.45), 512 rows 3.18 -> 2.86; from 1024 rows two rows and 4 warps: 3.73 ->
-# 3.50 at 1024, 8.55 -> 7.96 at 4096 (four rows and 8 warps before).
+# partials, from 3.45), 512 rows 3.18 -> 2.86; end to end 1x256 1.76 -> 1.71 ms. Above, two rows
+# and 4 warps measured 8.55 -> 7.96 at 4096 rows alone but did not gain in the tower (4x1024
+# and 16x256 +0.17 and +0.22 ms, within an A/B noise of about 0.16 ms there), so above it
+# keeps four rows and 8 warps.
 LAYERNORM_SMALL_ROWS = 512
 LAYERNORM_SMALL = (1, 8)
-LAYERNORM_LARGE = (2, 4)
+LAYERNORM_LARGE = (4, 8)
 
 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
