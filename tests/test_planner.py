@@ -221,6 +221,16 @@ def test_large_single_frames_run_eagerly_at_their_exact_shape():
     assert plan.steps[0].bucket.tokens == 256
 
 
+def test_a_step_no_remaining_bucket_holds_runs_eagerly():
+    """Capture may drop a budget's packed bucket and keep its dense one: a step of two frames
+    that only that packed bucket would hold then gets no bucket (an eager step), not an error."""
+    buckets = [Bucket(256, 8), Bucket(512, 1)]
+    two = [(1, 8, 12), (1, 12, 24)]  # 96 + 288 = 384 tokens
+    for options in ({}, dict(exact_eager_above=256, eager_padding=0.04)):
+        (step,) = plan_call(two, buckets, **options).steps
+        assert (step.bucket, step.reason, step.tokens, step.segments) == (None, None, 384, 2)
+
+
 def test_large_packed_steps_run_eagerly_only_when_padded_enough():
     four = [(1, 10, 10), (1, 10, 10), (1, 10, 12), (1, 10, 10)]  # 420 tokens: 92 of 512 padding (18%)
     eager = plan_call(four, BUCKETS, exact_eager_above=256, eager_padding=0.1)

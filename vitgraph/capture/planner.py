@@ -179,14 +179,16 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
     def flush() -> None:
         nonlocal chunk, chunk_tokens, chunk_segments, chunk_longest, offset
         if chunk:
-            # A chunk never exceeds the largest bucket's capacities, so some bucket holds it.
+            # None where capture dropped the buckets that would hold it: the step then runs eagerly.
             bucket = smallest_fit(buckets, chunk_tokens, chunk_segments, chunk_longest)
-            if bucket.max_segments == 1 and chunk_tokens < packed_single_below.get(bucket.tokens, 0):
+            if (bucket is not None and bucket.max_segments == 1
+                    and chunk_tokens < packed_single_below.get(bucket.tokens, 0)):
                 bucket = smallest_fit(buckets, chunk_tokens, 2, chunk_longest) or bucket
+            padded_enough = (bucket is not None and eager_padding is not None
+                             and bucket.tokens - chunk_tokens >= eager_padding * bucket.tokens)
             reason = None
             if exact_eager_above is not None and chunk_tokens > exact_eager_above and (
-                    chunk_segments == 1 or (eager_padding is not None
-                                            and bucket.tokens - chunk_tokens >= eager_padding * bucket.tokens)):
+                    chunk_segments == 1 or padded_enough):
                 bucket, reason = None, "exact_eager"
             plan.steps.append(Step(chunk, bucket, chunk_tokens, chunk_segments, offset, reason))
             offset += chunk_tokens
