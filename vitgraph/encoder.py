@@ -74,7 +74,7 @@ class EngineOptions:
     # With the fa4 backend on Hopper, also capture a packed bucket for short frames in each
     # budget whose own bucket attends with FlashAttention 4's default 192-row tiles: it takes
     # steps whose frames all fit a cap (2048 tokens above 2048 on an H200) and attends with
-    # 128-row tiles, which fit short frames better (see vitgraph.attention.fa4_short_caps).
+    # 128-row tiles, which fit short frames better (see vitgraph.attention.fa4_short_cap).
     short_frame_buckets: bool = True
     # Time each budget's dense and packed graphs at capture (about 1 s on an H200) and send a
     # single frame to the packed one where that is faster (see vitgraph.capture.routing).
