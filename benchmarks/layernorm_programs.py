@@ -31,7 +31,7 @@ def main() -> None:
         h = torch.empty_like(x)
         inputs = {"y": (torch.randn(rows, WIDTH, device=dev, dtype=bf16), None),
                   "2 partials + bias": (torch.randn(2, rows, WIDTH, device=dev, dtype=bf16), b)}
-        default = kernels.LAYERNORM_SMALL if rows <= kernels.LAYERNORM_SMALL_ROWS else kernels.LAYERNORM_LARGE
+        default = (1 if rows <= kernels.LAYERNORM_ONE_ROW_MAX_ROWS else kernels._rows_per_program(rows, WIDTH), 8)
         for name, (y, y_bias) in inputs.items():
             cells = []
             for per in (1, 2, 4):

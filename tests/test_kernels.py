@@ -21,7 +21,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, width", [(37, 80), (5, 1280)])
+@pytest.mark.parametrize("rows, width", [(37, 80), (5, 1280), (600, 80)])  # 600: several rows per program
 def test_add_layernorm(dtype, rows, width):
     g = torch.Generator().manual_seed(rows)
     x, y = (torch.randn(rows, width, generator=g).to(DEVICE, dtype) for _ in range(2))

@@ -162,16 +162,14 @@ def _rows_per_program(rows: int, width: int, per_program: int = 8192) -> int:
     return min(per, triton.next_power_of_2(max(rows, 1)))
 
 
-# add_layernorm's launch: (rows per program, warps) up to LAYERNORM_SMALL_ROWS rows, and above.
-# At 1280 wide on an H200 (benchmarks/layernorm_programs.py, µs per call in graphs), one row per
-# program fills more SMs at small row counts: 256 rows 3.18 -> 2.59 (2.92 with two split-K
-# partials, from 3.45), 512 rows 3.18 -> 2.86; end to end 1x256 1.76 -> 1.71 ms. Above, two rows
-# and 4 warps measured 8.55 -> 7.96 at 4096 rows alone but did not gain in the tower (4x1024
-# and 16x256 +0.17 and +0.22 ms, within an A/B noise of about 0.16 ms there), so above it
-# keeps four rows and 8 warps.
-LAYERNORM_SMALL_ROWS = 512
-LAYERNORM_SMALL = (1, 8)
-LAYERNORM_LARGE = (4, 8)
+# add_layernorm runs one row per program up to this many rows (else _rows_per_program's ~8k
+# elements: 4 rows of 1280), 8 warps either way. At 1280 wide on an H200
+# (benchmarks/layernorm_programs.py, µs per call in graphs) one row fills more SMs at small row
+# counts: 256 rows 3.18 -> 2.59 (2.92 with two split-K partials, from 3.45), 512 rows 3.18 ->
+# 2.86; end to end 1x256 1.76 -> 1.71 ms. Two rows and 4 warps measured 8.55 -> 7.96 at 4096 rows
+# alone but did not gain in the tower (4x1024 and 16x256 +0.17 and +0.22 ms, within an A/B
+# noise of about 0.16 ms there), so larger inputs keep the width rule.
+LAYERNORM_ONE_ROW_MAX_ROWS = 512
 
 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
@@ -186,12 +184,12 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
     if y is not None and (not y.is_contiguous() or y.shape[-2:] != x.shape or y.dim() not in (2, 3)):
         raise ValueError(f"y must be a contiguous [T, N] or [S, T, N] tensor for x {tuple(x.shape)}, "
                          f"got {tuple(y.shape)}")
-    per, warps = LAYERNORM_SMALL if rows <= LAYERNORM_SMALL_ROWS else LAYERNORM_LARGE
+    per = 1 if rows <= LAYERNORM_ONE_ROW_MAX_ROWS else _rows_per_program(rows, n)
     _add_layernorm_kernel[(triton.cdiv(rows, per),)](
         x, y if y is not None else x, y_bias if y_bias is not None else x, h, weight, bias, rows, eps,
         N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=per, HAS_Y=y is not None,
         SPLITS=y.shape[0] if y is not None and y.dim() == 3 else 1, HAS_Y_BIAS=y_bias is not None,
-        num_warps=warps)
+        num_warps=8)
     return h
 
 
