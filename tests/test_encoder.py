@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from helpers import diff_report, random_pixels, rel_err
@@ -138,13 +139,26 @@ BAD_INPUTS = [
     (torch.zeros(4, 1176), torch.ones(3, dtype=torch.long), ValueError, "grid_thw must have shape [k, 3]"),
     (torch.zeros(4, 1176), [(1, 2)], ValueError, "grid_thw[0] must be a (t, h, w) triple"),
     (torch.zeros(4, 1176), [(1.0, 2, 2)], TypeError, "grid_thw[0] must hold ints"),
+    (torch.zeros(4, 1176), [[1, 2, 2.0]], TypeError, "grid_thw[0] must hold ints"),
+    (torch.zeros(4, 1176), [(True, 2, 2)], TypeError, "grid_thw[0] must hold ints"),
     (torch.zeros(4, 1176), "1,2,2", TypeError, "grid_thw must be"),
+    (torch.zeros(4, 1176), np.ones((1, 3)), TypeError, "grid_thw must be an integer tensor"),
     (torch.zeros(0, 1176), [(0, 2, 2)], ValueError, "grid_thw[0] must be positive"),
     (torch.zeros(8, 1176), [(1, 2, 2), (1, -2, -2)], ValueError, "grid_thw[1] must be positive"),
     (torch.zeros(6, 1176), [(1, 2, 3)], ValueError, "divisible by the merge size 2"),
     (torch.zeros(5, 1176), [(1, 2, 2)], ValueError, "pixels has 5 rows but grid_thw sums to 4"),
     (torch.empty(4, 1176, device="meta"), [(1, 2, 2)], ValueError, "meta device"),
 ]
+
+
+def test_every_grid_spelling_gives_the_same_int_triples():
+    from vitgraph.validation import normalize_grid
+
+    want = [(1, 2, 2), (2, 4, 6)]
+    for grid in (want, [list(g) for g in want], [np.array(g) for g in want], [torch.tensor(g) for g in want],
+                 [tuple(np.int64(v) for v in g) for g in want], torch.tensor(want), torch.tensor(want, dtype=torch.int32), np.array(want)):
+        got = normalize_grid(grid, 2)
+        assert got == want and all(type(v) is int for g in got for v in g), grid
 
 
 @pytest.mark.parametrize("pixels, grid, error, words", BAD_INPUTS)

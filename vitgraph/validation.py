@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 Grid = tuple[int, int, int]
@@ -16,25 +17,29 @@ def _is_int(value) -> bool:
         return False
     if isinstance(value, int):
         return True
-    try:  # numpy integer scalars
-        import numpy as np
-        return isinstance(value, np.integer)
-    except ImportError:  # pragma: no cover
-        return False
+    return isinstance(value, np.integer)
 
 
 def normalize_grid(grid_thw, merge_size: int) -> list[Grid]:
     """``grid_thw`` as a list of ``(t, h, w)`` ints, checked."""
+    if isinstance(grid_thw, np.ndarray):
+        grid_thw = torch.from_numpy(grid_thw)  # checked as a tensor below
     if isinstance(grid_thw, torch.Tensor):
         if grid_thw.dtype.is_floating_point or grid_thw.dtype.is_complex or grid_thw.dtype == torch.bool:
             raise TypeError(f"grid_thw must be an integer tensor, got dtype {grid_thw.dtype}")
         if grid_thw.ndim != 2 or grid_thw.shape[1] != 3:
             raise ValueError(f"grid_thw must have shape [k, 3], got {list(grid_thw.shape)}")
-        rows = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
+        rows = [tuple(row) for row in grid_thw.tolist()]  # tolist() gives Python ints
     elif isinstance(grid_thw, Sequence) and not isinstance(grid_thw, (str, bytes)):
         rows = []
         for i, row in enumerate(grid_thw):
-            if isinstance(row, torch.Tensor):
+            # Fast path, first: a tuple or list of three Python ints (this runs per grid, per call).
+            if type(row) in (tuple, list) and len(row) == 3:
+                t, h, w = row
+                if type(t) is int and type(h) is int and type(w) is int:
+                    rows.append((t, h, w))
+                    continue
+            if isinstance(row, (torch.Tensor, np.ndarray)):
                 row = row.tolist()
             if not isinstance(row, Sequence) or isinstance(row, (str, bytes)) or len(row) != 3:
                 raise ValueError(f"grid_thw[{i}] must be a (t, h, w) triple, got {row!r}")
@@ -42,7 +47,7 @@ def normalize_grid(grid_thw, merge_size: int) -> list[Grid]:
                 raise TypeError(f"grid_thw[{i}] must hold ints, got {row!r}")
             rows.append(tuple(int(v) for v in row))
     else:
-        raise TypeError(f"grid_thw must be an int tensor [k, 3] or a list of (t, h, w), got {type(grid_thw).__name__}")
+        raise TypeError(f"grid_thw must be an int tensor or array [k, 3] or a list of (t, h, w), got {type(grid_thw).__name__}")
     for i, (t, h, w) in enumerate(rows):
         if t <= 0 or h <= 0 or w <= 0:
             raise ValueError(f"grid_thw[{i}] must be positive, got (t={t}, h={h}, w={w})")
