@@ -142,7 +142,9 @@ BAD_INPUTS = [
     (torch.zeros(4, 1176), [[1, 2, 2.0]], TypeError, "grid_thw[0] must hold ints"),
     (torch.zeros(4, 1176), [(True, 2, 2)], TypeError, "grid_thw[0] must hold ints"),
     (torch.zeros(4, 1176), "1,2,2", TypeError, "grid_thw must be"),
-    (torch.zeros(4, 1176), np.ones((1, 3)), TypeError, "grid_thw must be an integer tensor"),
+    (torch.zeros(4, 1176), np.ones((1, 3)), TypeError, "grid_thw must be an integer tensor or array"),
+    (torch.zeros(4, 1176), np.array([[1, 2, 2]], dtype=object), TypeError, "grid_thw must be an integer tensor or array"),
+    (torch.zeros(4, 1176), np.ones((1, 2), dtype=np.int64), ValueError, "grid_thw must have shape [k, 3]"),
     (torch.zeros(0, 1176), [(0, 2, 2)], ValueError, "grid_thw[0] must be positive"),
     (torch.zeros(8, 1176), [(1, 2, 2), (1, -2, -2)], ValueError, "grid_thw[1] must be positive"),
     (torch.zeros(6, 1176), [(1, 2, 3)], ValueError, "divisible by the merge size 2"),
@@ -155,8 +157,10 @@ def test_every_grid_spelling_gives_the_same_int_triples():
     from vitgraph.validation import normalize_grid
 
     want = [(1, 2, 2), (2, 4, 6)]
-    for grid in (want, [list(g) for g in want], [np.array(g) for g in want], [torch.tensor(g) for g in want],
-                 [tuple(np.int64(v) for v in g) for g in want], torch.tensor(want), torch.tensor(want, dtype=torch.int32), np.array(want)):
+    spellings = (want, [list(g) for g in want], [np.array(g) for g in want], [torch.tensor(g) for g in want],
+                 [tuple(np.int64(v) for v in g) for g in want], torch.tensor(want),
+                 torch.tensor(want, dtype=torch.int32), np.array(want), np.array(want, dtype=np.uint16))
+    for grid in spellings:
         got = normalize_grid(grid, 2)
         assert got == want and all(type(v) is int for g in got for v in g), grid
 

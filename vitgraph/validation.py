@@ -22,11 +22,13 @@ def _is_int(value) -> bool:
 
 def normalize_grid(grid_thw, merge_size: int) -> list[Grid]:
     """``grid_thw`` as a list of ``(t, h, w)`` ints, checked."""
-    if isinstance(grid_thw, np.ndarray):
-        grid_thw = torch.from_numpy(grid_thw)  # checked as a tensor below
-    if isinstance(grid_thw, torch.Tensor):
-        if grid_thw.dtype.is_floating_point or grid_thw.dtype.is_complex or grid_thw.dtype == torch.bool:
-            raise TypeError(f"grid_thw must be an integer tensor, got dtype {grid_thw.dtype}")
+    if isinstance(grid_thw, (torch.Tensor, np.ndarray)):
+        if isinstance(grid_thw, np.ndarray):
+            integer = grid_thw.dtype.kind in "iu"
+        else:
+            integer = not (grid_thw.dtype.is_floating_point or grid_thw.dtype.is_complex or grid_thw.dtype == torch.bool)
+        if not integer:
+            raise TypeError(f"grid_thw must be an integer tensor or array, got dtype {grid_thw.dtype}")
         if grid_thw.ndim != 2 or grid_thw.shape[1] != 3:
             raise ValueError(f"grid_thw must have shape [k, 3], got {list(grid_thw.shape)}")
         rows = [tuple(row) for row in grid_thw.tolist()]  # tolist() gives Python ints
