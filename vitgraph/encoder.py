@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 import time
@@ -356,22 +357,36 @@ class GraphedVisionEncoder:
         rows = tokens // self.tower.merge_unit
         if out is not None:
             check_out(out, rows, self.tower.output_width, self.device, self.dtype)
-        result = out if out is not None else torch.empty(rows, self.tower.output_width, device=self.device,
-                                                         dtype=self.dtype)
         with self._lock:
             self._counters.calls += 1
         if tokens == 0:
-            return result
-        prepared = self._prepare(grids)
+            return out if out is not None else self._new_output(0)
         unit = self.tower.merge_unit
+        result = out
+
+        def target_of(step: Step) -> torch.Tensor:
+            # Allocated once the first step is launched: before a replay's launch, every host
+            # op is time the GPU waits.
+            nonlocal result
+            if result is None:
+                result = self._new_output(rows)
+            if step.tokens == tokens:  # the whole call: no slice to make
+                return result
+            return result[step.token_offset // unit:(step.token_offset + step.tokens) // unit]
+
+        prepared = self._prepare(grids)
         for step, staged in zip(prepared.plan.steps, prepared.staged):
-            step_pixels = pixels[step.token_offset:step.token_offset + step.tokens]
-            target = result[step.token_offset // unit:(step.token_offset + step.tokens) // unit]
+            step_pixels = pixels
+            if step.tokens != tokens:
+                step_pixels = pixels[step.token_offset:step.token_offset + step.tokens]
             if step.bucket is None:
-                self._run_eager(step, step_pixels, target)
+                self._run_eager(step, step_pixels, functools.partial(target_of, step))
             else:
-                self._run_graph(step, staged, step_pixels, target)
+                self._run_graph(step, staged, step_pixels, functools.partial(target_of, step))
         return result
+
+    def _new_output(self, rows: int) -> torch.Tensor:
+        return torch.empty(rows, self.tower.output_width, device=self.device, dtype=self.dtype)
 
     def encode_images(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                       min_pixels: int | None = None, max_pixels: int | None = None) -> list[torch.Tensor]:
@@ -393,14 +408,14 @@ class GraphedVisionEncoder:
         rows = [int(t * h * w) // self.tower.merge_unit for t, h, w in grid.tolist()]
         return list(merged.split(rows))
 
-    def _run_eager(self, step: Step, pixels: torch.Tensor, target: torch.Tensor) -> None:
+    def _run_eager(self, step: Step, pixels: torch.Tensor, target_of: Callable[[], torch.Tensor]) -> None:
         batch = self.tower.build_batch(step.grids)
         batch = batch.to(self.device, non_blocking=True)
-        target.copy_(self.tower(pixels.to(self.device, non_blocking=True), batch))
+        target_of().copy_(self.tower(pixels.to(self.device, non_blocking=True), batch))
         with self._lock:
             self._counters.eager[step.reason or "eager"] += 1
 
-    def _run_graph(self, step: Step, staged, pixels: torch.Tensor, target: torch.Tensor) -> None:
+    def _run_graph(self, step: Step, staged, pixels: torch.Tensor, target_of: Callable[[], torch.Tensor]) -> None:
         bucket = step.bucket
         with self._lock:
             stream = torch.cuda.current_stream(self.device)
@@ -408,7 +423,7 @@ class GraphedVisionEncoder:
                 stream.wait_event(self._idle)  # the previous replay's output copy is done reading the pool
             self.bank.load(bucket, pixels, staged)
             output = self.bank.replay(bucket)
-            target.copy_(output[:step.tokens // self.tower.merge_unit])
+            target_of().copy_(output[:step.tokens // self.tower.merge_unit])
             if self._idle is None:
                 self._idle = torch.cuda.Event()
             self._idle.record(stream)

@@ -1,0 +1,69 @@
+"""A/B of ``GraphedVisionEncoder``'s host path (``encode`` and the methods it calls) against
+another version of ``vitgraph/encoder.py``, end to end, on one encoder, in one process.
+
+    git show HEAD~1:vitgraph/encoder.py > /tmp/encoder_before.py
+    python benchmarks/ab_encode.py /tmp/encoder_before.py --cases 1x256 1x1024 4x1024 16x256
+
+The ``before`` file's ``encode``, ``_run_graph`` and ``_run_eager`` are swapped onto the one
+encoder (same graphs, same buffers) for its turns. Each round times every case both ways
+(median wall ms of ``--iters`` synchronised calls, as ``benchmarks/latency.py``),
+alternating which goes first; the table shows the median over rounds and the relative
+difference of the two outputs (0: the same kernels ran).
+"""
+
+import argparse
+import importlib.util
+import statistics
+import sys
+
+import torch
+
+from vitgraph import GraphedVisionEncoder
+from vitgraph.bench.common import median_ms, print_table
+from vitgraph.bench.latency import CASES
+
+SWAPPED = ("encode", "_run_graph", "_run_eager")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("before", help="path of the other vitgraph/encoder.py")
+    p.add_argument("--cases", nargs="*", default=list(CASES))
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+    spec = importlib.util.spec_from_file_location("vitgraph.encoder_before", args.before)
+    before = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = before  # dataclasses look their module up there
+    spec.loader.exec_module(before)
+    methods = {"after": {name: getattr(GraphedVisionEncoder, name) for name in SWAPPED},
+               "before": {name: getattr(before.GraphedVisionEncoder, name) for name in SWAPPED}}
+
+    device = torch.device("cuda")
+    enc = GraphedVisionEncoder.from_config("qwen2-vl-2b", device=device, seed=0, progress=False)
+    cfg = enc.config
+
+    def encode(key, pixels, grids):
+        for name, fn in methods[key].items():
+            setattr(GraphedVisionEncoder, name, fn)
+        return enc.encode(pixels, grids)
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name in args.cases:
+        grids = CASES[name]
+        pixels = torch.randn(sum(t * h * w for t, h, w in grids), cfg.patch_width, generator=gen).to(device, torch.bfloat16)
+        outs = {key: encode(key, pixels, grids).clone().float() for key in methods}
+        diff = ((outs["before"] - outs["after"]).norm() / outs["before"].norm()).item()
+        times = {key: [] for key in methods}
+        for r in range(args.rounds):
+            for key in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                times[key].append(median_ms(lambda: encode(key, pixels, grids), device, args.iters, 3))
+        b, a = statistics.median(times["before"]), statistics.median(times["after"])
+        rows.append([name, f"{b:.3f}", f"{a:.3f}", f"{a - b:+.3f}", f"{diff:.1e}"])
+        print(f"  {name}: before {b:.3f} ms, after {a:.3f} ms", flush=True)
+    print_table(["case", "before ms", "after ms", "delta ms", "rel diff"], rows)
+
+
+if __name__ == "__main__":
+    main()
