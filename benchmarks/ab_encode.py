@@ -13,13 +13,12 @@ difference of the two outputs (0: the same kernels ran).
 
 import argparse
 import importlib.util
-import statistics
 import sys
 
 import torch
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.bench.common import median_ms, print_table
+from vitgraph.bench.common import alternating_ab, print_table
 from vitgraph.bench.latency import CASES
 
 SWAPPED = ("encode", "_run_graph", "_run_eager")
@@ -48,20 +47,9 @@ def main() -> None:
             setattr(GraphedVisionEncoder, name, fn)
         return enc.encode(pixels, grids)
 
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for name in args.cases:
-        grids = CASES[name]
-        pixels = torch.randn(sum(t * h * w for t, h, w in grids), cfg.patch_width, generator=gen).to(device, torch.bfloat16)
-        outs = {key: encode(key, pixels, grids).clone().float() for key in methods}
-        diff = ((outs["before"] - outs["after"]).norm() / outs["before"].norm()).item()
-        times = {key: [] for key in methods}
-        for r in range(args.rounds):
-            for key in (("before", "after") if r % 2 == 0 else ("after", "before")):
-                times[key].append(median_ms(lambda: encode(key, pixels, grids), device, args.iters, 3))
-        b, a = statistics.median(times["before"]), statistics.median(times["after"])
-        rows.append([name, f"{b:.3f}", f"{a:.3f}", f"{a - b:+.3f}", f"{diff:.1e}"])
-        print(f"  {name}: before {b:.3f} ms, after {a:.3f} ms", flush=True)
+    cases = {name: CASES[name] for name in args.cases}
+    results = alternating_ab(encode, ("before", "after"), cases, cfg.patch_width, device, args.rounds, args.iters)
+    rows = [[name, f"{b:.3f}", f"{a:.3f}", f"{a - b:+.3f}", f"{diff:.1e}"] for name, b, a, diff in results]
     print_table(["case", "before ms", "after ms", "delta ms", "rel diff"], rows)
 
 

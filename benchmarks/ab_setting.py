@@ -14,12 +14,11 @@ rounds and the relative difference of the two outputs.
 import argparse
 import ast
 import importlib
-import statistics
 
 import torch
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.bench.common import median_ms, print_table
+from vitgraph.bench.common import alternating_ab, print_table
 from vitgraph.bench.latency import CASES
 
 
@@ -67,19 +66,8 @@ def main() -> None:
     for frame in args.frames:
         h, w = (int(x) for x in frame.split("x"))
         cases[f"1 frame {h}x{w}"] = [(1, h, w)]
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for name, grids in cases.items():
-        pixels = torch.randn(sum(t * h * w for t, h, w in grids), cfg.patch_width, generator=gen).to(device, torch.bfloat16)
-        outs = {key: encode(key, pixels, grids).clone() for key in encoders}
-        a, b = outs["default"].float(), outs["changed"].float()
-        diff = ((a - b).norm() / a.norm()).item()
-        times = {key: [] for key in encoders}
-        for r in range(args.rounds):
-            for key in (("default", "changed") if r % 2 == 0 else ("changed", "default")):
-                times[key].append(median_ms(lambda: encode(key, pixels, grids), device, args.iters, 3))
-        default, changed = (statistics.median(times[key]) for key in encoders)
-        rows.append([name, default, changed, changed - default, f"{diff:.1e}"])
+    results = alternating_ab(encode, ("default", "changed"), cases, cfg.patch_width, device, args.rounds, args.iters)
+    rows = [[name, default, changed, changed - default, f"{diff:.1e}"] for name, default, changed, diff in results]
     print_table(["case", "default ms", "changed ms", "delta ms", "rel diff"], rows)
 
 

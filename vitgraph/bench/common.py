@@ -40,6 +40,27 @@ def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup
     return statistics.median(times)
 
 
+def alternating_ab(run: Callable[[str, torch.Tensor, list], torch.Tensor], keys: tuple[str, str],
+                   cases: dict[str, list], width: int, device: torch.device, rounds: int, iters: int
+                   ) -> list[tuple[str, float, float, float]]:
+    """Same-process A/B of two ways to ``run(key, pixels, grids)`` an encode. Per case (random
+    bf16 pixels on ``device``): each round times both (median wall ms of ``iters`` synchronised
+    calls, as :func:`median_ms`), alternating which goes first. Returns ``(case, ms of keys[0],
+    ms of keys[1], relative difference of their outputs)``, medians over rounds."""
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for name, grids in cases.items():
+        pixels = torch.randn(sum(t * h * w for t, h, w in grids), width, generator=gen).to(device, torch.bfloat16)
+        a, b = (run(key, pixels, grids).float() for key in keys)
+        diff = ((a - b).norm() / a.norm()).item()
+        times = {key: [] for key in keys}
+        for r in range(rounds):
+            for key in (keys if r % 2 == 0 else keys[::-1]):
+                times[key].append(median_ms(lambda: run(key, pixels, grids), device, iters, 3))
+        results.append((name, *(statistics.median(times[key]) for key in keys), diff))
+    return results
+
+
 class CallTimer:
     """Wall seconds and call counts per name, for profiling scripts that wrap library functions."""
 
