@@ -421,7 +421,7 @@ class GraphedVisionEncoder:
             stream = torch.cuda.current_stream(self.device)
             if self._idle is not None:
                 stream.wait_event(self._idle)  # the previous replay's output copy is done reading the pool
-            self.bank.load(bucket, pixels, staged)
+            self.bank.load_for_replay(bucket, pixels, staged)
             output = self.bank.replay(bucket)
             target_of().copy_(output[:step.tokens // self.tower.merge_unit])
             if self._idle is None:

@@ -7,7 +7,7 @@ The model contract it uses: ``model.input_width``, ``model.output_width``, ``mod
 Static buffers: pixel rows sized to the largest bucket (each bucket reads a prefix),
 and one flat int32 metadata buffer in which each bucket's tensors lie back to back,
 so a replay's metadata arrives in one host-to-device copy from a pinned staging
-buffer. All graphs share one memory pool, captured largest first; the first capture
+buffer; each graph makes that copy itself, as its first node. All graphs share one memory pool, captured largest first; the first capture
 reserves one segment the size of a forward's activation peak, so the pool stays near
 that peak instead of keeping a segment per tensor size.
 """
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 ARENA_ALIGN = 2 << 20  # the caching allocator rounds large segments to 2 MiB
 ARENA_MARGIN = 16  # the pool's first segment is the forward's peak plus 1/16
+METADATA_COPY_IN_GRAPH = True  # read at construction; False: load_for_replay copies it
 
 
 def _round_up(n: int, align: int) -> int:
@@ -42,6 +43,14 @@ def _arena_usable() -> bool:
     big segment can serve many allocations."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
     return "max_split_size" not in conf and torch.cuda.get_allocator_backend() == "native"
+
+
+def _external_event() -> torch.cuda.Event | None:
+    """An event a captured graph can record as a node of its own (torch >= 2.8), else None."""
+    try:
+        return torch.cuda.Event(external=True)
+    except TypeError:
+        return None
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -81,7 +90,12 @@ class GraphBank:
         self.static_meta = torch.zeros(size, device=device, dtype=torch.int32)
         self._staging = torch.zeros(size, dtype=torch.int32, pin_memory=True)
         self._staging_np = self._staging.numpy()
-        self._staged = torch.cuda.Event()  # recorded after each copy out of the staging buffer
+        # Recorded after each copy out of the staging buffer. Where torch can record an event
+        # inside a graph, each graph copies its metadata from the staging buffer itself: a
+        # host op fewer before every replay, on hosts where each costs tens of µs.
+        external = _external_event() if METADATA_COPY_IN_GRAPH else None
+        self.copies_metadata_in_graph = external is not None
+        self._staged = external or torch.cuda.Event()
         self._views = {b: self._carve(layout, self.static_meta) for b, layout in self._layouts.items()}
         # Per bucket: (device metadata, pinned staging, its numpy view), sliced once: slicing
         # tensors on every call is measurable host time.
@@ -136,15 +150,24 @@ class GraphBank:
         """Copy one step's inputs into the static buffers, on the current stream (rows past
         ``pixels`` keep stale values: they lie outside every segment, so no real row reads them).
         ``staged``: :meth:`stage` of a batch built for ``bucket``'s layout."""
+        self._load(bucket, pixels, staged, copy_metadata=True)
+
+    def load_for_replay(self, bucket: Bucket, pixels: torch.Tensor, staged: np.ndarray) -> None:
+        """:meth:`load` for a replay of ``bucket`` that follows at once: where the graphs copy
+        their metadata themselves, only the pixels are copied here and the metadata staged."""
+        self._load(bucket, pixels, staged, copy_metadata=not self.copies_metadata_in_graph)
+
+    def _load(self, bucket: Bucket, pixels: torch.Tensor, staged: np.ndarray, copy_metadata: bool) -> None:
         meta, pinned, pinned_np = self._meta_copy[bucket]
         if staged.shape != pinned_np.shape:
             raise ValueError(f"staged metadata has {staged.shape[0]} values; bucket {bucket.name} takes "
                              f"{pinned_np.shape[0]}")
         self.static_pixels[:pixels.shape[0]].copy_(pixels, non_blocking=True)
-        self._staged.synchronize()  # the previous copy has left the staging buffer
+        self._staged.synchronize()  # the previous copy (a graph's, or one made here) has left the staging buffer
         pinned_np[:] = staged
-        meta.copy_(pinned, non_blocking=True)
-        self._staged.record()
+        if copy_metadata:
+            meta.copy_(pinned, non_blocking=True)
+            self._staged.record()
 
     def run_eager(self, bucket: Bucket) -> torch.Tensor:
         """The same forward the graph holds, run eagerly on the static buffers (for tests)."""
@@ -229,6 +252,10 @@ class GraphBank:
                     # a segment per size the first forward allocated (x, qkv, fc1 out, ...),
                     # since a block never spans segments: ~1.7x the peak.
                     torch.empty(arena, dtype=torch.uint8, device=self.device)
+                if self.copies_metadata_in_graph:
+                    meta, pinned, _ = self._meta_copy[bucket]
+                    meta.copy_(pinned, non_blocking=True)  # reads the staging buffer at each replay
+                    self._staged.record(stream)  # an event node: the host reuses the buffer after it
                 result = self.model(pixels, batch)
                 output = self.static_output[:result.shape[0]]
                 output.copy_(result)
