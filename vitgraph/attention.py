@@ -15,6 +15,7 @@ holds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
@@ -42,6 +43,11 @@ FA4_SHORT_TILE = (128, 128)
 FA4_LONG_TILE = None
 FA4_OWN_TILE_M = 192  # the query tile FA4 picks itself on Hopper at head_dim <= 96 (non-causal)
 FA4_SHORT_TILE_ARCHS = (9,)  # measured on Hopper only; elsewhere FA4 keeps its own tiles
+# The short tile's kernel keeps its CTAs resident across tiles (vitgraph.fa4_persistent). On an
+# H200 (benchmarks/fa4_persistent.py, µs per block, bitwise equal): 16x256 30.7 -> 27.3, 8x448
+# 38.6 -> 35.9, 4x1024 59.4 -> 56.3, 2x2048 98.4 -> 94.0, 1x1024 17.0 -> 15.8; FA4's 192-row
+# tiles lost with it (1x4096 170 -> 175), so they keep FA4's scheduler.
+FA4_PERSISTENT_SHORT = True
 
 
 def _has_torch_varlen() -> bool:
@@ -140,11 +146,30 @@ def short_tile_sm_count(device: torch.device) -> int | None:
 def fa4_tile(max_seqlen: int, heads: int, device: torch.device) -> dict:
     """FlashAttention 4's tile keywords for a batch on ``device`` whose segments hold at most
     ``max_seqlen`` tokens."""
+    return fa4_tile_kwargs(_fa4_short_or_long(max_seqlen, heads, device)[0])
+
+
+def _fa4_short_or_long(max_seqlen: int, heads: int, device: torch.device) -> tuple[tuple | None, bool]:
+    """(FA4's tile, whether it is the short tile) for such a batch (FA4's own where the tile
+    does not follow the batch)."""
     sm_count = short_tile_sm_count(device)
     if sm_count is None:
-        return {}
+        return None, False
     short = fa4_prefers_short_tile(max_seqlen, heads, sm_count)
-    return fa4_tile_kwargs(FA4_SHORT_TILE if short else FA4_LONG_TILE)
+    return (FA4_SHORT_TILE if short else FA4_LONG_TILE), short
+
+
+def _fa4_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch") -> torch.Tensor:
+    tile, short = _fa4_short_or_long(batch.max_seqlen, q.shape[1], q.device)
+    scheduler = contextlib.nullcontext()
+    if short and FA4_PERSISTENT_SHORT:
+        from . import fa4_persistent
+
+        scheduler = fa4_persistent.persistent_tiles()
+    with scheduler:
+        return _fa4_forward()(q, k, v, cu_seqlens_q=batch.cu_seqlens, cu_seqlens_k=batch.cu_seqlens,
+                              max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen,
+                              **fa4_tile_kwargs(tile))[0]
 
 
 def available_backends(device: torch.device | str) -> list[str]:
@@ -226,9 +251,7 @@ def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batc
     if backend == "fa4":
         if batch.padded and not padding_zeroed:
             v = torch.where((batch.segment_ids >= 0)[:, None, None], v, 0.0)
-        return _fa4_forward()(q, k, v, cu_seqlens_q=batch.cu_seqlens, cu_seqlens_k=batch.cu_seqlens,
-                              max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen,
-                              **fa4_tile(batch.max_seqlen, q.shape[1], q.device))[0]
+        return _fa4_attend(q, k, v, batch)
     if batch.dense and not batch.padded:
         # One segment covers every row: plain SDPA, no mask (cuDNN on Hopper).
         return _sdpa_dense(q, k, v, None)

@@ -1,0 +1,51 @@
+"""FlashAttention 4's Hopper varlen forward with persistent CTAs (``vitgraph.fa4_persistent``)
+against FA4's own one-tile-per-CTA scheduler, in CUDA graphs, 16 segment slots as in
+vitgraph's packed buckets, q/k/v strided views of one qkv tensor as in the tower.
+
+    python benchmarks/fa4_persistent.py
+
+Each layout runs with the tile vitgraph picks for it (128-row tiles up to 2048-token frames,
+FA4's own 192-row tiles above) and, for comparison, persistent with either tile. Output is
+compared with FA4's own kernel: the tile math is the same, so it must match bitwise. Needs
+flash-attn-4 (the ``fa4`` extra) and a Hopper GPU.
+"""
+import contextlib
+
+import torch
+from flash_attn.cute.interface import _flash_attn_fwd
+
+from vitgraph import fa4_persistent
+from vitgraph.attention import FA4_SHORT_SEQLEN, FA4_SHORT_TILE, fa4_tile_kwargs
+from vitgraph.bench.common import graph_replay_us
+
+H, D, SLOTS = 16, 80, 16
+LAYOUTS = {"16x256": [256] * 16, "8x448": [448] * 8, "4x1024": [1024] * 4, "1x256": [256], "1x1024": [1024],
+           "2x2048": [2048] * 2, "1x4096": [4096], "1x9604": [9604], "mixed 1x3000+4x256": [3000] + [256] * 4}
+
+
+def main() -> None:
+    for name, lens in LAYOUTS.items():
+        total = sum(lens)
+        cu = torch.zeros(SLOTS + 1, dtype=torch.int32)
+        cu[1:len(lens) + 1] = torch.tensor(lens).cumsum(0)
+        cu[len(lens) + 1:] = total
+        cu = cu.cuda()
+        q, k, v = torch.randn(total, 3, H, D, device="cuda", dtype=torch.bfloat16).unbind(1)
+        tile = FA4_SHORT_TILE if max(lens) <= FA4_SHORT_SEQLEN else None
+        row, ref = [], None
+        for persistent in (False, True):
+            def run(persistent=persistent):
+                with fa4_persistent.persistent_tiles() if persistent else contextlib.nullcontext():
+                    return _flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                                           max_seqlen_k=max(lens), **fa4_tile_kwargs(tile))[0]
+            out = run()
+            torch.cuda.synchronize()
+            ref = out.clone() if ref is None else ref
+            same = "bitwise" if torch.equal(out, ref) else f"rel err {((out.float() - ref.float()).norm() / ref.float().norm()).item():.1e}"
+            us, _ = graph_replay_us(run, inner=8, reps=15)
+            row.append(f"{'persistent' if persistent else 'FA4 own'} {us:7.1f} ({same})")
+        print(f"{name:20s} tile {tile or 'FA4 default'} | " + " | ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
