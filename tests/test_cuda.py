@@ -504,13 +504,13 @@ def test_fa4_persistent_short_tiles_are_bitwise_fa4s_own(lens):
     """The persistent short-tile kernel (each CTA strides over several tiles: 16 heads, so
     more tiles than SMs) against FA4's own scheduler, in a CUDA graph, with padding rows and
     empty segment slots as in a packed bucket; then a new layout in the same graph."""
+    if "fa4" not in available_backends("cuda") or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs flash-attn-4 on a Hopper GPU")
     from flash_attn.cute.interface import _flash_attn_fwd
 
     from vitgraph import fa4_persistent
     from vitgraph.attention import FA4_SHORT_TILE, fa4_tile_kwargs
 
-    if "fa4" not in available_backends("cuda") or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs flash-attn-4 on a Hopper GPU")
     heads, head_dim, slots = 16, 80, 16
     tokens = sum(lens) + 96
     cu = torch.zeros(slots + 1, device="cuda", dtype=torch.int32)

@@ -46,8 +46,11 @@ FA4_SHORT_TILE_ARCHS = (9,)  # measured on Hopper only; elsewhere FA4 keeps its 
 # The short tile's kernel keeps its CTAs resident across tiles (vitgraph.fa4_persistent). On an
 # H200 (benchmarks/fa4_persistent.py, µs per block, bitwise equal): 16x256 30.7 -> 27.3, 8x448
 # 38.6 -> 35.9, 4x1024 59.4 -> 56.3, 2x2048 98.4 -> 94.0, 1x1024 17.0 -> 15.8; FA4's 192-row
-# tiles lost with it (1x4096 170 -> 175), so they keep FA4's scheduler.
+# tiles lost with it (1x4096 170 -> 175), so they keep FA4's scheduler, as do batches of
+# fewer than FA4_PERSISTENT_MIN_TOKENS rows (a 256-row bucket holds fewer tiles than there are
+# SMs: 1x256 8.0 -> 8.4; 1x1024 in a 1024-row bucket gains from launching fewer empty CTAs).
 FA4_PERSISTENT_SHORT = True
+FA4_PERSISTENT_MIN_TOKENS = 1024
 
 
 def _has_torch_varlen() -> bool:
@@ -162,7 +165,7 @@ def _fa4_short_or_long(max_seqlen: int, heads: int, device: torch.device) -> tup
 def _fa4_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch") -> torch.Tensor:
     tile, short = _fa4_short_or_long(batch.max_seqlen, q.shape[1], q.device)
     scheduler = contextlib.nullcontext()
-    if short and FA4_PERSISTENT_SHORT:
+    if short and FA4_PERSISTENT_SHORT and q.shape[0] >= FA4_PERSISTENT_MIN_TOKENS:
         from . import fa4_persistent
 
         scheduler = fa4_persistent.persistent_tiles()

@@ -37,6 +37,12 @@ def _active() -> bool:
 def persistent_tiles():
     """FA4 calls made by this thread inside the block use (and compile) the persistent kernel."""
     install()
+    with _routed_here():
+        yield
+
+
+@contextlib.contextmanager
+def _routed_here():
     before = _active()
     _state.active = True
     try:

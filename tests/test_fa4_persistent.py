@@ -1,0 +1,51 @@
+"""The thread routing that lets vitgraph's persistent FA4 kernels and FA4's own coexist in one
+process (the kernels themselves are tested on a Hopper GPU in test_cuda.py)."""
+
+import threading
+
+from vitgraph import fa4_persistent
+
+
+class Recorder(dict):
+    """A compile cache that remembers its name."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+
+
+def test_compile_cache_follows_the_calling_thread():
+    stock, persistent = Recorder("stock"), Recorder("persistent")
+    cache = fa4_persistent._ThreadRoutedCache(stock, persistent)
+    cache["k"] = "stock kernel"
+    assert "k" in cache and cache["k"] == "stock kernel" and "k" not in persistent
+    inside, other_thread = threading.Event(), {}
+
+    def elsewhere():  # runs while the main thread is inside the routed block
+        inside.wait()
+        other_thread["sees"] = cache["k"]
+        cache["j"] = "compiled elsewhere"
+
+    worker = threading.Thread(target=elsewhere)
+    worker.start()
+    with fa4_persistent._routed_here():
+        assert "k" not in cache  # this thread looks in the persistent cache only
+        cache["k"] = "persistent kernel"
+        with fa4_persistent._routed_here():  # nested blocks keep routing
+            assert cache["k"] == "persistent kernel"
+        assert fa4_persistent._active()
+        inside.set()
+        worker.join()
+    assert not fa4_persistent._active()
+    assert other_thread["sees"] == "stock kernel" and stock["j"] == "compiled elsewhere" and "j" not in persistent
+    assert cache["k"] == "stock kernel" and persistent["k"] == "persistent kernel"
+    assert cache.name == "stock"  # anything else is FA4's own cache
+
+
+def test_routing_ends_when_the_block_raises():
+    try:
+        with fa4_persistent._routed_here():
+            raise RuntimeError("compile failed")
+    except RuntimeError:
+        pass
+    assert not fa4_persistent._active()
