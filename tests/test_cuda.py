@@ -557,10 +557,12 @@ def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):
 
     if "fa4" not in available_backends("cuda"):
         pytest.skip("flash-attn-4 is not installed")
-    short, long = (fa4_tile_kwargs(getattr(vitgraph.attention, name)) for name in ("FA4_SHORT_TILE", "FA4_LONG_TILE"))
+    short, long, tiny = (fa4_tile_kwargs(getattr(vitgraph.attention, name))
+                         for name in ("FA4_SHORT_TILE", "FA4_LONG_TILE", "FA4_TINY_TILE"))
     dev = torch.device("cuda")
     assert fa4_tile(1024, 16, dev) == short and short["tile_mn"][0] == 128  # see test_fa4_short_tile_rule_on_an_h200
     assert fa4_tile(vitgraph.attention.FA4_SHORT_SEQLEN + 1, 16, dev) == long
+    assert fa4_tile(512, 16, dev, rows=512) == tiny and fa4_tile(512, 16, dev, rows=1024) == short
     calls = []
     forward = vitgraph.attention._fa4_forward()
     monkeypatch.setattr(vitgraph.attention, "_fa4_forward",
@@ -575,8 +577,11 @@ def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):
     q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     exact = cu[:4]
     ref = varlen_attn(q[:real], k[:real], v[:real], exact, exact, 300, 300)
-    for cap, tile in ((tokens, short["tile_mn"]), (tokens - 1, long.get("tile_mn"))):
+    # 640 rows, 4 heads: 64-row tiles fit one wave (40 CTAs), unless turned off.
+    for cap, tiny_tile, tile in ((tokens, tiny["tile_mn"], tiny["tile_mn"]), (tokens, None, short["tile_mn"]),
+                                 (tokens - 1, tiny["tile_mn"], long.get("tile_mn"))):
         monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", cap)
+        monkeypatch.setattr(vitgraph.attention, "FA4_TINY_TILE", tiny_tile)
         batch = VisionBatch(torch.zeros(tokens, 2, device="cuda", dtype=torch.int32), ids, cu, tokens)
         v_poisoned = v.clone()
         v_poisoned[real:] = float("nan")  # attend zeroes padding rows of v for FA4

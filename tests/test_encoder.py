@@ -304,6 +304,13 @@ def test_fa4_short_tile_rule_on_an_h200(monkeypatch):
     assert fa4_short_cap(4096, 16, 132, 4) == 2048
     monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 0)  # short tiles off: no short buckets
     assert fa4_short_cap(4096, 16, 132, 4) is None
+    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 2048)
+    # 64-row tiles: one wave while 16 * ceil(n / 64) <= 132, i.e. n <= 8 * 64 = 512 (528 is 9
+    # tiles: 144 CTAs, 2 waves x 64 = 128, a tie with one wave of 128-row tiles: no).
+    tiny = {n: vitgraph.attention.fa4_prefers_tiny_tile(n, 16, 132) for n in (64, 256, 384, 512, 516, 768, 1024, 1540)}
+    assert tiny == {64: True, 256: True, 384: True, 512: True, 516: False, 768: False, 1024: False, 1540: False}
+    monkeypatch.setattr(vitgraph.attention, "FA4_TINY_TILE", None)
+    assert not vitgraph.attention.fa4_prefers_tiny_tile(256, 16, 132)
     assert fa4_tile_kwargs(None) == {}
     assert fa4_tile_kwargs((128, 128)) == {"tile_mn": (128, 128)}
     assert fa4_tile_kwargs((192, 144, False, True)) == {"tile_mn": (192, 144), "mma_pv_is_rs": False,

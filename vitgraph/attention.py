@@ -51,6 +51,12 @@ FA4_SHORT_TILE_ARCHS = (9,)  # measured on Hopper only; elsewhere FA4 keeps its 
 # SMs: 1x256 8.0 -> 8.4; 1x1024 in a 1024-row bucket gains from launching fewer empty CTAs).
 FA4_PERSISTENT_SHORT = True
 FA4_PERSISTENT_MIN_TOKENS = 1024
+# Batches below FA4_PERSISTENT_MIN_TOKENS rows take 64-row tiles where one frame of max_seqlen
+# fits one GPU wave with them (fa4_prefers_tiny_tile): half the tile-rows of time. On an
+# H200 (one frame in a 16-slot bucket of its size, µs per call in graphs, h200-fa4-tile64.log;
+# bitwise equal to the 128-row tile): 1x256 7.5 -> 6.4, 1x384 8.9 -> 6.9, 1x512 10.2 -> 9.3;
+# where they need two waves they lose (1x768 12.7 -> 17.4). None: off.
+FA4_TINY_TILE = (64, 128)
 
 
 def _has_torch_varlen() -> bool:
@@ -103,6 +109,13 @@ def _tile_m(tile: tuple | None) -> int:
     return FA4_OWN_TILE_M if tile is None else tile[0]
 
 
+def _wave_cost(max_seqlen: int, heads: int, sm_count: int, tile: tuple | None) -> int:
+    """Tile-rows of time one frame of ``max_seqlen`` tokens takes: ``heads * ceil(n / m)``
+    CTAs, one per SM at a time, each ``m`` rows."""
+    m = _tile_m(tile)
+    return math.ceil(heads * math.ceil(max_seqlen / m) / sm_count) * m
+
+
 def fa4_prefers_short_tile(max_seqlen: int, heads: int, sm_count: int) -> bool:
     """Whether a batch whose segments hold at most ``max_seqlen`` tokens attends with
     ``FA4_SHORT_TILE`` rather than ``FA4_LONG_TILE``.
@@ -115,11 +128,20 @@ def fa4_prefers_short_tile(max_seqlen: int, heads: int, sm_count: int) -> bool:
     ms slower with 128-row tiles (benchmarks/ab_setting.py --frames)."""
     if max_seqlen > FA4_SHORT_SEQLEN:
         return False
+    return _wave_cost(max_seqlen, heads, sm_count, FA4_SHORT_TILE) <= _wave_cost(max_seqlen, heads, sm_count,
+                                                                               FA4_LONG_TILE)
 
-    def cost(m: int) -> int:
-        return math.ceil(heads * math.ceil(max_seqlen / m) / sm_count) * m
 
-    return cost(_tile_m(FA4_SHORT_TILE)) <= cost(_tile_m(FA4_LONG_TILE))
+def fa4_prefers_tiny_tile(max_seqlen: int, heads: int, sm_count: int) -> bool:
+    """Whether a small batch (fewer than ``FA4_PERSISTENT_MIN_TOKENS`` rows) whose segments
+    hold at most ``max_seqlen`` tokens attends with ``FA4_TINY_TILE`` rather than
+    ``FA4_SHORT_TILE``: only where one such frame takes strictly less time by the same wave
+    count (on a tie the larger tile measured faster). On an H200 with 16 heads: up to 512
+    tokens."""
+    if FA4_TINY_TILE is None or not fa4_prefers_short_tile(max_seqlen, heads, sm_count):
+        return False
+    return _wave_cost(max_seqlen, heads, sm_count, FA4_TINY_TILE) < _wave_cost(max_seqlen, heads, sm_count,
+                                                                              FA4_SHORT_TILE)
 
 
 def fa4_short_cap(budget: int, heads: int, sm_count: int, unit: int) -> int | None:
@@ -146,26 +168,28 @@ def short_tile_sm_count(device: torch.device) -> int | None:
     return sm_count if arch in FA4_SHORT_TILE_ARCHS else None
 
 
-def fa4_tile(max_seqlen: int, heads: int, device: torch.device) -> dict:
-    """FlashAttention 4's tile keywords for a batch on ``device`` whose segments hold at most
-    ``max_seqlen`` tokens."""
-    return fa4_tile_kwargs(_fa4_short_or_long(max_seqlen, heads, device)[0])
+def fa4_tile(max_seqlen: int, heads: int, device: torch.device, rows: int | None = None) -> dict:
+    """FlashAttention 4's tile keywords for a batch of ``rows`` rows (None: many) on
+    ``device`` whose segments hold at most ``max_seqlen`` tokens."""
+    return fa4_tile_kwargs(_fa4_kernel(max_seqlen, heads, device, rows)[0])
 
 
-def _fa4_short_or_long(max_seqlen: int, heads: int, device: torch.device) -> tuple[tuple | None, bool]:
-    """(FA4's tile, whether it is the short tile) for such a batch (FA4's own where the tile
-    does not follow the batch)."""
+def _fa4_kernel(max_seqlen: int, heads: int, device: torch.device, rows: int | None) -> tuple[tuple | None, bool]:
+    """(FA4's tile, whether its CTAs persist) for such a batch; FA4's own tile where the tile
+    does not follow the batch."""
     sm_count = short_tile_sm_count(device)
-    if sm_count is None:
-        return None, False
-    short = fa4_prefers_short_tile(max_seqlen, heads, sm_count)
-    return (FA4_SHORT_TILE if short else FA4_LONG_TILE), short
+    if sm_count is None or not fa4_prefers_short_tile(max_seqlen, heads, sm_count):
+        return (None if sm_count is None else FA4_LONG_TILE), False
+    small = rows is not None and rows < FA4_PERSISTENT_MIN_TOKENS
+    if small and fa4_prefers_tiny_tile(max_seqlen, heads, sm_count):
+        return FA4_TINY_TILE, False
+    return FA4_SHORT_TILE, FA4_PERSISTENT_SHORT and not small
 
 
 def _fa4_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch") -> torch.Tensor:
-    tile, short = _fa4_short_or_long(batch.max_seqlen, q.shape[1], q.device)
+    tile, persistent = _fa4_kernel(batch.max_seqlen, q.shape[1], q.device, q.shape[0])
     scheduler = contextlib.nullcontext()
-    if short and FA4_PERSISTENT_SHORT and q.shape[0] >= FA4_PERSISTENT_MIN_TOKENS:
+    if persistent:
         from . import fa4_persistent
 
         scheduler = fa4_persistent.persistent_tiles()
