@@ -7,9 +7,10 @@ The model contract it uses: ``model.input_width``, ``model.output_width``, ``mod
 Static buffers: pixel rows sized to the largest bucket (each bucket reads a prefix),
 and one flat int32 metadata buffer in which each bucket's tensors lie back to back,
 so a replay's metadata arrives in one host-to-device copy from a pinned staging
-buffer; each graph makes that copy itself, as its first node. All graphs share one memory pool, captured largest first; the first capture
-reserves one segment the size of a forward's activation peak, so the pool stays near
-that peak instead of keeping a segment per tensor size.
+buffer, which each graph makes itself as its first node. All graphs share one memory
+pool, captured largest first; the first capture reserves one segment the size of a
+forward's activation peak, so the pool stays near that peak instead of keeping a
+segment per tensor size.
 """
 
 from __future__ import annotations
