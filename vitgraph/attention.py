@@ -178,8 +178,10 @@ def _fa4_kernel(max_seqlen: int, heads: int, device: torch.device, rows: int | N
     """(FA4's tile, whether its CTAs persist) for such a batch; FA4's own tile where the tile
     does not follow the batch."""
     sm_count = short_tile_sm_count(device)
-    if sm_count is None or not fa4_prefers_short_tile(max_seqlen, heads, sm_count):
-        return (None if sm_count is None else FA4_LONG_TILE), False
+    if sm_count is None:
+        return None, False
+    if not fa4_prefers_short_tile(max_seqlen, heads, sm_count):
+        return FA4_LONG_TILE, False
     small = rows is not None and rows < FA4_PERSISTENT_MIN_TOKENS
     if small and fa4_prefers_tiny_tile(max_seqlen, heads, sm_count):
         return FA4_TINY_TILE, False
