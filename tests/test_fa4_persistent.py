@@ -16,7 +16,7 @@ class Recorder(dict):
 
 def test_compile_cache_follows_the_calling_thread():
     stock, persistent = Recorder("stock"), Recorder("persistent")
-    cache = fa4_persistent._ThreadRoutedCache(stock, persistent)
+    cache = fa4_persistent._ThreadRoutedCache(stock, lambda name: persistent)
     cache["k"] = "stock kernel"
     assert "k" in cache and cache["k"] == "stock kernel" and "k" not in persistent
     inside, other_thread = threading.Event(), {}
@@ -49,3 +49,18 @@ def test_routing_ends_when_the_block_raises():
     except RuntimeError:
         pass
     assert not fa4_persistent._active()
+
+
+def test_each_kernel_variant_has_its_own_cache(monkeypatch):
+    """Kernels with O in its own shared memory and kernels storing O through Q's never share
+    a cache entry, so an A/B of OWN_O_SMEM in one process compiles both."""
+    opened = {}
+    cache = fa4_persistent._ThreadRoutedCache(Recorder("stock"), lambda name: opened.setdefault(name, Recorder(name)))
+    with fa4_persistent._routed_here():
+        cache["k"] = "own O"
+        monkeypatch.setattr(fa4_persistent, "OWN_O_SMEM", False)
+        assert "k" not in cache
+        cache["k"] = "shared O"
+        monkeypatch.setattr(fa4_persistent, "OWN_O_SMEM", True)
+        assert cache["k"] == "own O"
+    assert len(opened) == 2 and all(name.startswith(fa4_persistent.CACHE_NAME) for name in opened)

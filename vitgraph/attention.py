@@ -44,11 +44,11 @@ FA4_LONG_TILE = None
 FA4_OWN_TILE_M = 192  # the query tile FA4 picks itself on Hopper at head_dim <= 96 (non-causal)
 FA4_SHORT_TILE_ARCHS = (9,)  # measured on Hopper only; elsewhere FA4 keeps its own tiles
 # The short tile's kernel keeps its CTAs resident across tiles (vitgraph.fa4_persistent). On an
-# H200 (benchmarks/fa4_persistent.py, µs per block, bitwise equal): 16x256 30.7 -> 27.3, 8x448
-# 38.6 -> 35.9, 4x1024 59.4 -> 56.3, 2x2048 98.4 -> 94.0, 1x1024 17.0 -> 15.8; FA4's 192-row
-# tiles lost with it (1x4096 170 -> 175), so they keep FA4's scheduler, as do batches of
+# H200 (benchmarks/fa4_persistent.py, µs per block, bitwise equal): 16x256 30.1 -> 25.0, 8x448
+# 38.6 -> 33.5, 4x1024 59.1 -> 53.5, 2x2048 99.6 -> 92.6, 1x1024 16.8 -> 15.6; FA4's 192-row
+# tiles lose with it (1x4096 170 -> 173), so they keep FA4's scheduler, as do batches of
 # fewer than FA4_PERSISTENT_MIN_TOKENS rows (a 256-row bucket holds fewer tiles than there are
-# SMs: 1x256 8.0 -> 8.4; 1x1024 in a 1024-row bucket gains from launching fewer empty CTAs).
+# SMs: 1x256 7.7 -> 7.8; 1x1024 in a 1024-row bucket gains from launching fewer empty CTAs).
 FA4_PERSISTENT_SHORT = True
 FA4_PERSISTENT_MIN_TOKENS = 1024
 # Batches below FA4_PERSISTENT_MIN_TOKENS rows take 64-row tiles where one frame of max_seqlen

@@ -3,34 +3,47 @@
 FA4's Hopper kernel is written as a loop over work tiles, but its varlen scheduler hands each
 CTA one (query tile, head, segment) and ends it. On packed buckets of short frames (``16x256``:
 512 tiles of 128 rows) much of a CTA's life is then launch, prologue and epilogue. Here the
-grid is capped at the SM count and each CTA strides over the same tile numbering. The kernel
-keeps O in Q's shared memory, so between two tiles the producer's load warp waits at a named
-barrier until the consumer warpgroups have stored O (without it the next Q overwrites O).
-The tile math is FA4's own: the output is bitwise the same.
+grid is capped at the SM count and each CTA strides over the same tile numbering. FA4 stores
+O through Q's shared memory; a CTA that moves on to another tile loads the next Q while its
+consumers still store O, so here O gets shared memory of its own where it fits (else the
+producer waits at a named barrier between tiles until O is stored). The tile math is FA4's
+own: the output is bitwise the same.
 
 How it plugs in, for the pinned ``flash-attn-4`` release of the ``fa4`` extra: FA4's Hopper
-forward picks its varlen scheduler from a module global and keeps compiled kernels in
-``_flash_attn_fwd.compile_cache``. :func:`install` replaces both, once, with versions that
+forward picks its varlen scheduler from a module global, builds its shared-memory struct in
+``_get_shared_storage_cls``, stores O in ``epilogue`` and keeps compiled kernels in
+``_flash_attn_fwd.compile_cache``. :func:`install` replaces these, once, with versions that
 behave exactly as FA4's own unless the calling thread is inside :func:`persistent_tiles`;
-there the scheduler is the persistent one and kernels live in a cache of their own (on disk
-beside FA4's), so a process can hold both kernels of one shape.
+there the scheduler is the persistent one, O has its own buffer, and kernels live in a cache
+of their own (on disk beside FA4's), so a process can hold both kernels of one shape.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 TILE_BARRIER = 8  # a named barrier FA4's Hopper forward leaves free (it uses 1-6)
-CACHE_NAME = "vitgraph-persistent-varlen-v1"  # bump when the scheduler changes
+# O in shared memory of its own (read when a kernel is compiled): the producer loads the next
+# tile's Q while the consumers store O, instead of waiting at TILE_BARRIER for them.
+OWN_O_SMEM = True
+CACHE_NAME = "vitgraph-persistent-varlen-v2"  # bump when the kernel changes
+SM90_SMEM_BYTES = 227 * 1024  # an H100's or H200's shared memory per CTA
 
-_state = threading.local()  # .active: this thread is inside persistent_tiles
+# .active: this thread is inside persistent_tiles; .own_o: the kernel being traced on this
+# thread keeps O in its own shared memory (set by its storage struct, read by its scheduler).
+_state = threading.local()
 _install_lock = threading.Lock()
 _installed = False
 
 
 def _active() -> bool:
     return getattr(_state, "active", False)
+
+
+def _cache_name() -> str:
+    return CACHE_NAME + ("" if OWN_O_SMEM else "-shared-o")
 
 
 @contextlib.contextmanager
@@ -52,13 +65,14 @@ def _routed_here():
 
 
 class _ThreadRoutedCache:
-    """FA4's compile cache for every caller, except threads inside :func:`persistent_tiles`."""
+    """FA4's compile cache for every caller, except threads inside :func:`persistent_tiles`:
+    they get ``persistent(name)``, the cache of the kernel variant now in force."""
 
     def __init__(self, stock, persistent) -> None:
         self.stock, self.persistent = stock, persistent
 
     def _pick(self):
-        return self.persistent if _active() else self.stock
+        return self.persistent(_cache_name()) if _active() else self.stock
 
     def __contains__(self, key) -> bool:
         return key in self._pick()
@@ -104,14 +118,52 @@ def _persistent_scheduler_class(stock):
         def advance_to_next_work(self, *, loc=None, ip=None):
             if not _persistent_trace(self.params):
                 return super().advance_to_next_work(loc=loc, ip=ip)
-            # The consumers have stored this tile's O (in Q's shared memory): Q may load.
-            # Stepping threads: the producer's TMA load warp, and 128 per 64 query rows.
-            cute.arch.barrier(barrier_id=TILE_BARRIER, number_of_threads=32 + 2 * self.params.tile_shape_mn[0])
+            if not getattr(_state, "own_o", False):
+                # The consumers have stored this tile's O (in Q's shared memory): Q may load.
+                # Stepping threads: the producer's TMA load warp, and 128 per 64 query rows.
+                cute.arch.barrier(barrier_id=TILE_BARRIER, number_of_threads=32 + 2 * self.params.tile_shape_mn[0])
             # Stride by the grid; numbers past the last tile map to no segment (invalid).
             self._tile_idx += cute.arch.grid_dim()[0]
             return self.get_current_work()
 
     return PersistentVarlenScheduler
+
+
+def _own_o_storage(stock_storage_cls):
+    """FA4's ``_get_shared_storage_cls``, plus a buffer for O after its own fields when traced
+    inside :func:`persistent_tiles` (and it fits). The epilogue finds it at
+    ``self._vitgraph_own_o`` elements past Q's buffer."""
+    import cutlass.cute as cute
+
+    def _get_shared_storage_cls(self):
+        storage = stock_storage_cls(self)
+        self._vitgraph_own_o = None
+        _state.own_o = False
+        if not (_active() and OWN_O_SMEM) or self.Q_in_regs:  # Q_in_regs: V already reuses Q's buffer
+            return storage
+        fields = dict(storage._annotations)  # cute.struct keeps its fields and their byte offsets
+        fields["sO"] = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sO_layout)], 1024]
+        own = cute.struct(type("SharedStorageOwnO", (), {"__annotations__": fields}))
+        gap = own._offsets["sO"] - own._offsets["sQ"]
+        if own.size_in_bytes() > SM90_SMEM_BYTES or gap % 1024:  # 1024: the swizzle's period
+            return storage
+        self._vitgraph_own_o = gap // (self.dtype.width // 8)
+        _state.own_o = True
+        return own
+
+    return _get_shared_storage_cls
+
+
+def _own_o_epilogue(stock_epilogue):
+    """FA4's ``epilogue``, storing O through its own buffer where the storage made one."""
+    import cutlass.cute as cute
+
+    def epilogue(self, acc_O, lse, mO, mLSE, sO, *args, **kwargs):
+        if getattr(self, "_vitgraph_own_o", None) is not None:  # sO is Q's buffer: step past it
+            sO = cute.make_tensor(sO.iterator + self._vitgraph_own_o, sO.layout)
+        return stock_epilogue(self, acc_O, lse, mO, mLSE, sO, *args, **kwargs)
+
+    return epilogue
 
 
 def _persistent_trace(params) -> bool:
@@ -136,7 +188,10 @@ def install() -> None:
         from flash_attn.cute.cache_utils import get_jit_cache
         from flash_attn.cute.interface import _flash_attn_fwd
 
+        kernel = fwd_sm90.FlashAttentionForwardSm90
         fwd_sm90.SingleTileVarlenScheduler = _persistent_scheduler_class(fwd_sm90.SingleTileVarlenScheduler)
+        kernel._get_shared_storage_cls = _own_o_storage(kernel._get_shared_storage_cls)
+        kernel.epilogue = _own_o_epilogue(kernel.epilogue)
         _flash_attn_fwd.compile_cache = _ThreadRoutedCache(_flash_attn_fwd.compile_cache,
-                                                           get_jit_cache(CACHE_NAME))
+                                                           functools.cache(get_jit_cache))
         _installed = True
