@@ -132,7 +132,7 @@ def _persistent_scheduler_class(stock):
 def _own_o_storage(stock_storage_cls):
     """FA4's ``_get_shared_storage_cls``, plus a buffer for O after its own fields when traced
     inside :func:`persistent_tiles` (and it fits). The epilogue finds it at
-    ``self._vitgraph_own_o`` elements past Q's buffer."""
+    ``self._vitgraph_own_o`` elements from the start of Q's buffer."""
     import cutlass.cute as cute
 
     def _get_shared_storage_cls(self):
