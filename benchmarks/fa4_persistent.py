@@ -3,6 +3,7 @@ against FA4's own one-tile-per-CTA scheduler, in CUDA graphs, 16 segment slots a
 vitgraph's packed buckets, q/k/v strided views of one qkv tensor as in the tower.
 
     python benchmarks/fa4_persistent.py
+    python benchmarks/fa4_persistent.py --batched --exact-slots   # batched long frames, as eager calls
 
 Each layout runs with the tile vitgraph picks for it (128-row tiles up to 2048-token frames,
 FA4's own 192-row tiles above) and, for comparison, persistent with either tile: with O in
@@ -11,6 +12,7 @@ its own shared memory (the default) and through Q's buffer behind a barrier betw
 same, so it must match bitwise, on every one of the timed replays' last output too. Needs
 flash-attn-4 (the ``fa4`` extra) and a Hopper GPU.
 """
+import argparse
 import contextlib
 
 import torch
@@ -23,12 +25,21 @@ from vitgraph.bench.common import graph_replay_us
 H, D, SLOTS = 16, 80, 16
 LAYOUTS = {"16x256": [256] * 16, "8x448": [448] * 8, "4x1024": [1024] * 4, "1x256": [256], "1x1024": [1024],
            "2x2048": [2048] * 2, "1x4096": [4096], "1x9604": [9604], "mixed 1x3000+4x256": [3000] + [256] * 4}
+# Batched steps of several long frames, as a server's encoder loop builds them (10-16k tokens).
+BATCHED = {"5000+4000+3000": [5000, 4000, 3000], "2x6000": [6000] * 2, "4x3000": [3000] * 4,
+           "6x2500": [2500] * 6, "5000+8x400": [5000] + [400] * 8}
 
 
 def main() -> None:
-    for name, lens in LAYOUTS.items():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batched", action="store_true", help="batched steps of long frames instead")
+    parser.add_argument("--exact-slots", action="store_true",
+                        help="one segment slot per frame (an eager call) instead of 16 (a packed bucket)")
+    args = parser.parse_args()
+    for name, lens in (BATCHED if args.batched else LAYOUTS).items():
         total = sum(lens)
-        cu = torch.zeros(SLOTS + 1, dtype=torch.int32)
+        slots = len(lens) if args.exact_slots else SLOTS
+        cu = torch.zeros(slots + 1, dtype=torch.int32)
         cu[1:len(lens) + 1] = torch.tensor(lens).cumsum(0)
         cu[len(lens) + 1:] = total
         cu = cu.cuda()
