@@ -3,6 +3,9 @@ process (the kernels themselves are tested on a Hopper GPU in test_cuda.py)."""
 
 import threading
 
+import pytest
+import torch
+
 from vitgraph import fa4_persistent
 
 
@@ -64,3 +67,30 @@ def test_each_kernel_variant_has_its_own_cache(monkeypatch):
         monkeypatch.setattr(fa4_persistent, "OWN_O_SMEM", True)
         assert cache["k"] == "own O"
     assert len(opened) == 2 and all(name.startswith(fa4_persistent.CACHE_NAME) for name in opened)
+
+
+@pytest.mark.parametrize("installed, expected", [("4.0.0b18", True), ("4.0.0b19", False), (None, False)])
+def test_persistent_kernel_only_with_the_tested_fa4(installed, expected, monkeypatch, caplog):
+    """vitgraph's scheduler, storage and epilogue reach into FA4's internals: with another
+    release (or none found) the short tiles keep FA4's own scheduler, and a warning says so."""
+    import importlib.metadata
+
+    import vitgraph.attention
+
+    def version(name):
+        assert name == "flash-attn-4"
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(fa4_persistent, "TESTED_FA4", "4.0.0b18")
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(vitgraph.attention, "short_tile_sm_count", lambda device: 132)  # an H200's
+    fa4_persistent.supported.cache_clear()
+    try:
+        assert fa4_persistent.supported() is expected
+        tile, persistent = vitgraph.attention._fa4_kernel(1024, 16, torch.device("cpu"), rows=4096)
+        assert tile == vitgraph.attention.FA4_SHORT_TILE and persistent is expected
+        assert ("is not the tested" in caplog.text) is (not expected)
+    finally:
+        fa4_persistent.supported.cache_clear()

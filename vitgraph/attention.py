@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from . import fa4_persistent
+
 if TYPE_CHECKING:
     from .models.qwen2_vl import VisionBatch
 
@@ -185,17 +187,12 @@ def _fa4_kernel(max_seqlen: int, heads: int, device: torch.device, rows: int | N
     small = rows is not None and rows < FA4_PERSISTENT_MIN_TOKENS
     if small and fa4_prefers_tiny_tile(max_seqlen, heads, sm_count):
         return FA4_TINY_TILE, False
-    return FA4_SHORT_TILE, FA4_PERSISTENT_SHORT and not small
+    return FA4_SHORT_TILE, FA4_PERSISTENT_SHORT and not small and fa4_persistent.supported()
 
 
 def _fa4_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch") -> torch.Tensor:
     tile, persistent = _fa4_kernel(batch.max_seqlen, q.shape[1], q.device, q.shape[0])
-    scheduler = contextlib.nullcontext()
-    if persistent:
-        from . import fa4_persistent
-
-        scheduler = fa4_persistent.persistent_tiles()
-    with scheduler:
+    with fa4_persistent.persistent_tiles() if persistent else contextlib.nullcontext():
         return _fa4_forward()(q, k, v, cu_seqlens_q=batch.cu_seqlens, cu_seqlens_k=batch.cu_seqlens,
                               max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen,
                               **fa4_tile_kwargs(tile))[0]

@@ -22,8 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
+import logging
 import threading
 
+logger = logging.getLogger(__name__)
+
+# The flash-attn-4 release whose internals this module replaces (the ``fa4`` extra's pin);
+# with any other, vitgraph keeps FA4's own scheduler (see supported()).
+TESTED_FA4 = "4.0.0b18"
 TILE_BARRIER = 8  # a named barrier FA4's Hopper forward leaves free (it uses 1-6)
 # O in shared memory of its own (read when a kernel is compiled): the producer loads the next
 # tile's Q while the consumers store O, instead of waiting at TILE_BARRIER for them.
@@ -40,6 +47,20 @@ _installed = False
 
 def _active() -> bool:
     return getattr(_state, "active", False)
+
+
+@functools.cache
+def supported() -> bool:
+    """Whether the installed flash-attn-4 is the release this module was written and tested
+    against. Its replacements reach into FA4's internals, which other releases may change."""
+    try:
+        version = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if version != TESTED_FA4:
+        logger.warning("vitgraph: flash-attn-4 %s is not the tested %s; its short tiles keep FA4's own "
+                       "scheduler (no persistent CTAs)", version, TESTED_FA4)
+    return version == TESTED_FA4
 
 
 def _cache_name() -> str:
