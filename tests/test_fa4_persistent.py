@@ -94,3 +94,11 @@ def test_persistent_kernel_only_with_the_tested_fa4(installed, expected, monkeyp
         assert ("is not the tested" in caplog.text) is (not expected)
     finally:
         fa4_persistent.supported.cache_clear()
+
+
+def test_the_fa4_extra_pins_the_tested_release():
+    import pathlib
+    import tomllib
+
+    project = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert f"flash-attn-4=={fa4_persistent.TESTED_FA4}" in project["optional-dependencies"]["fa4"]
