@@ -53,12 +53,13 @@ FA4_SHORT_TILE_ARCHS = (9,)  # measured on Hopper only; elsewhere FA4 keeps its 
 # SMs: 1x256 7.7 -> 7.8; 1x1024 in a 1024-row bucket gains from launching fewer empty CTAs).
 FA4_PERSISTENT_SHORT = True
 FA4_PERSISTENT_MIN_TOKENS = 1024
-# Batches below FA4_PERSISTENT_MIN_TOKENS rows take 64-row tiles where one frame of max_seqlen
+# Batches below FA4_TINY_MAX_ROWS rows take 64-row tiles where one frame of max_seqlen
 # fits one GPU wave with them (fa4_prefers_tiny_tile): half the tile-rows of time. On an
 # H200 (one frame in a 16-slot bucket of its size, µs per call in graphs, h200-fa4-tile64.log;
 # bitwise equal to the 128-row tile): 1x256 7.5 -> 6.4, 1x384 8.9 -> 6.9, 1x512 10.2 -> 9.3;
 # where they need two waves they lose (1x768 12.7 -> 17.4). None: off.
 FA4_TINY_TILE = (64, 128)
+FA4_TINY_MAX_ROWS = 1024
 
 
 def _has_torch_varlen() -> bool:
@@ -135,7 +136,7 @@ def fa4_prefers_short_tile(max_seqlen: int, heads: int, sm_count: int) -> bool:
 
 
 def fa4_prefers_tiny_tile(max_seqlen: int, heads: int, sm_count: int) -> bool:
-    """Whether a small batch (fewer than ``FA4_PERSISTENT_MIN_TOKENS`` rows) whose segments
+    """Whether a small batch (fewer than ``FA4_TINY_MAX_ROWS`` rows) whose segments
     hold at most ``max_seqlen`` tokens attends with ``FA4_TINY_TILE`` rather than
     ``FA4_SHORT_TILE``: only where one such frame takes strictly less time by the same wave
     count (on a tie the larger tile measured faster). On an H200 with 16 heads: up to 512
@@ -184,10 +185,10 @@ def _fa4_kernel(max_seqlen: int, heads: int, device: torch.device, rows: int | N
         return None, False
     if not fa4_prefers_short_tile(max_seqlen, heads, sm_count):
         return FA4_LONG_TILE, False
-    small = rows is not None and rows < FA4_PERSISTENT_MIN_TOKENS
-    if small and fa4_prefers_tiny_tile(max_seqlen, heads, sm_count):
+    if rows is not None and rows < FA4_TINY_MAX_ROWS and fa4_prefers_tiny_tile(max_seqlen, heads, sm_count):
         return FA4_TINY_TILE, False
-    return FA4_SHORT_TILE, FA4_PERSISTENT_SHORT and not small and fa4_persistent.supported()
+    many = rows is None or rows >= FA4_PERSISTENT_MIN_TOKENS
+    return FA4_SHORT_TILE, FA4_PERSISTENT_SHORT and many and fa4_persistent.supported()
 
 
 def _fa4_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch") -> torch.Tensor:
