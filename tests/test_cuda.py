@@ -389,8 +389,8 @@ QUACK_LAYERS = {
     "fc1+quick_gelu": (linear_quick_gelu, 5120, lambda x, w, b: kernels.quick_gelu_(F.linear(x, w, b)),
                        "QUACK_MIN_ROWS", (1000, 4096)),
     "qkv": (linear_qkv, 3840, F.linear, "QUACK_QKV_MIN_ROWS", (4000,)),
-    "proj": (lambda x, w, b, backend: linear_split_k(x, w, b, backend, vitgraph.gemm.QUACK_PROJ_MIN_ROWS)[0], 1280,
-             F.linear, "QUACK_PROJ_MIN_ROWS", (4096, 9604)),
+    "proj": (lambda x, w, b, backend: linear_split_k(x, w, b, backend)[0], 1280, F.linear, "QUACK_N1280_MIN_ROWS",
+             (3584, 4096)),
 }
 
 

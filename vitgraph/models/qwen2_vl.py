@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from .. import cudnn_attention, kernels
 from ..attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked
 from ..config import VisionConfig
-from .. import gemm
 from ..gemm import linear_qkv, linear_qkv_rope, linear_quick_gelu, linear_split_k, rope_in_gemm
 
 Grid = tuple[int, int, int]
@@ -426,7 +425,7 @@ class Qwen2VisionTower(nn.Module):
                 del q, k, v
             del qkv
             y, y_bias = linear_split_k(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias,
-                                       self.gemm_backend, gemm.QUACK_PROJ_MIN_ROWS)
+                                       self.gemm_backend)
             del out
             h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias)
             del y
@@ -435,7 +434,7 @@ class Qwen2VisionTower(nn.Module):
             else:
                 f = _ACTIVATIONS[block.act_name](F.linear(h, mlp.fc1.weight, mlp.fc1.bias))
             del h
-            z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias, self.gemm_backend, gemm.QUACK_FC2_MIN_ROWS)
+            z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias, self.gemm_backend)
             del f
             norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else self.merger.ln_q
             h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps, z_bias)
