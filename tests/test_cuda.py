@@ -16,7 +16,7 @@ from helpers import diff_report, hf_forward, hf_tower, random_pixels, rel_err, v
 import vitgraph.gemm
 from vitgraph import GraphedVisionEncoder, kernels
 from vitgraph.attention import available_backends
-from vitgraph.gemm import linear_qkv, linear_quick_gelu, linear_split_k, quack_available
+from vitgraph.gemm import linear_qkv, linear_quick_gelu, quack_available
 
 pytestmark = pytest.mark.cuda
 
@@ -389,20 +389,17 @@ QUACK_LAYERS = {
     "fc1+quick_gelu": (linear_quick_gelu, 5120, lambda x, w, b: kernels.quick_gelu_(F.linear(x, w, b)),
                        "QUACK_MIN_ROWS", (1000, 4096)),
     "qkv": (linear_qkv, 3840, F.linear, "QUACK_QKV_MIN_ROWS", (4000,)),
-    "proj": (lambda x, w, b, backend: linear_split_k(x, w, b, backend)[0], 1280, F.linear, "QUACK_N1280_MIN_ROWS",
-             (3584, 4096)),
 }
 
 
 @pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")
 @pytest.mark.parametrize("layer", list(QUACK_LAYERS))
-def test_quack_gemm_against_cublas_in_and_out_of_a_graph(layer, monkeypatch):
-    """quack's GEMM (fc1 with QuickGELU in its epilogue; plain qkv; proj's and fc2's tile)
-    against the cuBLAS path it replaces, at the real widths, eagerly and replayed on new
-    inputs; below its row threshold the function is the cuBLAS path, bit for bit."""
-    fn, width, cublas, name, more_rows = QUACK_LAYERS[layer]
-    monkeypatch.setattr(vitgraph.gemm, name, min(getattr(vitgraph.gemm, name), 2048))  # a path off by default too
-    threshold = getattr(vitgraph.gemm, name)
+def test_quack_gemm_against_cublas_in_and_out_of_a_graph(layer):
+    """quack's GEMM (fc1 with QuickGELU in its epilogue; plain qkv) against the cuBLAS path it
+    replaces, at the real widths, eagerly and replayed on new inputs; below its row threshold
+    the function is the cuBLAS path, bit for bit."""
+    fn, width, cublas, threshold, more_rows = QUACK_LAYERS[layer]
+    threshold = getattr(vitgraph.gemm, threshold)
     torch.manual_seed(0)
     weight = torch.randn(width, 1280, device="cuda", dtype=torch.bfloat16) * 0.03
     bias = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1

@@ -50,11 +50,6 @@ QUACK_TILE = dict(tile_m=128, tile_n=160, pingpong=True, cluster_m=1, cluster_n=
 SPLIT_K_MAX_ROWS = 512
 SPLIT_K = 2
 SPLIT_K_ARCHS = (9,)  # compute capability majors where it was measured (Hopper)
-# proj and fc2 (N = 1280) through quack's GEMM from this many rows, with a tile of 256 x 160:
-# at 4096 rows that is 16 x 8 = 128 output tiles, one wave on 132 SMs (cuBLAS's 128 x 160
-# tiles take 1.94 waves). 10**9: off.
-QUACK_N1280_MIN_ROWS = 10**9
-QUACK_N1280_TILE = dict(tile_m=256, tile_n=160, pingpong=False, cluster_m=2, cluster_n=1)
 
 
 def quack_available(device: torch.device | str) -> bool:
@@ -160,23 +155,13 @@ def _split_k_device(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in SPLIT_K_ARCHS
 
 
-def linear_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backend: str = "cublas"
+def linear_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x @ weight.T + bias`` for :func:`vitgraph.kernels.add_layernorm` to add: ``(y, None)``
     with the bias applied, or, for at most ``SPLIT_K_MAX_ROWS`` rows on a GPU where it was
     measured, ``(partials, bias)``: ``[SPLIT_K, T, N]`` products of K's slices from one
-    strided-batched GEMM over views (no copies), which the kernel sums with the bias. With
-    the ``quack`` backend, from ``QUACK_N1280_MIN_ROWS`` rows, quack's GEMM with
-    ``QUACK_N1280_TILE``."""
+    strided-batched GEMM over views (no copies), which the kernel sums with the bias."""
     rows, k = x.shape
-    if backend == "quack" and _quack_fits(x, weight, QUACK_N1280_MIN_ROWS):
-        from quack.gemm_config import GemmConfig
-
-        _, gemm, _, _ = _quack()
-        out = torch.empty(rows, weight.shape[0], device=x.device, dtype=x.dtype)
-        gemm(x, weight.t(), out, bias=bias,
-             config=GemmConfig(**QUACK_N1280_TILE, swap_ab=False, is_dynamic_persistent=False))
-        return out, None
     if (rows > SPLIT_K_MAX_ROWS or k % (8 * SPLIT_K) or not (x.is_contiguous() and weight.is_contiguous())
             or not _split_k_device(x.device)):
         return F.linear(x, weight, bias), None

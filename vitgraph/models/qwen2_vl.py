@@ -424,8 +424,7 @@ class Qwen2VisionTower(nn.Module):
                 out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding or rope_epilogue)
                 del q, k, v
             del qkv
-            y, y_bias = linear_split_k(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias,
-                                       self.gemm_backend)
+            y, y_bias = linear_split_k(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias)
             del out
             h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias)
             del y
@@ -434,7 +433,7 @@ class Qwen2VisionTower(nn.Module):
             else:
                 f = _ACTIVATIONS[block.act_name](F.linear(h, mlp.fc1.weight, mlp.fc1.bias))
             del h
-            z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias, self.gemm_backend)
+            z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)
             del f
             norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else self.merger.ln_q
             h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps, z_bias)
