@@ -47,7 +47,7 @@ def configs():
 
     out = []
     for tile_m, tile_n, pingpong in [(128, 128, True), (128, 192, True), (192, 128, True), (128, 160, True),
-                                     (256, 128, False), (256, 192, False), (128, 256, False)]:
+                                     (256, 128, False), (256, 160, False), (256, 192, False), (128, 256, False)]:
         for cluster_m, cluster_n in [(2, 1), (1, 2)]:
             out.append(GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m,
                                   cluster_n=cluster_n, swap_ab=False, is_dynamic_persistent=False))
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("ms", nargs="*", type=int, default=[256, 1024, 4096])
     parser.add_argument("--layers", nargs="*", default=list(LAYERS), choices=list(LAYERS))
     parser.add_argument("--vitgraph-tile", action="store_true", help="only the tile vitgraph.gemm uses")
+    parser.add_argument("--tiles", nargs="*", help="only configurations whose label starts with one of these, e.g. 256x160")
     args = parser.parse_args()
 
     from quack.gemm_interface import gemm_act_tuned, gemm_tuned
@@ -101,7 +102,7 @@ def main() -> None:
             base = per_call_us([lambda w=w, b=b: cublas(w, b) for w, b in zip(ws, bs)])
             results = []
             for cfg in (configs() if not args.vitgraph_tile else [vitgraph_config()]):
-                if label(cfg) in broken:
+                if label(cfg) in broken or (args.tiles and not label(cfg).startswith(tuple(args.tiles))):
                     continue
 
                 def quack(w, b, cfg=cfg):
