@@ -13,7 +13,11 @@ from DRAM as in the 32-block tower, per call in µs:
 Both outputs are checked against an fp32 reference computed in the checkpoint's order (its
 columns then interleaved), and against each other.
 
-Usage: gemm_rope_epilogue.py [M ...]. Needs quack-kernels (the ``fa4`` extra) and a Hopper GPU.
+With ``--tiles``, only ``fused`` is timed, once per quack tile configuration listed (e.g.
+``128x160pp12``: a 128x160 pingpong tile in 1x2 clusters, vitgraph's; ``128x240coop21``), each
+output checked against the reference; wave counts on the GPU's SMs are printed beside.
+
+Usage: gemm_rope_epilogue.py [M ...] [--tiles CONFIG ...]. Needs quack-kernels (the ``fa4`` extra) and a Hopper GPU.
 """
 import argparse
 import dataclasses
@@ -46,6 +50,7 @@ def reference(x, w, b, cos, sin, keep):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("ms", nargs="*", type=int, default=[256, 512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--tiles", nargs="*", help="quack configurations to time fused with, e.g. 128x240coop21")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -58,6 +63,8 @@ def main() -> None:
     ws = [torch.randn(3 * EMBED, EMBED, device=dev, dtype=torch.bfloat16) * 0.03 for _ in range(SETS)]
     bs = [torch.randn(3 * EMBED, device=dev, dtype=torch.bfloat16) for _ in range(SETS)]
     wis, bis = [w[order].contiguous() for w in ws], [b[order].contiguous() for b in bs]
+    if args.tiles:
+        return sweep(args.ms, args.tiles, freq_h, freq_w, wis, bis)
     print(f"{'M':>6} {'gemm+rotary':>12} {'gemm':>8} {'fused':>8} {'saved':>8}   err fused/ref  err current/ref  fused vs current")
     for m in args.ms:
         x = torch.randn(m, EMBED, device=dev, dtype=torch.bfloat16)
@@ -100,6 +107,47 @@ def main() -> None:
               f"{rel(got, ref):.2e}      {rel(cur, ref):.2e}       {rel(got, cur):.2e}", flush=True)
         assert rel(got, ref) < 1e-2 and rel(cur, ref) < 1e-2, "an output does not match the reference"
         assert torch.all(got[real:] == 0), "padding rows not zeroed"
+
+
+def parse_tile(text: str):
+    """``128x240coop21`` -> quack's GemmConfig (tile, pingpong or cooperative, cluster M and N)."""
+    import re
+
+    from quack.gemm_config import GemmConfig
+
+    match = re.fullmatch(r"(\d+)x(\d+)(pp|coop)(\d)(\d)", text)
+    if not match:
+        raise SystemExit(f"bad tile {text!r}: expected e.g. 128x160pp12")
+    tm, tn, kind, cm, cn = match.groups()
+    return GemmConfig(tile_m=int(tm), tile_n=int(tn), pingpong=kind == "pp", cluster_m=int(cm), cluster_n=int(cn),
+                      swap_ab=False, is_dynamic_persistent=False)
+
+
+def sweep(ms, tiles, freq_h, freq_w, wis, bis) -> None:
+    dev = wis[0].device
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    n = wis[0].shape[0]
+    for m in ms:
+        x = torch.randn(m, EMBED, device=dev, dtype=torch.bfloat16)
+        pos = torch.stack([torch.arange(m, device=dev) // 128, torch.arange(m, device=dev) % 128], 1).float()
+        pos_h, pos_w = pos[:, 0].contiguous(), pos[:, 1].contiguous()
+        ref = None
+        row = []
+        for text in tiles:
+            cfg = parse_tile(text)
+            try:
+                got = qkv_rope(x, wis[0], bis[0], freq_h, freq_w, pos_h, pos_w, cfg).float()
+                torch.cuda.synchronize()
+            except Exception as exc:  # an invalid configuration is reported, not fatal
+                row.append(f"{text} failed ({type(exc).__name__}: {str(exc)[:80]})")
+                continue
+            ref = got if ref is None else ref
+            err = ((got - ref).norm() / ref.norm()).item()
+            us = per_call_us([lambda w=w, b=b, cfg=cfg: qkv_rope(x, w, b, freq_h, freq_w, pos_h, pos_w, cfg)
+                              for w, b in zip(wis, bis)])
+            tiles_mn = -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
+            row.append(f"{text} {us:6.1f} us ({tiles_mn / sms:.2f} waves, vs first {err:.0e})")
+        print(f"M={m:5d} | " + " | ".join(row), flush=True)
 
 
 if __name__ == "__main__":
