@@ -144,6 +144,38 @@ def test_rope_epilogue_only_where_it_was_measured_to_win():
     assert not rope_in_gemm(rows, weight[:, :1276], "quack")  # not contiguous
 
 
+def test_rope_tile_follows_the_wave_model(monkeypatch):
+    from vitgraph.gemm import QUACK_ROPE_TILES, QUACK_TILE, rope_tile
+
+    wide, wider = (dict(tile) for tile, _ in QUACK_ROPE_TILES)
+    assert (wide["tile_n"], wider["tile_n"]) == (192, 240)
+    qkv = 3 * 1280
+    # The row counts measured: 1024 rows take 8 x 16 = 128 tiles of 240 (one wave on 132 SMs)
+    # against 8 x 24 = 192 of 160; 1536 rows 12 x 20 = 240 of 192 (two waves) against 288 (three).
+    assert rope_tile(1024, qkv, 132) == wider
+    assert rope_tile(1536, qkv, 132) == wide
+    for rows in (1152, 1280, 2048, 3584, 4096):  # QUACK_TILE was the fastest there too
+        assert rope_tile(rows, qkv, 132) == QUACK_TILE, rows
+    assert rope_tile(512, qkv, 132) == QUACK_TILE  # 96 tiles of 160 already fit one wave
+    assert rope_tile(1024, qkv, 114) == QUACK_TILE  # fewer SMs: the 128 tiles of 240 take two waves
+    monkeypatch.setattr(vitgraph.gemm, "QUACK_ROPE_TILES", ())
+    assert rope_tile(1024, qkv, 132) == rope_tile(1536, qkv, 132) == QUACK_TILE
+
+
+def test_fc1_tile_follows_the_wave_model(monkeypatch):
+    from vitgraph.gemm import QUACK_FC1_TILES, QUACK_TILE, fc1_tile
+
+    (narrow, _), = QUACK_FC1_TILES
+    fc1 = 5120
+    # 1152 rows: 9 x 40 = 360 tiles of 128 and 9 x 32 = 288 of 160, three waves either way;
+    # 1664 rows: 520 of 128 and 416 of 160, four waves either way.
+    assert fc1_tile(1152, fc1, 132) == fc1_tile(1664, fc1, 132) == narrow
+    for rows in (1024, 1280, 1536, 2304, 4096):  # QUACK_TILE measured fastest (or within 2%) there
+        assert fc1_tile(rows, fc1, 132) == QUACK_TILE, rows
+    monkeypatch.setattr(vitgraph.gemm, "QUACK_FC1_TILES", ())
+    assert fc1_tile(1152, fc1, 132) == QUACK_TILE
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quick_gelu_in_place(dtype):
     x = torch.randn(9, 333, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype) * 3

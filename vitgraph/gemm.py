@@ -41,6 +41,25 @@ QUACK_QKV_MIN_ROWS = 2048  # plain qkv: quack's tile wins from 2048 rows (28.4 v
 QUACK_ROPE_MIN_ROWS = 1024
 # quack's Hopper tile for fc1 (1280 -> 5120): the fastest at 1024 and 4096 rows of those measured.
 QUACK_TILE = dict(tile_m=128, tile_n=160, pingpong=True, cluster_m=1, cluster_n=2)
+# qkv with the rotary (N = 3840) and fc1 (N = 5120; both K = 1280) pick their tile by a wave
+# model: each candidate's µs per wave of 132 CTAs, measured at 4096 rows on an H200 where every
+# tile runs many waves, times the waves a call needs; another tile than QUACK_TILE is taken
+# only where it is predicted to save at least TILE_MARGIN. qkv (benchmarks/gemm_rope_epilogue.py
+# --tiles, h200-gemm-rope-tiles.log: 56.2 µs in 6 waves, 56.8 in 5, 68.6 in 4): 1024 rows 21.7
+# -> 19.4 µs (128x240, one wave instead of two), 1536 rows 29.4 -> 26.0 (128x192, two instead
+# of three). fc1 with QuickGELU (benchmarks/gemm_quack_epilogue.py --layers fc1 --tiles,
+# h200-gemm-fc1-tiles.log: 72.3 µs in 8 waves, 73.9 in 10): 1152 rows 28.8 -> 24.6 (128x128,
+# three waves either way but smaller ones), 1664 rows 36.9 -> 32.0. Where the model keeps
+# QUACK_TILE it was also the fastest measured (qkv 1152-4096 rows, fc1 1024-1536 and 4096).
+# The tiles differ in N, not in the order K is summed: every tile gives the same bits.
+QUACK_ROPE_WAVE_US = 9.37  # QUACK_TILE's, for qkv with the rotary
+QUACK_ROPE_TILES = (  # the alternatives, each with its µs per wave
+    (dict(tile_m=128, tile_n=192, pingpong=True, cluster_m=1, cluster_n=2), 11.36),
+    (dict(tile_m=128, tile_n=240, pingpong=False, cluster_m=1, cluster_n=2), 17.15),
+)
+QUACK_FC1_WAVE_US = 9.04  # QUACK_TILE's, for fc1 with QuickGELU
+QUACK_FC1_TILES = ((dict(tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2), 7.39),)
+TILE_MARGIN = 0.05
 # proj and fc2 (N = 1280) up to this many rows: K split in SPLIT_K halves, one strided-batched
 # cuBLAS GEMM whose partial products the next add+LayerNorm sums. At 256 rows a 128x128 tile
 # grid has 20 tiles for 132 SMs. GEMM + add+LayerNorm, µs on an H200
@@ -133,9 +152,10 @@ def _quack_fits(x: torch.Tensor, weight: torch.Tensor, min_rows: int) -> bool:
 def linear_quick_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backend: str) -> torch.Tensor:
     """``quick_gelu(x @ weight.T + bias)`` for ``x [M, K]``, ``weight [N, K]``."""
     if backend == "quack" and _quack_fits(x, weight, QUACK_MIN_ROWS):
-        gemm_act, _, name, config = _quack()
+        gemm_act, _, name, _ = _quack()
         out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
-        gemm_act(x, weight.t(), None, out, None, bias, name, config=config)
+        gemm_act(x, weight.t(), None, out, None, bias, name,
+                 config=_config(fc1_tile, x.shape[0], weight.shape[0], x.device))
         return out
     return kernels.quick_gelu_(F.linear(x, weight, bias))
 
@@ -182,4 +202,49 @@ def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, f
     :func:`vitgraph.gemm_rope.qkv_rope`. Call it only where :func:`rope_in_gemm` holds."""
     from .gemm_rope import qkv_rope
 
-    return qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, _quack()[3])
+    return qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, _config(rope_tile, x.shape[0], weight.shape[0], x.device))
+
+
+def _tiles(rows: int, cols: int, tile: dict) -> int:
+    return -(-rows // tile["tile_m"]) * -(-cols // tile["tile_n"])
+
+
+def pick_tile(rows: int, cols: int, sm_count: int, wave_us: float, alternatives) -> dict:
+    """The tile predicted fastest for ``rows x cols`` on ``sm_count`` SMs: one of
+    ``alternatives`` (``(tile, µs per wave)`` pairs) where it saves ``TILE_MARGIN`` or more
+    against ``QUACK_TILE`` at ``wave_us`` per wave, else ``QUACK_TILE``."""
+    def cost(tile: dict, per_wave: float) -> float:
+        return -(-_tiles(rows, cols, tile) // sm_count) * per_wave
+
+    default = cost(QUACK_TILE, wave_us)
+    best, best_cost = QUACK_TILE, default
+    for tile, per_wave in alternatives:
+        if cost(tile, per_wave) < best_cost:
+            best, best_cost = tile, cost(tile, per_wave)
+    return best if best_cost <= (1 - TILE_MARGIN) * default else QUACK_TILE
+
+
+def rope_tile(rows: int, cols: int, sm_count: int) -> dict:
+    """qkv with the rotary: see ``QUACK_ROPE_TILES``."""
+    return pick_tile(rows, cols, sm_count, QUACK_ROPE_WAVE_US, QUACK_ROPE_TILES)
+
+
+def fc1_tile(rows: int, cols: int, sm_count: int) -> dict:
+    """fc1 with QuickGELU: see ``QUACK_FC1_TILES``."""
+    return pick_tile(rows, cols, sm_count, QUACK_FC1_WAVE_US, QUACK_FC1_TILES)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _config(pick, rows: int, cols: int, device: torch.device):
+    return _gemm_config(tuple(pick(rows, cols, _sm_count(device)).items()))
+
+
+@functools.cache
+def _gemm_config(tile: tuple):
+    from quack.gemm_config import GemmConfig
+
+    return GemmConfig(**dict(tile), swap_ab=False, is_dynamic_persistent=False)
