@@ -57,11 +57,12 @@ def configs():
     return out
 
 
-def vitgraph_config():
-    """The GemmConfig the tower's quack GEMMs run with."""
-    from vitgraph.gemm import _quack
+def vitgraph_config(name: str, m: int, n: int, device):
+    """The GemmConfig the tower's quack GEMM for layer ``name`` runs with at ``m`` rows (fc1's
+    tile follows vitgraph.gemm's wave model; plain qkv keeps QUACK_TILE)."""
+    from vitgraph.gemm import _config, _quack, fc1_tile
 
-    return _quack()[3]
+    return _config(fc1_tile, m, n, device) if name == "fc1" else _quack()[3]
 
 
 def label(c) -> str:
@@ -101,7 +102,7 @@ def main() -> None:
             ref = cublas(ws[0], bs[0]).float()
             base = per_call_us([lambda w=w, b=b: cublas(w, b) for w, b in zip(ws, bs)])
             results = []
-            for cfg in (configs() if not args.vitgraph_tile else [vitgraph_config()]):
+            for cfg in (configs() if not args.vitgraph_tile else [vitgraph_config(name, m, n, dev)]):
                 if label(cfg) in broken or (args.tiles and not label(cfg).startswith(tuple(args.tiles))):
                     continue
 

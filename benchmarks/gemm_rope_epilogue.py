@@ -8,7 +8,7 @@ from DRAM as in the 32-block tower, per call in µs:
 
 - ``gemm+rotary``: the GEMM and the Triton pass;
 - ``gemm``: the GEMM alone (what the epilogue has to hide);
-- ``fused``: ``qkv_rope``.
+- ``fused``: ``qkv_rope`` (through ``linear_qkv_rope``: the tile the tower picks for M rows).
 
 Both outputs are checked against an fp32 reference computed in the checkpoint's order (its
 columns then interleaved), and against each other.
@@ -27,7 +27,7 @@ import torch
 
 from vitgraph import kernels
 from vitgraph.bench.common import graph_per_call_us as per_call_us
-from vitgraph.gemm import _quack, linear_qkv
+from vitgraph.gemm import linear_qkv, linear_qkv_rope
 from vitgraph.config import PRESETS
 from vitgraph.gemm_rope import qkv_rope
 from vitgraph.models.qwen2_vl import Qwen2VisionTower, interleave_order
@@ -55,7 +55,6 @@ def main() -> None:
     torch.manual_seed(0)
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
-    config = _quack()[3]
     tower = Qwen2VisionTower(dataclasses.replace(PRESETS["qwen2-vl-2b"], depth=1))  # for its rotary tables
     inv_freq = tower.inv_freq
     freq_h, freq_w = tower.to(dev).rope_columns()
@@ -83,8 +82,8 @@ def main() -> None:
             kernels.rotary_(qkv, cos, sin, HEADS, seg, zero_padding=True)
             return qkv
 
-        def fused(w, b):
-            return qkv_rope(x, w, b, freq_h, freq_w, pos_h, pos_w, config)
+        def fused(w, b):  # with the tile the tower picks for m rows
+            return linear_qkv_rope(x, w, b, freq_h, freq_w, pos_h, pos_w)
 
         start = time.perf_counter()
         got = fused(wis[0], bis[0])
