@@ -8,8 +8,10 @@ store. At 4096 tokens that saves the QuickGELU pass over fc1's output (84 MB rea
 written) and quack's tile also beats cuBLAS there: 93.7 -> 73.6 µs per block on an H200
 (``benchmarks/gemm_quack_epilogue.py``). Below ``QUACK_MIN_ROWS`` rows cuBLAS plus the
 Triton pass is as fast, so small inputs keep it. The plain qkv GEMM also takes quack's tile
-from ``QUACK_QKV_MIN_ROWS`` rows, where it beats cuBLAS's choice. Every call with the same shape
-takes the same path, so graph replay stays bitwise equal to eager.
+from ``QUACK_QKV_MIN_ROWS`` rows, where it beats cuBLAS's choice. fc1's and (with the rotary)
+qkv's tile is picked per row count by a wave model (:func:`pick_tile`), so that a bucket's last
+wave of output tiles is not mostly idle; the tiles give the same bits. Every call with the same
+shape takes the same path, so graph replay stays bitwise equal to eager.
 
 proj and fc2 at small row counts (:func:`linear_split_k`, any backend): K split in two as one
 strided-batched cuBLAS GEMM, for twice the output tiles; the add+LayerNorm kernel after each
@@ -202,7 +204,8 @@ def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, f
     :func:`vitgraph.gemm_rope.qkv_rope`. Call it only where :func:`rope_in_gemm` holds."""
     from .gemm_rope import qkv_rope
 
-    return qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, _config(rope_tile, x.shape[0], weight.shape[0], x.device))
+    config = _config(rope_tile, x.shape[0], weight.shape[0], x.device)
+    return qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, config)
 
 
 def _tiles(rows: int, cols: int, tile: dict) -> int:
