@@ -13,13 +13,13 @@ kernels whose per-call time differs most between graph and eager are listed.
 
 import argparse
 import statistics
-import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from vitgraph import GraphedVisionEncoder
+from vitgraph.bench.common import median_ms
 from vitgraph.bench.latency import CASES
 
 REPS = 30
@@ -72,19 +72,6 @@ def event_ms(fn) -> float:
     return statistics.median(times)
 
 
-def wall_ms(fn) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("cases", nargs="*", default=["1x256", "1x4096", "4x1024", "16x256", "video-8x16x28"])
@@ -98,9 +85,9 @@ def main() -> None:
         tokens = sum(t * h * w for t, h, w in grids)
         pixels = torch.randn(tokens, tower.input_width, device="cuda", dtype=torch.bfloat16)
         with torch.inference_mode():
-            encode_wall = wall_ms(lambda: enc.encode(pixels, grids))
+            encode_wall = median_ms(lambda: enc.encode(pixels, grids), enc.device, REPS, 3)
             batch = tower.build_batch(grids).to("cuda")
-            exact_wall = wall_ms(lambda: tower(pixels, batch))
+            exact_wall = median_ms(lambda: tower(pixels, batch), enc.device, REPS, 3)
             prepared = enc._prepare(grids)
             if len(prepared.plan.steps) != 1 or prepared.plan.steps[0].bucket is None:
                 print(f"{case}: not one replay, skipped")

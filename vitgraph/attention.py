@@ -160,14 +160,15 @@ def fa4_short_cap(budget: int, heads: int, sm_count: int, unit: int) -> int | No
 
 
 @functools.lru_cache(maxsize=None)
-def _arch_and_sm_count(device: torch.device) -> tuple[int, int]:
+def arch_and_sm_count(device: torch.device) -> tuple[int, int]:
+    """A CUDA ``device``'s compute capability major and SM count (cached)."""
     return torch.cuda.get_device_capability(device)[0], torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def short_tile_sm_count(device: torch.device) -> int | None:
     """The SM count of a CUDA ``device`` where FA4's tile follows the batch (an arch in
     ``FA4_SHORT_TILE_ARCHS``), else None."""
-    arch, sm_count = _arch_and_sm_count(device)
+    arch, sm_count = arch_and_sm_count(device)
     return sm_count if arch in FA4_SHORT_TILE_ARCHS else None
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .attention import arch_and_sm_count
 
 logger = logging.getLogger(__name__)
 
@@ -237,13 +238,8 @@ def fc1_tile(rows: int, cols: int, sm_count: int) -> dict:
     return pick_tile(rows, cols, sm_count, QUACK_FC1_WAVE_US, QUACK_FC1_TILES)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _config(pick, rows: int, cols: int, device: torch.device):
-    return _gemm_config(tuple(pick(rows, cols, _sm_count(device)).items()))
+    return _gemm_config(tuple(pick(rows, cols, arch_and_sm_count(device)[1]).items()))
 
 
 @functools.cache
