@@ -4,13 +4,17 @@ vitgraph's packed buckets, q/k/v strided views of one qkv tensor as in the tower
 
     python benchmarks/fa4_persistent.py
     python benchmarks/fa4_persistent.py --batched --exact-slots   # batched long frames, as eager calls
+    python benchmarks/fa4_persistent.py --tiles 128x128 128x192 128x256 --layouts 16x256 8x448   # other tiles
 
 Each layout runs with the tile vitgraph picks for it (128-row tiles up to 2048-token frames,
 FA4's own 192-row tiles above) and, for comparison, persistent with either tile: with O in
 its own shared memory (the default) and through Q's buffer behind a barrier between tiles
 (``OWN_O_SMEM = False``). Output is compared with FA4's own kernel: the tile math is the
-same, so it must match bitwise, on every one of the timed replays' last output too. Needs
-flash-attn-4 (the ``fa4`` extra) and a Hopper GPU.
+same, so it must match bitwise, on every one of the timed replays' last output too. With
+``--tiles``, each layout runs FA4's own and the persistent kernel (own O) with each tile
+given; outputs are compared with the first tile's FA4 output (another key-tile width sums
+in another order, so only within bf16 rounding). Needs flash-attn-4 (the ``fa4`` extra)
+and a Hopper GPU.
 """
 import argparse
 import contextlib
@@ -35,8 +39,13 @@ def main() -> None:
     parser.add_argument("--batched", action="store_true", help="batched steps of long frames instead")
     parser.add_argument("--exact-slots", action="store_true",
                         help="one segment slot per frame (an eager call) instead of 16 (a packed bucket)")
+    parser.add_argument("--tiles", nargs="*", default=None, help="MxN query x key tiles to compare, e.g. 128x192")
+    parser.add_argument("--layouts", nargs="*", default=None, help=f"a subset of {list(LAYOUTS)}")
     args = parser.parse_args()
-    for name, lens in (BATCHED if args.batched else LAYOUTS).items():
+    layouts = BATCHED if args.batched else LAYOUTS
+    if args.layouts:
+        layouts = {name: layouts[name] for name in args.layouts}
+    for name, lens in layouts.items():
         total = sum(lens)
         slots = len(lens) if args.exact_slots else SLOTS
         cu = torch.zeros(slots + 1, dtype=torch.int32)
@@ -44,6 +53,9 @@ def main() -> None:
         cu[len(lens) + 1:] = total
         cu = cu.cuda()
         q, k, v = torch.randn(total, 3, H, D, device="cuda", dtype=torch.bfloat16).unbind(1)
+        if args.tiles:
+            compare_tiles(name, lens, cu, q, k, v, [tuple(int(x) for x in t.split("x")) for t in args.tiles])
+            continue
         tile = FA4_SHORT_TILE if max(lens) <= FA4_SHORT_SEQLEN else None
         row, ref = [], None
         for variant in ("FA4 own", "persistent, O via Q", "persistent, own O"):
@@ -64,6 +76,28 @@ def main() -> None:
             err = max(((o.float() - ref.float()).norm() / ref.float().norm()).item() for o in (out, last))
             row.append(f"{variant} {us:7.1f} ({'bitwise' if same else f'rel err {err:.1e}'})")
         print(f"{name:20s} tile {tile or 'FA4 default'} | " + " | ".join(row), flush=True)
+
+
+def compare_tiles(name, lens, cu, q, k, v, tiles) -> None:
+    """One row per tile: FA4's own scheduler and the persistent one (own O), µs per call."""
+    fa4_persistent.OWN_O_SMEM = True
+    ref = None
+    for tile in tiles:
+        row = []
+        for persistent in (False, True):
+            def run():
+                with fa4_persistent.persistent_tiles() if persistent else contextlib.nullcontext():
+                    return _flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                                           max_seqlen_k=max(lens), **fa4_tile_kwargs(tile))[0]
+            try:
+                out = run().float()
+                ref = out if ref is None else ref
+                err = ((out - ref).norm() / ref.norm()).item()
+                us, _ = graph_replay_us(run, inner=8, reps=15)
+                row.append(f"{'persistent' if persistent else 'FA4 own'} {us:7.1f} (rel err {err:.1e})")
+            except Exception as exc:  # a tile FA4 cannot build at this head dim
+                row.append(f"{'persistent' if persistent else 'FA4 own'}: {type(exc).__name__} {str(exc)[:60]}")
+        print(f"{name:20s} tile {tile[0]}x{tile[1]} | " + " | ".join(row), flush=True)
 
 
 if __name__ == "__main__":
