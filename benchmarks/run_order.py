@@ -21,38 +21,13 @@ GPU's clock governor has not left yet.
 """
 
 import argparse
-import datetime
 import statistics
-import subprocess
 import time
 
 import torch
 
 from vitgraph.bench import common
 from vitgraph.bench.latency import CASES
-
-
-class ClockSampler:
-    """``nvidia-smi`` sampling (host time, SM MHz, W) in the background."""
-
-    def __init__(self, period_ms: int = 20):
-        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
-                                      "--format=csv,noheader,nounits", "-lms", str(period_ms)],
-                                     stdout=subprocess.PIPE, text=True)
-
-    def stop(self) -> list[tuple[float, float, float]]:
-        time.sleep(0.1)
-        self.proc.terminate()
-        rows = []
-        for line in self.proc.stdout.read().strip().splitlines():
-            try:
-                stamp, clock, power = (x.strip() for x in line.split(","))
-                # nvidia-smi writes naive local time, which strptime().timestamp() reads as local
-                rows.append((datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp(),
-                             float(clock), float(power)))
-            except ValueError:
-                continue
-        return rows
 
 
 def timed_calls(fn, device, iters: int, warmup: int) -> tuple[list[float], float, float]:
@@ -82,7 +57,7 @@ def main() -> None:
     runners, eager_enc, _ = common.build_systems(args, ["hf_eager", "vitgraph_eager", "vitgraph_graph"], 16384)
     device, width = eager_enc.device, eager_enc.config.patch_width
     graph = runners["vitgraph_graph"]
-    sampler = ClockSampler()
+    sampler = common.ClockSampler()
     windows = []  # (case, state, per-call ms, begin, end)
     gen = torch.Generator().manual_seed(0)
     for name in args.cases:

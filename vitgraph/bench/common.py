@@ -7,6 +7,7 @@ import json
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -85,6 +86,29 @@ class CallTimer:
 
 KERNEL_CLASSES = [("attention", r"flash|fmha|cudnn|sdpa|attn"), ("gemm", r"gemm|nvjet|xmma|cutlass|sm90_|cublas"),
                   ("fused", r"triton|_add_layernorm|_rotary|_quick_gelu"), ("other", r".")]
+
+
+class ClockSampler:
+    """``nvidia-smi`` sampling in the background: :meth:`stop` returns (host time, SM MHz, W) rows."""
+
+    def __init__(self, period_ms: int = 20):
+        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
+                                      "--format=csv,noheader,nounits", "-lms", str(period_ms)],
+                                     stdout=subprocess.PIPE, text=True)
+
+    def stop(self) -> list[tuple[float, float, float]]:
+        time.sleep(0.1)
+        self.proc.terminate()
+        rows = []
+        for line in self.proc.stdout.read().strip().splitlines():
+            try:
+                stamp, clock, power = (x.strip() for x in line.split(","))
+                # nvidia-smi writes naive local time, which strptime().timestamp() reads as local
+                rows.append((datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp(),
+                             float(clock), float(power)))
+            except ValueError:
+                continue
+        return rows
 
 
 def kernel_class(name: str) -> str:
