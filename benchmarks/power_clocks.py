@@ -6,18 +6,15 @@ Samples ``nvidia-smi`` every 50 ms through 4 s of back-to-back ``encode`` calls 
 4096-token image, then 4 s of replays of a graph of FA4's varlen kernel on the same layout
 (4096 tokens in 16 slots): does the tower run at a lower clock than the kernel alone?
 """
-import datetime
 import statistics
-import subprocess
 import time
 
 import torch
 from vitgraph import GraphedVisionEncoder
 from vitgraph.attention import _fa4_forward
-from vitgraph.bench.common import graph_replay_us
+from vitgraph.bench.common import ClockSampler, graph_replay_us
 
-smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                        "-lms", "50"], stdout=subprocess.PIPE, text=True)
+smi = ClockSampler(period_ms=50)
 marks = {}
 enc = GraphedVisionEncoder.from_config("qwen2-vl-2b", device="cuda", progress=False)
 px = torch.randn(4096, 1176, device="cuda", dtype=torch.bfloat16)
@@ -42,17 +39,8 @@ while time.time() - t < 4:
     torch.cuda.synchronize()
 marks["fa4"].append(time.time())
 print(f"fa4 alone {us:.1f} us per call")
-time.sleep(0.3)
-smi.terminate()
-rows = []
-for line in smi.stdout.read().strip().splitlines():
-    ts, clk, pw = [x.strip() for x in line.split(",")]
-    try:
-        t = datetime.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp()
-    except ValueError:
-        continue
-    rows.append((t, float(clk), float(pw)))
-# nvidia-smi timestamps are naive local time, as strptime().timestamp() reads them
+time.sleep(0.2)
+rows = smi.stop()
 for name, (a, b) in marks.items():
     sel = [(c, p) for t, c, p in rows if a + 0.5 <= t <= b]
     if sel:
