@@ -51,6 +51,11 @@ def configs():
         for cluster_m, cluster_n in [(2, 1), (1, 2)]:
             out.append(GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m,
                                   cluster_n=cluster_n, swap_ab=False, is_dynamic_persistent=False))
+    # 64-row tiles: one warpgroup's MMA per tile, for a few hundred rows (more CTAs than 128-row tiles)
+    for tile_n, pingpong in [(128, True), (160, True), (256, True), (128, False)]:
+        for cluster_m, cluster_n in [(2, 1), (1, 2)]:
+            out.append(GemmConfig(tile_m=64, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m,
+                                  cluster_n=cluster_n, swap_ab=False, is_dynamic_persistent=False))
     for cluster_m, cluster_n in [(2, 1), (1, 2)]:  # swapped operands: small M becomes the N tile
         out.append(GemmConfig(tile_m=128, tile_n=128, pingpong=True, cluster_m=cluster_m, cluster_n=cluster_n,
                               swap_ab=True, is_dynamic_persistent=False))
