@@ -36,12 +36,8 @@ def timed_calls(fn, device, iters: int, warmup: int) -> tuple[list[float], float
     for _ in range(warmup):
         fn()
     common.sync(device)
-    times, begin = [], time.time()
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        common.sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
+    begin = time.time()
+    times = common.call_times_ms(fn, device, iters, warmup=0)
     return times, begin, time.time()
 
 

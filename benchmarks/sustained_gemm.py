@@ -6,8 +6,8 @@
 ``latency.py``'s floor divides FLOPs by the rate of one 8192³ bf16 GEMM timed for 13 calls
 (about 20 ms of work), too short to heat the board. A 4096-token encode runs ~10 ms of
 GEMMs and attention back to back, at the H200's 700 W cap. Per shape (the ceiling's 8192³
-and the tower's fc1 at 4096 rows, 4096x1280 @ 1280x5120), this times the ceiling's burst
-as ``measure_ceilings`` does, then runs the GEMM back to back for ``--seconds`` (CUDA graphs
+and the tower's fc1 at 4096 rows, 4096x1280 @ 1280x5120), after the ceiling's burst taken
+by ``measure_ceilings`` itself, this runs the GEMM back to back for ``--seconds`` (CUDA graphs
 of 20 calls, weights rotated over 4 sets so that fc1's stream from DRAM as in the tower)
 and reports the rate, SM clock and board power per half-second window (``nvidia-smi``
 every 20 ms), and the floor of each 4096-token case recomputed with the held 8192³ rate.
@@ -32,13 +32,13 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=8.0)
     args = p.parse_args()
     device = torch.device("cuda")
+    burst = common.measure_ceilings(device)["gemm_tflops"]  # latency.py's ceiling, as it measures it
     sampler = common.ClockSampler()
     held = {}
     for name, (m, k, n) in SHAPES.items():
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         weights = [torch.randn(k, n, device=device, dtype=torch.bfloat16) for _ in range(4)]
         flops = 2 * m * k * n
-        burst_ms = common.median_ms(lambda: a @ weights[0], device, iters=10, warmup=3)
         out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
         calls = 20
         graph = torch.cuda.CUDAGraph()
@@ -62,23 +62,24 @@ def main() -> None:
             end.record()
             torch.cuda.synchronize()
             windows.append((w_start, time.time(), replays * calls * flops / (begin.elapsed_time(end) * 1e9)))
-        held[name] = (flops / (burst_ms * 1e9), windows)
+        held[name] = windows
     samples = sampler.stop()
 
     print(f"{torch.cuda.get_device_name(device)}, {args.seconds:.0f} s back to back per shape; TFLOP/s")
-    for name, (burst, windows) in held.items():
+    for name, windows in held.items():
         rows = []
-        for i, (a, b, rate) in enumerate(windows):
+        first = windows[0][0]
+        for a, b, rate in windows:
             clocks = [c for t, c, _ in samples if a <= t <= b]
             watts = [w for t, _, w in samples if a <= t <= b]
-            rows.append([f"{i * 0.5:.1f}-{(i + 1) * 0.5:.1f} s", rate,
+            rows.append([f"{a - first:.1f}-{b - first:.1f} s", rate,
                          statistics.median(clocks) if clocks else None, statistics.median(watts) if watts else None])
-        if name == CEILING:  # a single fc1 call is too short to time by a synchronised wall clock
-            print(f"\n{name}: burst (median of 10 calls after 3, as latency.py) {burst:.0f} TFLOP/s")
+        if name == CEILING:
+            print(f"\n{name}: burst (common.measure_ceilings, as latency.py) {burst:.0f} TFLOP/s")
         else:
             print(f"\n{name}:")
         common.print_table(["window", "TFLOP/s", "SM MHz", "W"], rows)
-    burst, windows = held[CEILING]
+    windows = held[CEILING]
     steady = statistics.median(rate for _, _, rate in windows[len(windows) // 2:])
     cfg = PRESETS["qwen2-vl-2b"]
     rows = []

@@ -27,8 +27,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> float:
-    """Median wall time of ``fn`` in ms, synchronising the device before and after each call."""
+def call_times_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> list[float]:
+    """Wall time of each of ``iters`` calls of ``fn`` in ms, after ``warmup`` calls,
+    synchronising the device before and after each call."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -38,7 +39,12 @@ def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup
         fn()
         sync(device)
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return times
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> float:
+    """Median of :func:`call_times_ms`."""
+    return statistics.median(call_times_ms(fn, device, iters, warmup))
 
 
 def alternating_ab(run: Callable[[str, torch.Tensor, list], torch.Tensor], keys: tuple[str, str],
