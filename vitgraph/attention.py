@@ -192,6 +192,12 @@ def _fa4_kernel(max_seqlen: int, heads: int, device: torch.device, rows: int | N
     return FA4_SHORT_TILE, FA4_PERSISTENT_SHORT and many and fa4_persistent.supported()
 
 
+def fa4_kernel(max_seqlen: int, heads: int, device: torch.device, rows: int, dtype: torch.dtype) -> tuple:
+    """The compiled FlashAttention 4 kernel :func:`attend` runs for such a batch, as a
+    hashable key (equal keys: one kernel)."""
+    return ("fa4", str(dtype)) + _fa4_kernel(max_seqlen, heads, device, rows)
+
+
 def _fa4_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch") -> torch.Tensor:
     tile, persistent = _fa4_kernel(batch.max_seqlen, q.shape[1], q.device, q.shape[0])
     with fa4_persistent.persistent_tiles() if persistent else contextlib.nullcontext():

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -23,6 +23,7 @@ from .config import PRESETS, VisionConfig
 from .gemm import GEMM_BACKENDS, resolve_gemm
 from .loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
 from .models.qwen2_vl import Qwen2VisionTower
+from .precompile import PrecompileReport, precompile
 from .validation import check_out, check_pixels, check_rows, normalize_grid
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,10 @@ class EngineOptions:
     # single frame to the packed one where that is faster (see vitgraph.capture.routing).
     route_single_frames: bool = True
     capture: bool = True  # capture on construction; else call encoder.capture()
+    # Before capture, where FlashAttention 4's or quack's kernel caches are cold, compile those
+    # kernels in up to this many worker processes at once (None: the CPU count less one; 0:
+    # none, each compiles in this process when capture first meets it). See vitgraph.precompile.
+    compile_workers: int | None = None
     pool_limit_bytes: int | None = None
     progress: bool = True
 
@@ -92,6 +97,7 @@ class EngineOptions:
         _check_int("pool_limit_bytes", self.pool_limit_bytes, minimum=1, optional=True)
         _check_int("exact_eager_above", self.exact_eager_above, minimum=0, optional=True)
         _check_int("dense_max_tokens", self.dense_max_tokens, minimum=1, optional=True)
+        _check_int("compile_workers", self.compile_workers, minimum=0, optional=True)
         if self.gemm not in ("auto",) + GEMM_BACKENDS:
             raise ValueError(f"gemm must be 'auto' or one of {GEMM_BACKENDS}, got {self.gemm!r}")
         if self.fuse is not None and not isinstance(self.fuse, bool):
@@ -244,6 +250,8 @@ class GraphedVisionEncoder:
         self._prepared_bytes = 0
         self._packed_single_below: dict[int, int] = {}  # measured at capture (routing)
         self._routing_seconds = 0.0
+        self._precompile = PrecompileReport()
+        self._precompile_seconds = 0.0
         self._counters = _Counters()
         if self.use_graphs:
             self.bank = GraphBank(self.tower, self.requested_buckets, self.device, self.dtype)
@@ -296,6 +304,11 @@ class GraphedVisionEncoder:
             raise ValueError(f"capture() needs graph mode on CUDA; this encoder runs eagerly on {self.device}")
         with self._lock:
             before = self.bank.buckets
+            start = time.perf_counter()
+            todo = [b for b in self.bank.requested if b not in self.bank.graphs]
+            if todo:
+                self._precompile = precompile(self.tower, todo, self.device, self.options.compile_workers)
+            self._precompile_seconds += time.perf_counter() - start
             self.bank.capture(pool_limit_bytes=self.options.pool_limit_bytes, progress=self.options.progress)
             if self.options.route_single_frames and self.bank.buckets != before:  # else the timings still hold
                 start = time.perf_counter()
@@ -451,7 +464,9 @@ class GraphedVisionEncoder:
                 "buckets": buckets,
                 "dropped_buckets": {b.name: why for b, why in (self.bank.dropped.items() if self.bank else [])},
                 "eager_fallbacks": dict(self._counters.eager),
-                "capture_seconds": (self.bank.capture_seconds + self._routing_seconds) if self.bank else 0.0,
+                "capture_seconds": ((self._precompile_seconds + self.bank.capture_seconds + self._routing_seconds)
+                                    if self.bank else 0.0),
+                "precompile": asdict(self._precompile),
                 "single_frame_packed_below": dict(self._packed_single_below),
                 "pool_bytes": self.bank.pool_bytes if self.bank else 0,
             }

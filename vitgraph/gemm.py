@@ -148,8 +148,12 @@ def _weight_fits(weight: torch.Tensor) -> bool:
     return weight.is_contiguous() and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0
 
 
+def _quack_rows(rows: int, weight: torch.Tensor, min_rows: int) -> bool:
+    return rows >= min_rows and _weight_fits(weight)
+
+
 def _quack_fits(x: torch.Tensor, weight: torch.Tensor, min_rows: int) -> bool:
-    return x.shape[0] >= min_rows and x.is_contiguous() and x.shape[1] == weight.shape[1] and _weight_fits(weight)
+    return x.is_contiguous() and x.shape[1] == weight.shape[1] and _quack_rows(x.shape[0], weight, min_rows)
 
 
 def linear_quick_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backend: str) -> torch.Tensor:
@@ -207,6 +211,31 @@ def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, f
 
     config = _config(rope_tile, x.shape[0], weight.shape[0], x.device)
     return qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, config)
+
+
+def fc1_kernel(rows: int, weight: torch.Tensor, backend: str) -> tuple | None:
+    """The compiled kernel :func:`linear_quick_gelu` runs for a contiguous input of ``rows``
+    rows, as a hashable key (equal keys: one kernel); None where it runs on cuBLAS."""
+    if backend != "quack" or not _quack_rows(rows, weight, QUACK_MIN_ROWS):
+        return None
+    return "fc1", str(weight.dtype), _tile_key(fc1_tile, rows, weight)
+
+
+def qkv_kernel(rows: int, weight: torch.Tensor, backend: str) -> tuple | None:
+    """The compiled kernel :func:`linear_qkv` runs for a contiguous input of ``rows`` rows
+    (None: cuBLAS)."""
+    if backend != "quack" or not _quack_rows(rows, weight, QUACK_QKV_MIN_ROWS):
+        return None
+    return "qkv", str(weight.dtype), tuple(QUACK_TILE.items())
+
+
+def qkv_rope_kernel(rows: int, weight: torch.Tensor) -> tuple:
+    """The compiled kernel :func:`linear_qkv_rope` runs for ``rows`` rows."""
+    return "qkv_rope", str(weight.dtype), _tile_key(rope_tile, rows, weight)
+
+
+def _tile_key(pick, rows: int, weight: torch.Tensor) -> tuple:
+    return tuple(pick(rows, weight.shape[0], arch_and_sm_count(weight.device)[1]).items())
 
 
 def _tiles(rows: int, cols: int, tile: dict) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -22,9 +22,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import cudnn_attention, kernels
-from ..attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked
+from ..attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked, fa4_kernel
 from ..config import VisionConfig
-from ..gemm import linear_qkv, linear_qkv_rope, linear_quick_gelu, linear_split_k, rope_in_gemm
+from ..gemm import (fc1_kernel, linear_qkv, linear_qkv_rope, linear_quick_gelu, linear_split_k, qkv_kernel,
+                    qkv_rope_kernel, rope_in_gemm)
 
 Grid = tuple[int, int, int]
 
@@ -65,6 +66,18 @@ class VisionBatch:
 
 
 @lru_cache(maxsize=1024)
+class FusedPaths(NamedTuple):
+    """Which kernels the fused forward takes for a batch (see ``Qwen2VisionTower.fused_paths``)."""
+
+    lane: int | None  # head-dim lanes of dense masked cuDNN attention (a padded one-segment layout)
+    rope_epilogue: bool  # qkv's quack GEMM rotates q and k and zeroes padding rows
+    ragged: bool  # cuDNN ragged attention (the cudnn backend's packed layouts)
+    zero_padding: bool  # the rotary kernel zeroes padding rows (FlashAttention 4 reads them)
+
+
+JIT_OPS = ("qkv", "qkv_rope", "attention", "fc1")  # ops whose kernels compile on first use
+
+
 def _block_major_positions(h: int, w: int, merge: int) -> np.ndarray:
     """(h, w) of each token of one frame, ordered block-major over merge x merge blocks: ``[h*w, 2]``."""
     hpos, wpos = np.meshgrid(np.arange(h, dtype=np.int32), np.arange(w, dtype=np.int32), indexing="ij")
@@ -349,6 +362,65 @@ class Qwen2VisionTower(nn.Module):
             self._rope_columns = cached
         return cached
 
+    def rope_rows(self, batch: VisionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(pos_h, pos_w) [T]`` for qkv's rotary epilogue; ``pos_h`` is -1 on padding rows
+        (the epilogue zeroes them)."""
+        positions = batch.positions.float()
+        return torch.where(batch.segment_ids >= 0, positions[:, 0], -1.0), positions[:, 1].contiguous()
+
+    def fused_paths(self, batch: VisionBatch) -> FusedPaths:
+        """The kernels :meth:`forward_fused` takes for ``batch`` (a Python-level choice, fixed
+        per layout)."""
+        rows, backend = batch.positions.shape[0], self.blocks[0].attn.backend
+        lane = self.config.head_dim + LANE_PAD if batch.dense and batch.padded and backend in FLASH_BACKENDS else None
+        return FusedPaths(
+            lane=lane,
+            rope_epilogue=lane is None and rope_in_gemm(rows, self.blocks[0].attn.qkv.weight, self.gemm_backend),
+            ragged=batch.padded and not batch.dense and backend == "cudnn",
+            zero_padding=batch.padded and lane is None and backend == "fa4")
+
+    def jit_kernels(self, batch: VisionBatch) -> list[tuple[str, tuple]]:
+        """The kernels compiled on first use (FlashAttention 4's, quack's) that :meth:`forward`
+        runs for ``batch``: ``(op, key)`` pairs, ``op`` one of ``JIT_OPS``; equal keys are one
+        kernel. :meth:`run_jit_kernel` runs one of them alone."""
+        rows = batch.positions.shape[0]
+        attn, block = self.blocks[0].attn, self.blocks[0]
+        weight = attn.qkv.weight
+        found = []
+        paths = self.fused_paths(batch) if self.fused else FusedPaths(None, False, False, False)
+        if paths.rope_epilogue:
+            found.append(("qkv_rope", qkv_rope_kernel(rows, weight)))
+        elif self.fused and (key := qkv_kernel(rows, weight, self.gemm_backend)) is not None:
+            found.append(("qkv", key))
+        if attn.backend == "fa4" and paths.lane is None and not paths.ragged:
+            found.append(("attention", fa4_kernel(batch.max_seqlen, self.config.num_heads, weight.device, rows,
+                                                  weight.dtype)))
+        if self.fused and block.act_name == "quick_gelu":
+            if (key := fc1_kernel(rows, block.mlp.fc1.weight, self.gemm_backend)) is not None:
+                found.append(("fc1", key))
+        return found
+
+    def run_jit_kernel(self, op: str, batch: VisionBatch) -> None:
+        """Run ``op`` (see :meth:`jit_kernels`) of the first block once on zeros laid out for
+        ``batch`` (on the device): the call the forward makes, so it compiles, or loads from
+        disk, the same kernel."""
+        cfg, attn, mlp = self.config, self.blocks[0].attn, self.blocks[0].mlp
+        rows = batch.positions.shape[0]
+        weight = attn.qkv.weight
+        h = torch.zeros(rows, cfg.embed_dim, device=weight.device, dtype=weight.dtype)
+        if op == "qkv_rope":
+            linear_qkv_rope(h, weight, attn.qkv.bias, *self.rope_columns(), *self.rope_rows(batch))
+        elif op == "qkv":
+            linear_qkv(h, weight, attn.qkv.bias, self.gemm_backend)
+        elif op == "attention":
+            q, k, v = torch.zeros(rows, 3, cfg.num_heads, cfg.head_dim, device=weight.device,
+                                  dtype=weight.dtype).unbind(1)
+            attend(attn.backend, q, k, v, batch, padding_zeroed=True)
+        elif op == "fc1":
+            linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)
+        else:
+            raise ValueError(f"op must be one of {JIT_OPS}, got {op!r}")
+
     def forward(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
         """``[T, input_width]`` pixel rows -> ``[T / merge_unit, output_width]``."""
         return self.forward_fused(pixels, batch) if self.fused else self.forward_reference(pixels, batch)
@@ -376,23 +448,18 @@ class Qwen2VisionTower(nn.Module):
         """
         cfg, blocks = self.config, self.blocks
         rows = pixels.shape[0]
-        backend = blocks[0].attn.backend
-        lane = cfg.head_dim + LANE_PAD if batch.dense and batch.padded and backend in FLASH_BACKENDS else None
-        zero_padding = batch.padded and lane is None and backend == "fa4"
-        rope_epilogue = lane is None and rope_in_gemm(rows, blocks[0].attn.qkv.weight, self.gemm_backend)
+        lane, rope_epilogue, ragged_layout, zero_padding = self.fused_paths(batch)
         # The rotary inputs first: they live through the forward while their temporaries
         # do not, so the holes those leave sit at the start of the graphs' memory pool
         # rather than between the big activations.
-        if rope_epilogue:  # per-row positions (-1 marks padding rows, zeroed) for qkv's epilogue
+        if rope_epilogue:
             freq_h, freq_w = self.rope_columns()
-            positions = batch.positions.float()
-            pos_h = torch.where(batch.segment_ids >= 0, positions[:, 0], -1.0)
-            pos_w = positions[:, 1].contiguous()
+            pos_h, pos_w = self.rope_rows(batch)
         else:
             cos, sin = self.rotary(batch.positions)
         x = self.patch_embed(pixels)
         ragged = None
-        if batch.padded and not batch.dense and backend == "cudnn":
+        if ragged_layout:
             ragged = cudnn_attention.ragged_metadata(batch.cu_seqlens, cfg.num_heads, cfg.head_dim)
         norm = blocks[0].norm1
         h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps)

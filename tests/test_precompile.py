@@ -1,0 +1,162 @@
+"""Kernel precompilation: which kernels the buckets run, the worker processes, the cold-cache path."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import vitgraph.attention
+import vitgraph.gemm
+from vitgraph import fa4_persistent
+from vitgraph.capture.planner import Bucket, budget_ladder, make_buckets
+from vitgraph.config import VisionConfig
+from vitgraph.encoder import EngineOptions, dense_limit
+from vitgraph.loading import build_tower
+from vitgraph.precompile import KernelJob, _spawn, _spec, _tail, kernel_jobs, precompile
+
+H200_SMS = 132
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Kernel choices as on an H200 with the fa4 extra, on any machine."""
+    for module in (vitgraph.attention, vitgraph.gemm):
+        monkeypatch.setattr(module, "arch_and_sm_count", lambda device: (9, H200_SMS))
+    monkeypatch.setattr(fa4_persistent, "supported", lambda: True)
+
+
+def tower(attention="fa4", gemm="quack", fused=True, **config):
+    t = build_tower(VisionConfig(**{"depth": 1, **config}), torch.device("cpu"), torch.bfloat16)
+    t.set_attention_backend(attention)
+    t.fused, t.gemm_backend = fused, gemm  # as on a GPU; nothing here runs a kernel
+    return t
+
+
+def default_buckets(t):
+    """The buckets an encoder captures by default with FlashAttention 4 on an H200."""
+    options, heads, unit = EngineOptions(), t.config.num_heads, t.merge_unit
+    return make_buckets(budget_ladder(options.min_budget, options.max_budget, unit), options.max_items, unit,
+                        dense=options.dense_buckets, dense_up_to=dense_limit(options, "fa4"),
+                        short_cap=lambda b: vitgraph.attention.fa4_short_cap(b, heads, H200_SMS, unit))
+
+
+def layout(t, bucket):
+    return t.build_batch([], num_tokens=bucket.tokens, num_segments=bucket.max_segments, max_seqlen=bucket.max_seqlen)
+
+
+def test_one_job_per_kernel_of_the_default_ladder_each_on_its_smallest_bucket(hopper):
+    t = tower()
+    buckets = default_buckets(t)
+    jobs = kernel_jobs(t, buckets)
+    runs = {}  # kernel key -> the buckets whose forward runs it
+    for bucket in buckets:
+        for op, key in t.jit_kernels(layout(t, bucket)):
+            runs.setdefault((op, key), []).append(bucket)
+    assert len({j.key for j in jobs}) == len(jobs)
+    assert {(j.op, j.key) for j in jobs} == set(runs)
+    for job in jobs:
+        assert job.bucket == min(runs[job.op, job.key])
+    ops = [j.op for j in jobs]
+    assert ops == sorted(ops, key=lambda op: op != "attention")  # the longest compiles first
+    # Every tile the wave models and the attention rules can pick is in use by default, and
+    # each is its own kernel.
+    tiles = {op: {j.key[2:] if op == "attention" else dict(j.key[2])["tile_n"] for j in jobs if j.op == op}
+             for op in set(ops)}
+    g, a = vitgraph.gemm, vitgraph.attention
+    assert tiles["fc1"] == {g.QUACK_TILE["tile_n"]} | {tile["tile_n"] for tile, _ in g.QUACK_FC1_TILES}
+    assert tiles["qkv_rope"] == {g.QUACK_TILE["tile_n"]} | {tile["tile_n"] for tile, _ in g.QUACK_ROPE_TILES}
+    assert tiles["attention"] == {(a.FA4_LONG_TILE, False), (a.FA4_SHORT_TILE, False), (a.FA4_SHORT_TILE, True),
+                                  (a.FA4_TINY_TILE, False)}
+    assert "qkv" not in tiles  # every default bucket rotates in qkv's epilogue
+
+
+def test_jit_kernels_follow_the_forward_paths(hopper):
+    packed, dense = Bucket(2304, 16), Bucket(2304, 1)
+    ops = lambda t, bucket: [op for op, _ in t.jit_kernels(layout(t, bucket))]
+    assert ops(tower(), packed) == ["qkv_rope", "attention", "fc1"]
+    # A padded one-frame layout attends through cuDNN and rotates in the Triton kernel.
+    assert ops(tower(), dense) == ["qkv", "fc1"]
+    assert ops(tower(gemm="cublas"), packed) == ["attention"]
+    assert ops(tower(fused=False, gemm="cublas"), packed) == ["attention"]
+    assert ops(tower(attention="cudnn"), packed) == ["qkv_rope", "fc1"]
+    assert ops(tower(attention="varlen", gemm="cublas"), packed) == []
+    assert ops(tower(hidden_act="gelu"), packed) == ["qkv_rope", "attention"]  # no QuickGELU epilogue
+    assert ops(tower(), Bucket(256, 16)) == ["attention"]  # below quack's row thresholds: cuBLAS
+
+
+def test_precompile_with_no_workers_or_no_kernels_does_nothing(hopper):
+    t = tower()
+    report = precompile(t, default_buckets(t), torch.device("cpu"), workers=0)
+    assert (report.kernels, report.workers, report.cold) == (9, 0, False)
+    report = precompile(tower(attention="varlen", gemm="cublas"), [Bucket(256, 16)], torch.device("cpu"))
+    assert (report.kernels, report.workers) == (0, 0)
+
+
+def test_a_worker_runs_its_jobs_and_reports_what_failed():
+    t = tower(attention="sdpa", gemm="cublas", fused=False)  # attention runs on the CPU
+    proc, log = _spawn(_spec(t, [KernelJob("attention", (), Bucket(64, 4)), KernelJob("attention", (), Bucket(128, 1))],
+                             torch.device("cpu")))
+    assert proc.wait(timeout=120) == 0, _tail(log)
+    proc, log = _spawn(_spec(t, [KernelJob("attention", (), Bucket(64, 4)), KernelJob("fc2", (), Bucket(64, 4))],
+                             torch.device("cpu")))
+    assert proc.wait(timeout=120) == 1
+    assert "op must be one of" in _tail(log) and "'fc2'" in _tail(log)
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5, "4"])
+def test_compile_workers_option_is_checked(value):
+    with pytest.raises(ValueError, match="compile_workers"):
+        EngineOptions(compile_workers=value)
+
+
+COLD_START = textwrap.dedent("""
+    import json, pathlib, sys, time
+    from dataclasses import asdict
+    import torch
+    from vitgraph import GraphedVisionEncoder
+    from vitgraph.config import VisionConfig
+    from vitgraph.precompile import precompile
+    roots = [pathlib.Path(p) for p in sys.argv[1:]]
+    objects = lambda: sorted(str(p.relative_to(r)) for r in roots for p in r.rglob("*.o"))
+    enc = GraphedVisionEncoder.from_config(VisionConfig(depth=1), device="cuda", dtype=torch.bfloat16,
+                                           budgets=[256, 1024, 2304], capture=False, progress=False)
+    start = time.perf_counter()
+    first = precompile(enc.tower, enc.bank.requested, enc.device)
+    compiled = objects()
+    enc.capture()
+    print(json.dumps({"first": asdict(first), "in_capture": enc.stats()["precompile"], "compiled": compiled,
+                      "after_capture": objects(), "seconds": time.perf_counter() - start}))
+""")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and vitgraph.gemm.quack_available("cuda")
+                         and "fa4" in vitgraph.attention.available_backends("cuda")),
+                    reason="needs flash-attn-4 and quack-kernels on a Hopper GPU")
+def test_cold_caches_are_filled_by_workers_and_capture_compiles_nothing(tmp_path):
+    caches = {"FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": tmp_path / "fa4", "QUACK_CACHE_DIR": tmp_path / "quack"}
+    env = {**os.environ, **{k: str(v) for k, v in caches.items()}, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    env.pop("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", None)
+    env.pop("QUACK_CACHE_ENABLED", None)
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", COLD_START, *map(str, caches.values())], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cold, warm = run(), run()
+    print(f"\n[precompile] cold: {cold['first']} then {cold['seconds']:.1f} s with capture; "
+          f"warm: {warm['first']} then {warm['seconds']:.1f} s")
+    first = cold["first"]
+    assert first["cold"] and first["workers"] >= 1 and first["failures"] == []
+    assert len(cold["compiled"]) >= first["kernels"] >= 5
+    assert cold["after_capture"] == cold["compiled"]  # capture loaded every kernel, compiled none
+    assert not cold["in_capture"]["cold"]
+    # A later process on the same caches: one kernel load tells it so, and it compiles nothing.
+    assert not warm["first"]["cold"] and warm["first"]["failures"] == []
+    assert warm["after_capture"] == cold["compiled"]

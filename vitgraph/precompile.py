@@ -1,0 +1,197 @@
+"""Compile the kernels the graphs need in parallel processes, before capture.
+
+FlashAttention 4's and quack's kernels are CuTe-DSL programs compiled on first use, a few
+seconds each, one after another in the process that captures: with empty disk caches that is
+most of a cold start. The CuTe DSL keeps compiler state per thread, so threads cannot overlap
+those compiles; processes can, since both libraries keep compiled kernels in disk caches that
+any process on the machine loads (file-locked).
+
+:func:`precompile` lists the distinct kernels the buckets' forwards run (the model's
+``jit_kernels``), each with the smallest bucket that runs it. It starts worker processes for
+all but the first, then runs the first here and times it: a kernel loaded from a warm disk
+cache takes well under ``COLD_SECONDS``, and then the workers are stopped (they are still
+importing) and capture loads every kernel as before. Otherwise the caches are cold, and the
+workers compile their share into them while this process waits; capture then loads them.
+Nothing here changes what runs: a kernel a worker failed to build is compiled by capture, as
+without it.
+
+Each worker builds a one-block tower of the same shape with random weights and runs each of
+its ops alone on zeros (the model's ``run_jit_kernel``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Sequence
+
+import torch
+
+from .capture.planner import Bucket
+from .config import VisionConfig
+from .models.qwen2_vl import Qwen2VisionTower
+
+logger = logging.getLogger(__name__)
+
+# A kernel that loads from disk takes tens of ms (its first call included); one that compiles
+# takes seconds (2-5 s each on an H200 host).
+COLD_SECONDS = 1.0
+WORKER_TIMEOUT_S = 600.0
+# Each op's disk cache, and the value that turns it off: a worker's compile only helps where
+# the kernel persists.
+_CACHE_SWITCH = {"attention": ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0"),
+                 "qkv": ("QUACK_CACHE_ENABLED", "0"), "qkv_rope": ("QUACK_CACHE_ENABLED", "0"),
+                 "fc1": ("QUACK_CACHE_ENABLED", "0")}
+
+
+@dataclass(frozen=True)
+class KernelJob:
+    op: str  # one of the model's JIT_OPS
+    key: tuple  # the kernel: equal keys, one compile
+    bucket: Bucket  # the smallest bucket whose forward runs it
+
+
+@dataclass
+class PrecompileReport:
+    kernels: int = 0  # distinct kernels the buckets run
+    workers: int = 0  # processes started
+    cold: bool = False  # the first kernel compiled here (caches cold), so the workers ran
+    seconds: float = 0.0
+    failures: list[str] = field(default_factory=list)  # workers that did not finish cleanly
+
+
+def _layout(tower: Qwen2VisionTower, bucket: Bucket):
+    return tower.build_batch([], num_tokens=bucket.tokens, num_segments=bucket.max_segments,
+                             max_seqlen=bucket.max_seqlen)
+
+
+def kernel_jobs(tower: Qwen2VisionTower, buckets: Sequence[Bucket]) -> list[KernelJob]:
+    """One job per distinct kernel the forwards of ``buckets`` run, with the smallest bucket
+    that runs it; attention first (FlashAttention 4's compiles take longest)."""
+    jobs: dict[tuple, KernelJob] = {}
+    for bucket in sorted(buckets):
+        for op, key in tower.jit_kernels(_layout(tower, bucket)):
+            jobs.setdefault(key, KernelJob(op, key, bucket))
+    return sorted(jobs.values(), key=lambda j: (j.op != "attention", j.bucket))
+
+
+def _persists(op: str) -> bool:
+    name, off = _CACHE_SWITCH[op]
+    return os.environ.get(name, "1") != off
+
+
+def _shares(jobs: Sequence[KernelJob], workers: int) -> list[list[KernelJob]]:
+    return [list(jobs[i::workers]) for i in range(workers)]
+
+
+def _spec(tower: Qwen2VisionTower, jobs: Sequence[KernelJob], device: torch.device) -> str:
+    block = tower.blocks[0]
+    return json.dumps({
+        "config": asdict(replace(tower.config, depth=1)),
+        "dtype": str(block.attn.qkv.weight.dtype).removeprefix("torch."),
+        "device": str(device),
+        "attention": block.attn.backend, "gemm": tower.gemm_backend, "fused": tower.fused,
+        "jobs": [[j.op, j.bucket.tokens, j.bucket.max_segments, j.bucket.max_seqlen] for j in jobs],
+    })
+
+
+def _spawn(spec: str):
+    env = dict(os.environ)
+    # The workers import vitgraph and its kernel libraries from where this process does, and
+    # keep FlashAttention 4's disk cache on as vitgraph.attention does here.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-c", _WORKER_COMMAND, spec], env=env,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    return proc, log
+
+
+def _tail(log) -> str:
+    log.seek(0)
+    lines = log.read().decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else "no output"
+
+
+def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch.device,
+               workers: int | None = None) -> PrecompileReport:
+    """Compile, in parallel processes when the disk caches are cold, the kernels the forwards of
+    ``buckets`` run (see the module). ``workers``: most processes (None: one per kernel after
+    the first, up to the CPU count less one; 0: none, kernels compile at capture as they are
+    met). Never raises for a worker's failure: capture compiles what is missing."""
+    start = time.perf_counter()
+    jobs = kernel_jobs(tower, buckets)
+    report = PrecompileReport(kernels=len(jobs))
+    if workers == 0 or not jobs:
+        return report
+    first, rest = jobs[0], [j for j in jobs[1:] if _persists(j.op)]
+    if workers is None:
+        workers = max(0, (os.cpu_count() or 1) - 1)
+    procs = [_spawn(_spec(tower, share, device)) for share in _shares(rest, min(workers, len(rest)))]
+    report.workers = len(procs)
+    try:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            tower.run_jit_kernel(first.op, _layout(tower, first.bucket).to(device))
+        _synchronize(device)
+        report.cold = time.perf_counter() - t0 >= COLD_SECONDS
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        for proc, log in procs:
+            if not report.cold:
+                proc.kill()  # warm caches: capture loads every kernel itself
+                proc.wait()
+                continue
+            try:
+                if proc.wait(timeout=max(0.0, deadline - time.monotonic())) != 0:
+                    report.failures.append(f"exit {proc.returncode}: {_tail(log)}")
+            except subprocess.TimeoutExpired:
+                report.failures.append(f"timed out after {WORKER_TIMEOUT_S:.0f} s")
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    for failure in report.failures:
+        logger.warning("vitgraph: a kernel-compiling worker failed (%s); capture compiles its kernels", failure)
+    report.seconds = time.perf_counter() - start
+    logger.info("vitgraph: %d kernels, %s caches, %d worker(s), %.1f s", report.kernels,
+                "cold" if report.cold else "warm", report.workers, report.seconds)
+    return report
+
+
+# Not ``-m vitgraph.precompile``: importing the package imports this module first, and runpy
+# would then run a second copy of it.
+_WORKER_COMMAND = "import sys; from vitgraph.precompile import worker_main; worker_main(sys.argv[1])"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def worker_main(spec_json: str) -> None:
+    """A worker: compile (or load) each job's kernel of the spec :func:`precompile` wrote."""
+    from .loading import build_tower
+
+    spec = json.loads(spec_json)
+
+    device = torch.device(spec["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tower = build_tower(VisionConfig(**spec["config"]), device, getattr(torch, spec["dtype"]))
+    tower.inv_freq = tower.inv_freq.float()
+    tower.set_attention_backend(spec["attention"])
+    tower.fuse(spec["fused"])
+    tower.set_gemm_backend(spec["gemm"])
+    with torch.inference_mode():
+        for op, tokens, segments, max_seqlen in spec["jobs"]:
+            tower.run_jit_kernel(op, _layout(tower, Bucket(tokens, segments, max_seqlen)).to(device))
+    _synchronize(device)
+
