@@ -93,6 +93,7 @@ def _shares(jobs: Sequence[KernelJob], workers: int) -> list[list[KernelJob]]:
 def _spec(tower: Qwen2VisionTower, jobs: Sequence[KernelJob], device: torch.device) -> str:
     block = tower.blocks[0]
     return json.dumps({
+        "started": time.time(),  # the worker reports how long its start and imports took
         "config": asdict(replace(tower.config, depth=1)),
         "dtype": str(block.attn.qkv.weight.dtype).removeprefix("torch."),
         "device": str(device),
@@ -140,7 +141,9 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
         with torch.inference_mode():
             tower.run_jit_kernel(first.op, _layout(tower, first.bucket).to(device))
         _synchronize(device)
-        report.cold = time.perf_counter() - t0 >= COLD_SECONDS
+        first_seconds = time.perf_counter() - t0
+        report.cold = first_seconds >= COLD_SECONDS
+        logger.debug("vitgraph: first kernel (%s) %.2f s here", first.op, first_seconds)
         deadline = time.monotonic() + WORKER_TIMEOUT_S
         for proc, log in procs:
             if not report.cold:
@@ -150,6 +153,8 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
             try:
                 if proc.wait(timeout=max(0.0, deadline - time.monotonic())) != 0:
                     report.failures.append(f"exit {proc.returncode}: {_tail(log)}")
+                else:
+                    logger.debug("vitgraph: kernel-compiling worker: %s", _tail(log))
             except subprocess.TimeoutExpired:
                 report.failures.append(f"timed out after {WORKER_TIMEOUT_S:.0f} s")
     finally:
@@ -181,7 +186,8 @@ def worker_main(spec_json: str) -> None:
     from .loading import build_tower
 
     spec = json.loads(spec_json)
-
+    timings = {"start_s": round(time.time() - spec["started"], 2)}  # Python, torch and vitgraph imports
+    lap = time.perf_counter()
     device = torch.device(spec["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -190,8 +196,12 @@ def worker_main(spec_json: str) -> None:
     tower.set_attention_backend(spec["attention"])
     tower.fuse(spec["fused"])
     tower.set_gemm_backend(spec["gemm"])
+    timings["build_s"] = round(time.perf_counter() - lap, 2)
     with torch.inference_mode():
         for op, tokens, segments, max_seqlen in spec["jobs"]:
+            lap = time.perf_counter()
             tower.run_jit_kernel(op, _layout(tower, Bucket(tokens, segments, max_seqlen)).to(device))
-    _synchronize(device)
+            _synchronize(device)
+            timings[f"{op}@{Bucket(tokens, segments, max_seqlen).name}_s"] = round(time.perf_counter() - lap, 2)
+    print(json.dumps(timings), flush=True)
 
