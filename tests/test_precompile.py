@@ -11,6 +11,7 @@ import torch
 
 import vitgraph.attention
 import vitgraph.gemm
+import vitgraph.precompile
 from vitgraph import fa4_persistent
 from vitgraph.capture.planner import Bucket, budget_ladder, make_buckets
 from vitgraph.config import VisionConfig
@@ -94,6 +95,31 @@ def test_precompile_with_no_workers_or_no_kernels_does_nothing(hopper):
     assert (report.kernels, report.workers, report.cold) == (9, 0, False)
     report = precompile(tower(attention="varlen", gemm="cublas"), [Bucket(256, 16)], torch.device("cpu"))
     assert (report.kernels, report.workers) == (0, 0)
+
+
+def test_warm_caches_stop_the_workers(hopper, monkeypatch):
+    t = tower()
+    monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)  # a kernel loaded from disk
+    report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
+    assert (report.kernels, report.workers, report.cold, report.failures) == (9, 2, False, [])
+
+
+def test_failed_or_missing_workers_leave_the_kernels_to_capture(hopper, monkeypatch, caplog):
+    t = tower()
+    monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
+    monkeypatch.setattr(vitgraph.precompile, "COLD_SECONDS", 0.0)  # every first kernel reads as compiled
+    # The workers run FlashAttention 4 and quack on this machine's CPU: each fails, and says so.
+    report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
+    assert report.cold and report.workers == 2
+    assert len(report.failures) == 2 and all(f.startswith("exit 1: ") for f in report.failures)
+    assert "capture compiles its kernels" in caplog.text
+
+    def no_processes(*args, **kwargs):
+        raise OSError("fork refused")
+
+    monkeypatch.setattr(vitgraph.precompile.subprocess, "Popen", no_processes)
+    report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
+    assert report.workers == 0 and report.failures == ["could not start a worker: fork refused"]
 
 
 def test_a_worker_runs_its_jobs_and_reports_what_failed():

@@ -62,6 +62,7 @@ class PrecompileReport:
     kernels: int = 0  # distinct kernels the buckets run
     workers: int = 0  # processes started
     cold: bool = False  # the first kernel compiled here (caches cold), so the workers ran
+    first_kernel_seconds: float = 0.0  # the first kernel here: a load from disk, or a compile
     seconds: float = 0.0
     failures: list[str] = field(default_factory=list)  # workers that did not finish cleanly
 
@@ -102,6 +103,13 @@ def _spec(tower: Qwen2VisionTower, jobs: Sequence[KernelJob], device: torch.devi
     })
 
 
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the CPUs this process may run on
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _spawn(spec: str):
     env = dict(os.environ)
     # The workers import vitgraph and its kernel libraries from where this process does, and
@@ -133,17 +141,22 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
         return report
     first, rest = jobs[0], [j for j in jobs[1:] if _persists(j.op)]
     if workers is None:
-        workers = max(0, (os.cpu_count() or 1) - 1)
-    procs = [_spawn(_spec(tower, share, device)) for share in _shares(rest, min(workers, len(rest)))]
+        workers = max(0, _usable_cpus() - 1)
+    procs = []
+    for share in _shares(rest, min(workers, len(rest))):
+        try:
+            procs.append(_spawn(_spec(tower, share, device)))
+        except OSError as err:  # no processes to be had here: capture compiles instead
+            report.failures.append(f"could not start a worker: {err}")
+            break
     report.workers = len(procs)
     try:
         t0 = time.perf_counter()
         with torch.inference_mode():
             tower.run_jit_kernel(first.op, _layout(tower, first.bucket).to(device))
         _synchronize(device)
-        first_seconds = time.perf_counter() - t0
-        report.cold = first_seconds >= COLD_SECONDS
-        logger.debug("vitgraph: first kernel (%s) %.2f s here", first.op, first_seconds)
+        report.first_kernel_seconds = time.perf_counter() - t0
+        report.cold = report.first_kernel_seconds >= COLD_SECONDS
         deadline = time.monotonic() + WORKER_TIMEOUT_S
         for proc, log in procs:
             if not report.cold:
@@ -166,8 +179,9 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
     for failure in report.failures:
         logger.warning("vitgraph: a kernel-compiling worker failed (%s); capture compiles its kernels", failure)
     report.seconds = time.perf_counter() - start
-    logger.info("vitgraph: %d kernels, %s caches, %d worker(s), %.1f s", report.kernels,
-                "cold" if report.cold else "warm", report.workers, report.seconds)
+    logger.info("vitgraph: %d JIT kernels; the first took %.2f s here, so %s caches; %d worker(s); %.1f s",
+                report.kernels, report.first_kernel_seconds, "cold" if report.cold else "warm", report.workers,
+                report.seconds)
     return report
 
 
