@@ -100,6 +100,7 @@ def test_precompile_with_no_workers_or_no_kernels_does_nothing(hopper):
 def test_warm_caches_stop_the_workers(hopper, monkeypatch):
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)  # a kernel loaded from disk
+    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda: 7)  # and no new file
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
     assert (report.kernels, report.workers, report.cold, report.failures) == (9, 2, False, [])
 
@@ -107,7 +108,8 @@ def test_warm_caches_stop_the_workers(hopper, monkeypatch):
 def test_failed_or_missing_workers_leave_the_kernels_to_capture(hopper, monkeypatch, caplog):
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
-    monkeypatch.setattr(vitgraph.precompile, "COLD_SECONDS", 0.0)  # every first kernel reads as compiled
+    files = iter(range(100))
+    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda: next(files))  # each call finds one more
     # The workers run FlashAttention 4 and quack on this machine's CPU: each fails, and says so.
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
     assert report.cold and report.workers == 2
@@ -120,6 +122,19 @@ def test_failed_or_missing_workers_leave_the_kernels_to_capture(hopper, monkeypa
     monkeypatch.setattr(vitgraph.precompile.subprocess, "Popen", no_processes)
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
     assert report.workers == 0 and report.failures == ["could not start a worker: fork refused"]
+
+
+def test_kernel_files_are_counted_in_each_cache_that_loads(tmp_path, monkeypatch):
+    import types
+
+    for name, files in (("fake_fa4_cache", ["a/x.o", "a/b/y.o", "a/y.lock"]), ("fake_quack_cache", ["z.o"])):
+        root = tmp_path / name
+        for f in files:
+            (root / f).parent.mkdir(parents=True, exist_ok=True)
+            (root / f).touch()
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(get_cache_path=lambda root=root: root))
+    monkeypatch.setattr(vitgraph.precompile, "_KERNEL_CACHES", ("fake_fa4_cache", "no_such_module", "fake_quack_cache"))
+    assert vitgraph.precompile._kernel_files() == 3
 
 
 def test_a_worker_runs_its_jobs_and_reports_what_failed():
