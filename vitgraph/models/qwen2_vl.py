@@ -65,7 +65,6 @@ class VisionBatch:
         return replace(self, **moved)
 
 
-@lru_cache(maxsize=1024)
 class FusedPaths(NamedTuple):
     """Which kernels the fused forward takes for a batch (see ``Qwen2VisionTower.fused_paths``)."""
 
@@ -78,6 +77,7 @@ class FusedPaths(NamedTuple):
 JIT_OPS = ("qkv", "qkv_rope", "attention", "fc1")  # ops whose kernels compile on first use
 
 
+@lru_cache(maxsize=1024)
 def _block_major_positions(h: int, w: int, merge: int) -> np.ndarray:
     """(h, w) of each token of one frame, ordered block-major over merge x merge blocks: ``[h*w, 2]``."""
     hpos, wpos = np.meshgrid(np.arange(h, dtype=np.int32), np.arange(w, dtype=np.int32), indexing="ij")
