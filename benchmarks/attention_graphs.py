@@ -225,7 +225,7 @@ for tokens, lens in CASES:
             except Exception as exc:
                 traceback.print_exc()
                 rows.append((name, "fa4-dense-exact", None, None, None, None, f"{type(exc).__name__}: {str(exc)[:80]}"))
-    del qkv
+    qkv = q = k = v = None  # free this case's tensors (the closures above are done with them)
     torch.cuda.empty_cache()
 
 print(f"{'layout':<26}{'kernel':<20}{'us':>9}{'TFLOP/s':>9}{'err':>10}{'dyn err':>10}  note")
