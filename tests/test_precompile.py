@@ -97,18 +97,21 @@ def test_precompile_with_no_workers_or_no_kernels_does_nothing(hopper):
     assert (report.kernels, report.workers) == (0, 0)
 
 
-def test_warm_caches_stop_the_workers(hopper, monkeypatch):
+@pytest.mark.parametrize("files, started", [(7, 0), (0, 2)], ids=["kernels-on-disk", "empty-caches"])
+def test_warm_caches_leave_every_kernel_to_capture(hopper, monkeypatch, files, started):
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)  # a kernel loaded from disk
-    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda: 7)  # and no new file
+    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda: files)  # and no new file
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
-    assert (report.kernels, report.workers, report.cold, report.failures) == (9, 2, False, [])
+    # With no kernel on disk the workers start before the first kernel, and are stopped after it.
+    assert (report.kernels, report.workers, report.cold, report.failures) == (9, started, False, [])
 
 
-def test_failed_or_missing_workers_leave_the_kernels_to_capture(hopper, monkeypatch, caplog):
+@pytest.mark.parametrize("files_before", [0, 5], ids=["empty-caches", "kernels-on-disk"])
+def test_failed_or_missing_workers_leave_the_kernels_to_capture(hopper, monkeypatch, caplog, files_before):
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
-    files = iter(range(100))
+    files = iter(range(files_before, 100))
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda: next(files))  # each call finds one more
     # The workers run FlashAttention 4 and quack on this machine's CPU: each fails, and says so.
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
@@ -199,5 +202,5 @@ def test_cold_caches_are_filled_by_workers_and_capture_compiles_nothing(tmp_path
     assert cold["after_capture"] == cold["compiled"]  # capture loaded every kernel, compiled none
     assert not cold["in_capture"]["cold"]
     # A later process on the same caches: one kernel load tells it so, and it compiles nothing.
-    assert not warm["first"]["cold"] and warm["first"]["failures"] == []
+    assert not warm["first"]["cold"] and warm["first"]["failures"] == [] and warm["first"]["workers"] == 0
     assert warm["after_capture"] == cold["compiled"]

@@ -9,11 +9,12 @@ any process on the machine loads (file-locked).
 :func:`precompile` lists the distinct kernels the buckets' forwards run (the model's
 ``jit_kernels``), each with the smallest bucket that runs it. It starts worker processes for
 all but the first, then runs the first here. If that wrote no new kernel file to the disk
-caches, it was loaded from a warm cache: the workers are stopped (they are still importing)
-and capture loads every kernel as before. Otherwise the caches are cold, and the workers
-compile their share into them while this process waits; capture then loads them. (Whether a
-file appeared, not how long the call took: a warm first call, imports included, took 0.5-1.1
-s on an H200 host, a compile 3.7-6 s.)
+caches, it was loaded from a warm cache, and capture loads every kernel as before. Otherwise
+the caches are cold, and the workers compile their share into them while this process waits;
+capture then loads them. Where the caches hold no kernel file at all, the workers start
+before the first kernel (cold for certain; they spend their first seconds importing);
+elsewhere only once it has compiled. (Whether a file appeared, not how long the call took: a
+warm first call with FA4's import in it took 0.5-1.1 s on an H200 host, a compile 3.7-6 s.)
 Nothing here changes what runs: a kernel a worker failed to build is compiled by capture, as
 without it.
 
@@ -137,6 +138,18 @@ def _spawn(spec: str):
     return proc, log
 
 
+def _start(tower: Qwen2VisionTower, shares: list[list[KernelJob]], device: torch.device, report: PrecompileReport):
+    procs = []
+    for share in shares:
+        try:
+            procs.append(_spawn(_spec(tower, share, device)))
+        except OSError as err:  # no processes to be had here: capture compiles instead
+            report.failures.append(f"could not start a worker: {err}")
+            break
+    report.workers = len(procs)
+    return procs
+
+
 def _tail(log) -> str:
     log.seek(0)
     lines = log.read().decode(errors="replace").strip().splitlines()
@@ -157,28 +170,25 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
     first, rest = jobs[0], [j for j in jobs[1:] if _persists(j.op)]
     if workers is None:
         workers = max(0, _usable_cpus() - 1)
+    shares = _shares(rest, min(workers, len(rest)))
     procs = []
-    for share in _shares(rest, min(workers, len(rest))):
-        try:
-            procs.append(_spawn(_spec(tower, share, device)))
-        except OSError as err:  # no processes to be had here: capture compiles instead
-            report.failures.append(f"could not start a worker: {err}")
-            break
-    report.workers = len(procs)
     try:
-        before = _kernel_files()
+        before = _kernel_files()  # imports FlashAttention 4 and quack, so the first kernel's time is its own
+        if before == 0:  # no kernel on disk at all: cold for certain, so the workers start at once
+            procs = _start(tower, shares, device, report)
         t0 = time.perf_counter()
         with torch.inference_mode():
             tower.run_jit_kernel(first.op, _layout(tower, first.bucket).to(device))
         _synchronize(device)
         report.first_kernel_seconds = time.perf_counter() - t0
         report.cold = _kernel_files() > before  # it compiled, and wrote the kernel to disk
+        if not report.cold:  # warm: capture loads every kernel itself
+            for proc, _ in procs:
+                proc.kill()
+        elif not procs:  # kernels on disk, but not this one (another release, other buckets)
+            procs = _start(tower, shares, device, report)
         deadline = time.monotonic() + WORKER_TIMEOUT_S
-        for proc, log in procs:
-            if not report.cold:
-                proc.kill()  # warm caches: capture loads every kernel itself
-                proc.wait()
-                continue
+        for proc, log in procs if report.cold else ():
             try:
                 if proc.wait(timeout=max(0.0, deadline - time.monotonic())) != 0:
                     report.failures.append(f"exit {proc.returncode}: {_tail(log)}")
@@ -190,7 +200,7 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
         for proc, log in procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+            proc.wait()
             log.close()
     for failure in report.failures:
         logger.warning("vitgraph: a kernel-compiling worker failed (%s); capture compiles its kernels", failure)
