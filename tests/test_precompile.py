@@ -127,6 +127,21 @@ def test_failed_or_missing_workers_leave_the_kernels_to_capture(hopper, monkeypa
     assert report.workers == 0 and report.failures == ["could not start a worker: fork refused"]
 
 
+@pytest.mark.parametrize("switch, kept", [("QUACK_CACHE_ENABLED", {"attention"}),
+                                          ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", {"fc1", "qkv_rope"})])
+def test_workers_only_compile_kernels_whose_cache_is_on(hopper, monkeypatch, switch, kept):
+    t = tower()
+    monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
+    files = iter(range(100))
+    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda: next(files))  # cold
+    started = []
+    monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, shares, device, report: started.extend(shares) or [])
+    monkeypatch.setenv(switch, "0")
+    jobs = kernel_jobs(t, default_buckets(t))
+    precompile(t, default_buckets(t), torch.device("cpu"), workers=16)
+    assert [job for share in started for job in share] == [j for j in jobs[1:] if j.op in kept]
+
+
 def test_kernel_files_are_counted_in_each_cache_that_loads(tmp_path, monkeypatch):
     import types
 

@@ -7,13 +7,12 @@ those compiles; processes can, since both libraries keep compiled kernels in dis
 any process on the machine loads (file-locked).
 
 :func:`precompile` lists the distinct kernels the buckets' forwards run (the model's
-``jit_kernels``), each with the smallest bucket that runs it. It starts worker processes for
-all but the first, then runs the first here. If that wrote no new kernel file to the disk
-caches, it was loaded from a warm cache, and capture loads every kernel as before. Otherwise
-the caches are cold, and the workers compile their share into them while this process waits;
-capture then loads them. Where the caches hold no kernel file at all, the workers start
-before the first kernel (cold for certain; they spend their first seconds importing);
-elsewhere only once it has compiled. (Whether a file appeared, not how long the call took: a
+``jit_kernels``), each with the smallest bucket that runs it, and runs the first here. If that
+wrote no new kernel file to the disk caches, it was loaded from a warm cache, and capture
+loads every kernel as before. Otherwise the caches are cold: worker processes compile the
+rest into them while this process waits, and capture then loads them. Where the caches hold
+no kernel file at all, the workers start before the first kernel rather than after it (cold
+for certain: they spend their first seconds importing). (Whether a file appeared, not how long the call took: a
 warm first call with FA4's import in it took 0.5-1.1 s on an H200 host, a compile 3.7-6 s.)
 Nothing here changes what runs: a kernel a worker failed to build is compiled by capture, as
 without it.
@@ -46,11 +45,10 @@ logger = logging.getLogger(__name__)
 
 WORKER_TIMEOUT_S = 600.0
 _KERNEL_CACHES = ("flash_attn.cute.cache_utils", "quack.cache.jit")  # modules whose get_cache_path() holds *.o kernels
-# Each op's disk cache, and the value that turns it off: a worker's compile only helps where
-# the kernel persists.
-_CACHE_SWITCH = {"attention": ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0"),
-                 "qkv": ("QUACK_CACHE_ENABLED", "0"), "qkv_rope": ("QUACK_CACHE_ENABLED", "0"),
-                 "fc1": ("QUACK_CACHE_ENABLED", "0")}
+# The switch of each op's disk cache ("1": on; vitgraph turns FA4's on unless it is set): a
+# worker's compile only helps where the kernel persists.
+_CACHE_SWITCH = {"attention": "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "qkv": "QUACK_CACHE_ENABLED",
+                 "qkv_rope": "QUACK_CACHE_ENABLED", "fc1": "QUACK_CACHE_ENABLED"}
 
 
 @dataclass(frozen=True)
@@ -86,8 +84,7 @@ def kernel_jobs(tower: Qwen2VisionTower, buckets: Sequence[Bucket]) -> list[Kern
 
 
 def _persists(op: str) -> bool:
-    name, off = _CACHE_SWITCH[op]
-    return os.environ.get(name, "1") != off
+    return os.environ.get(_CACHE_SWITCH[op], "1") == "1"
 
 
 def _shares(jobs: Sequence[KernelJob], workers: int) -> list[list[KernelJob]]:
@@ -171,7 +168,7 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
     if workers is None:
         workers = max(0, _usable_cpus() - 1)
     shares = _shares(rest, min(workers, len(rest)))
-    procs = []
+    procs = None  # not started
     try:
         before = _kernel_files()  # imports FlashAttention 4 and quack, so the first kernel's time is its own
         if before == 0:  # no kernel on disk at all: cold for certain, so the workers start at once
@@ -183,9 +180,9 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
         report.first_kernel_seconds = time.perf_counter() - t0
         report.cold = _kernel_files() > before  # it compiled, and wrote the kernel to disk
         if not report.cold:  # warm: capture loads every kernel itself
-            for proc, _ in procs:
+            for proc, _ in procs or ():
                 proc.kill()
-        elif not procs:  # kernels on disk, but not this one (another release, other buckets)
+        elif procs is None:  # kernels on disk, but not this one (another release, other buckets)
             procs = _start(tower, shares, device, report)
         deadline = time.monotonic() + WORKER_TIMEOUT_S
         for proc, log in procs if report.cold else ():
@@ -197,7 +194,7 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
             except subprocess.TimeoutExpired:
                 report.failures.append(f"timed out after {WORKER_TIMEOUT_S:.0f} s")
     finally:
-        for proc, log in procs:
+        for proc, log in procs or ():
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
