@@ -446,7 +446,8 @@ class GraphedVisionEncoder:
             stats.padded_tokens += step.padded_tokens
 
     def stats(self) -> dict[str, Any]:
-        """Replays and padding per bucket, eager fallbacks by reason, capture seconds and pool bytes."""
+        """Replays and padding per bucket, eager fallbacks by reason, capture seconds (the kernel
+        precompile included, whose report is under ``"precompile"``) and pool bytes."""
         with self._lock:
             buckets = {
                 b.name: {"tokens": b.tokens, "max_segments": b.max_segments, "max_seqlen": b.max_seqlen,
