@@ -46,6 +46,14 @@ def test_serving_reports_percentiles(tmp_path, capsys):
     assert all(e < 1e-4 for e in result["check"].values())
 
 
+def test_serving_takes_fitted_budgets(capsys):
+    result = serving.main(["--preset", "tiny", "--device", "cpu", "--loads", "2", "--requests", "3",
+                           "--systems", "vitgraph_eager", "--fit-budgets", "6"])
+    budgets = result["budgets"]
+    assert len(budgets) <= 6 and budgets == sorted(budgets) and budgets[-1] == 16384
+    assert [r["system"] for r in result["runs"]] == ["vitgraph_eager"]
+
+
 def test_serving_is_seeded():
     assert serving.request_grids(20, 3, 12845056) == serving.request_grids(20, 3, 12845056)
 

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from vitgraph.capture.planner import MAX_PADDING_WASTE, Bucket, budget_ladder, make_buckets, plan_call, smallest_fit
+from vitgraph.capture.planner import (MAX_PADDING_WASTE, Bucket, budget_ladder, fit_budgets, make_buckets, plan_call,
+                                      smallest_fit)
 
 BUCKETS = make_buckets([64, 128, 256, 512], max_items=8, merge_unit=4)
 
@@ -274,3 +275,49 @@ def test_default_h200_ladder_plans_the_serving_mix():
             used.add(s.bucket.max_seqlen < s.bucket.tokens)
     assert used == {True, False}  # both kinds of bucket take traffic
     assert eager_packed > 0 and replayed_large > 0
+
+
+def _padding(counts, budgets):
+    return sum(min(b for b in budgets if b >= n) - n for n in counts if n <= max(budgets))
+
+
+def test_fit_budgets_is_the_least_padding_of_any_choice():
+    import itertools
+
+    rng = random.Random(0)
+    for _ in range(200):
+        max_budget = 4 * rng.randint(5, 30)
+        counts = [4 * rng.randint(1, max_budget // 4 + 3) for _ in range(rng.randint(1, 15))]  # some above
+        k = rng.randint(1, 5)
+        fitted = fit_budgets(counts, k, max_budget)
+        assert len(fitted) <= k and fitted == sorted(set(fitted)) and fitted[-1] == max_budget
+        candidates = sorted({n for n in counts if n < max_budget})
+        least = min(_padding(counts, [*c, max_budget]) for r in range(k) for c in itertools.combinations(candidates, r))
+        assert _padding(counts, fitted) == least
+
+
+def test_fitted_budgets_pad_the_serving_mix_less_than_the_default_ladder():
+    from vitgraph.bench.serving import request_grids
+
+    def padding_share(budgets, grids):
+        buckets = make_buckets(budgets, 16, 4)
+        steps = [s for g in grids for s in plan_call([g], buckets, exact_eager_above=8192).steps if s.bucket]
+        return sum(s.padded_tokens for s in steps) / sum(s.tokens for s in steps)
+
+    seen, unseen = request_grids(1000, 1, 12845056), request_grids(1000, 0, 12845056)
+    graphed = [t * h * w for t, h, w in seen if t > 1 or h * w <= 8192]  # one frame above 8192: eager
+    fitted = fit_budgets(graphed, 12, 16384)
+    default = budget_ladder(256, 16384)
+    assert len(fitted) <= 12 < len(default)
+    assert padding_share(fitted, unseen) < 0.5 * padding_share(default, unseen)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(token_counts=[]), "token_counts"), (dict(token_counts="256"), "token_counts"),
+    (dict(token_counts=[256, 130]), "token_counts"), (dict(token_counts=[256, True]), "token_counts"),
+    (dict(max_buckets=0), "max_buckets"), (dict(max_budget=1030), "max_budget"), (dict(max_budget=2.0), "max_budget"),
+])
+def test_fit_budgets_refuses_bad_input(kwargs, field):
+    args = {"token_counts": [256, 1024], "max_buckets": 4, "max_budget": 4096, **kwargs}
+    with pytest.raises(ValueError, match=field):
+        fit_budgets(**args)

@@ -22,6 +22,8 @@ import time
 import numpy as np
 import torch
 
+from ..capture import fit_budgets
+from ..encoder import EngineOptions
 from ..preprocess import MAX_PIXELS, MIN_PIXELS, smart_resize
 from . import common
 
@@ -99,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", nargs="*", default=None, help="subset of hf_eager vitgraph_eager vitgraph_graph")
     p.add_argument("--max-pixels", type=int, default=MAX_PIXELS)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fit-budgets", type=int, metavar="N",
+                   help="give the graph system at most N budgets fitted (vitgraph.capture.fit_budgets) to "
+                        "another sample of the mix, one request per step, instead of the default ladder")
     p.add_argument("--json", help="write the full result here")
     return p
 
@@ -111,9 +116,15 @@ def main(argv: list[str] | None = None) -> dict:
     systems = args.systems or (["hf_eager", "vitgraph_eager", "vitgraph_graph"] if on_gpu
                                else ["hf_eager", "vitgraph_eager"])
     max_budget = 16384
-    runners, eager_enc, _ = common.build_systems(args, systems, max_budget)
-    device, dtype = eager_enc.device, eager_enc.dtype
     max_pixels = args.max_pixels if on_gpu else min(args.max_pixels, 200704)  # keep the CPU run short
+    engine = {}
+    if args.fit_budgets:
+        eager_above = EngineOptions().exact_eager_above  # single frames above it never replay
+        sample = request_grids(2000, args.seed + 1, max_pixels)
+        engine["budgets"] = fit_budgets([t * h * w for t, h, w in sample if t > 1 or h * w <= eager_above],
+                                        args.fit_budgets, max_budget)
+    runners, eager_enc, _ = common.build_systems(args, systems, max_budget, **engine)
+    device, dtype = eager_enc.device, eager_enc.dtype
 
     gen = torch.Generator().manual_seed(args.seed)
     cache: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -125,7 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
         return cache[grid]
 
     result = {**common.environment(device), "preset": args.model or args.preset, "dtype": str(dtype)[6:],
-              "requests_per_load": n, "max_pixels": max_pixels, "mix": [m[0] for m in MIX], "runs": []}
+              "requests_per_load": n, "max_pixels": max_pixels, "mix": [m[0] for m in MIX],
+              "budgets": engine.get("budgets", "default ladder"), "runs": []}
     grids = request_grids(n, args.seed, max_pixels)
     result["mean_tokens_per_request"] = statistics.fmean(t * h * w for t, h, w in grids)
     # Correctness first: every system on one mixed batch, against vitgraph_eager.

@@ -24,8 +24,11 @@ steps of short frames prefer their budget's short-frame bucket.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
+
+import numpy as np
 
 Grid = tuple[int, int, int]
 
@@ -102,6 +105,57 @@ def budget_ladder(min_budget: int, max_budget: int, align: int = 4) -> list[int]
             next_budget = power
         budgets.append(min(next_budget, max_budget))
     return budgets
+
+
+def fit_budgets(token_counts: Sequence[int], max_buckets: int, max_budget: int, align: int = 4) -> list[int]:
+    """At most ``max_buckets`` budgets, the largest ``max_budget``, that pad a sample of your
+    traffic least: each step of ``token_counts[i]`` patch tokens pads up to the smallest budget
+    that holds it. Give one count per step the graphs will run: per ``encode`` call (its total),
+    or per item where calls hold one item, leaving out what runs eagerly anyway (a single frame
+    above the encoder's ``exact_eager_above``). Counts above ``max_budget`` are left out: such
+    steps run eagerly or are split. Exact: dynamic programming over the distinct counts, each a
+    candidate budget. Pass the result as the encoder's ``budgets``."""
+    for name, value in (("max_buckets", max_buckets), ("max_budget", max_budget), ("align", align)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if max_budget % align:
+        raise ValueError(f"max_budget must be a multiple of {align}, got {max_budget}")
+    if isinstance(token_counts, (str, bytes)) or not isinstance(token_counts, Sequence) or not token_counts:
+        raise ValueError("token_counts must be a non-empty list of ints")
+    for n in token_counts:
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n % align:
+            raise ValueError(f"token_counts must be positive multiples of {align}, got {n!r}")
+    counts = Counter(n for n in token_counts if n <= max_budget)
+    counts.setdefault(max_budget, 0)  # the largest budget is always kept: it bounds every packing
+    sizes = np.array(sorted(counts), dtype=np.float64)
+    weights = np.array([counts[int(u)] for u in sizes], dtype=np.float64)
+    m = len(sizes)
+    pc = np.concatenate([[0.0], np.cumsum(weights)])  # steps among sizes[:i]
+    ps = np.concatenate([[0.0], np.cumsum(weights * sizes)])  # their tokens
+    # best[j]: least padding of the steps up to sizes[j] with the budgets so far, the last at
+    # sizes[j]; a group sizes[i..j] under budget sizes[j] pads sizes[j] * (pc[j+1] - pc[i]) -
+    # (ps[j+1] - ps[i]).
+    best = sizes * pc[1:] - ps[1:]  # one budget
+    starts = [np.zeros(m, dtype=np.int64)]  # per budget count: where the last group starts (-1: none added)
+    for _ in range(1, min(max_buckets, m)):
+        reach = best[:-1] + ps[1:-1]  # best[i - 1] + ps[i] for i = 1..m-1
+        new, start = best.copy(), np.full(m, -1, dtype=np.int64)  # the budget more may go unused
+        for j in range(1, m):
+            totals = reach[:j] - sizes[j] * pc[1:j + 1]  # over i = 1..j
+            i = int(np.argmin(totals))
+            total = totals[i] + sizes[j] * pc[j + 1] - ps[j + 1]
+            if total < new[j]:
+                new[j], start[j] = total, i + 1
+        best = new
+        starts.append(start)
+    budgets, j = [], m - 1
+    for start in reversed(starts):
+        if start[j] >= 0:
+            budgets.append(int(sizes[j]))
+            j = int(start[j]) - 1
+            if j < 0:
+                break
+    return sorted(budgets)
 
 
 def make_buckets(budgets: Sequence[int], max_items: int, merge_unit: int, dense: bool = False,
