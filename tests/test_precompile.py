@@ -101,7 +101,7 @@ def test_precompile_with_no_workers_or_no_kernels_does_nothing(hopper):
 def test_warm_caches_leave_every_kernel_to_capture(hopper, monkeypatch, files, started):
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)  # a kernel loaded from disk
-    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda: files)  # and no new file
+    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: files)  # and no new file
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
     # With no kernel on disk the workers start before the first kernel, and are stopped after it.
     assert (report.kernels, report.workers, report.cold, report.failures) == (9, started, False, [])
@@ -112,7 +112,7 @@ def test_failed_or_missing_workers_leave_the_kernels_to_capture(hopper, monkeypa
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
     files = iter(range(files_before, 100))
-    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda: next(files))  # each call finds one more
+    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: next(files))  # each call finds one more
     # The workers run FlashAttention 4 and quack on this machine's CPU: each fails, and says so.
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
     assert report.cold and report.workers == 2
@@ -133,13 +133,24 @@ def test_workers_only_compile_kernels_whose_cache_is_on(hopper, monkeypatch, swi
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
     files = iter(range(100))
-    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda: next(files))  # cold
+    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: next(files))  # cold
     started = []
     monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, shares, device, report: started.extend(shares) or [])
     monkeypatch.setenv(switch, "0")
     jobs = kernel_jobs(t, default_buckets(t))
     precompile(t, default_buckets(t), torch.device("cpu"), workers=16)
     assert [job for share in started for job in share] == [j for j in jobs[1:] if j.op in kept]
+
+
+@pytest.mark.parametrize("attention, caches", [("fa4", ["flash_attn.cute.cache_utils", "quack.cache.jit"]),
+                                               ("cudnn", ["quack.cache.jit"])])
+def test_only_the_caches_of_the_kernels_in_use_are_read(hopper, monkeypatch, attention, caches):
+    t = tower(attention=attention)
+    monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
+    read = []
+    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda names: read.append(names) or 1)  # warm
+    precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
+    assert read == [caches, caches]
 
 
 def test_kernel_files_are_counted_in_each_cache_that_loads(tmp_path, monkeypatch):
@@ -151,8 +162,8 @@ def test_kernel_files_are_counted_in_each_cache_that_loads(tmp_path, monkeypatch
             (root / f).parent.mkdir(parents=True, exist_ok=True)
             (root / f).touch()
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(get_cache_path=lambda root=root: root))
-    monkeypatch.setattr(vitgraph.precompile, "_KERNEL_CACHES", ("fake_fa4_cache", "no_such_module", "fake_quack_cache"))
-    assert vitgraph.precompile._kernel_files() == 3
+    assert vitgraph.precompile._kernel_files(["fake_fa4_cache", "no_such_module", "fake_quack_cache"]) == 3
+    assert vitgraph.precompile._kernel_files(["fake_quack_cache"]) == 1
 
 
 def test_a_worker_runs_its_jobs_and_reports_what_failed():

@@ -44,11 +44,12 @@ from .models.qwen2_vl import Qwen2VisionTower
 logger = logging.getLogger(__name__)
 
 WORKER_TIMEOUT_S = 600.0
-_KERNEL_CACHES = ("flash_attn.cute.cache_utils", "quack.cache.jit")  # modules whose get_cache_path() holds *.o kernels
-# The switch of each op's disk cache ("1": on; vitgraph turns FA4's on unless it is set): a
-# worker's compile only helps where the kernel persists.
-_CACHE_SWITCH = {"attention": "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "qkv": "QUACK_CACHE_ENABLED",
-                 "qkv_rope": "QUACK_CACHE_ENABLED", "fc1": "QUACK_CACHE_ENABLED"}
+# Per op: the module whose get_cache_path() holds its compiled kernels (*.o files), and the
+# switch of that disk cache ("1": on; vitgraph turns FA4's on unless it is set). A worker's
+# compile only helps where the kernel persists.
+_FA4_CACHE = ("flash_attn.cute.cache_utils", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED")
+_QUACK_CACHE = ("quack.cache.jit", "QUACK_CACHE_ENABLED")
+_DISK_CACHE = {"attention": _FA4_CACHE, "qkv": _QUACK_CACHE, "qkv_rope": _QUACK_CACHE, "fc1": _QUACK_CACHE}
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def kernel_jobs(tower: Qwen2VisionTower, buckets: Sequence[Bucket]) -> list[Kern
 
 
 def _persists(op: str) -> bool:
-    return os.environ.get(_CACHE_SWITCH[op], "1") == "1"
+    return os.environ.get(_DISK_CACHE[op][1], "1") == "1"
 
 
 def _shares(jobs: Sequence[KernelJob], workers: int) -> list[list[KernelJob]]:
@@ -103,11 +104,11 @@ def _spec(tower: Qwen2VisionTower, jobs: Sequence[KernelJob], device: torch.devi
     })
 
 
-def _kernel_files() -> int:
-    """Compiled kernels in FlashAttention 4's and quack's disk caches (imports both libraries)."""
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")  # before FA4 reads it, as vitgraph.attention
+def _kernel_files(modules: Sequence[str]) -> int:
+    """Compiled kernels in the disk caches of ``modules`` (see ``_DISK_CACHE``; imports them)."""
+    os.environ.setdefault(_FA4_CACHE[1], "1")  # before FA4 reads it, as vitgraph.attention does
     count = 0
-    for name in _KERNEL_CACHES:
+    for name in modules:
         try:
             root = Path(importlib.import_module(name).get_cache_path())
         except Exception:  # not installed, or a release without it: nothing to count there
@@ -170,7 +171,8 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
     shares = _shares(rest, min(workers, len(rest)))
     procs = None  # not started
     try:
-        before = _kernel_files()  # imports FlashAttention 4 and quack, so the first kernel's time is its own
+        caches = sorted({_DISK_CACHE[job.op][0] for job in jobs})
+        before = _kernel_files(caches)  # imports FA4 and quack: the first kernel's time is then its own
         if before == 0:  # no kernel on disk at all: cold for certain, so the workers start at once
             procs = _start(tower, shares, device, report)
         t0 = time.perf_counter()
@@ -178,7 +180,7 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
             tower.run_jit_kernel(first.op, _layout(tower, first.bucket).to(device))
         _synchronize(device)
         report.first_kernel_seconds = time.perf_counter() - t0
-        report.cold = _kernel_files() > before  # it compiled, and wrote the kernel to disk
+        report.cold = _kernel_files(caches) > before  # it compiled, and wrote the kernel to disk
         if not report.cold:  # warm: capture loads every kernel itself
             for proc, _ in procs or ():
                 proc.kill()
