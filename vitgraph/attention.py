@@ -86,10 +86,18 @@ def _has_fa4(device: torch.device) -> bool:
         return False
 
 
+FA4_CACHE_SWITCH = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"  # FA4 reads it once, at import
+
+
+def enable_fa4_disk_cache() -> None:
+    """Turn FlashAttention 4's disk cache of compiled kernels on, unless the variable is set
+    (to "0" to opt out). FA4 compiles its kernels on first use (~5 s); the cache makes that
+    once per machine instead of once per process. Call it before FA4 is imported."""
+    os.environ.setdefault(FA4_CACHE_SWITCH, "1")
+
+
 def _fa4_forward():
-    # FlashAttention 4 compiles its kernels on first use (~5 s); its disk cache makes that
-    # once per machine instead of once per process. Set the variable to "0" to opt out.
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    enable_fa4_disk_cache()
     # The forward the public varlen function wraps (in an autograd Function), which also takes
     # a tile shape; vitgraph never needs FA4's backward.
     from flash_attn.cute.interface import _flash_attn_fwd

@@ -304,11 +304,10 @@ class GraphedVisionEncoder:
             raise ValueError(f"capture() needs graph mode on CUDA; this encoder runs eagerly on {self.device}")
         with self._lock:
             before = self.bank.buckets
-            start = time.perf_counter()
-            todo = [b for b in self.bank.requested if b not in self.bank.graphs]
+            todo = self.bank.uncaptured
             if todo:
                 self._precompile = precompile(self.tower, todo, self.device, self.options.compile_workers)
-            self._precompile_seconds += time.perf_counter() - start
+                self._precompile_seconds += self._precompile.seconds
             self.bank.capture(pool_limit_bytes=self.options.pool_limit_bytes, progress=self.options.progress)
             if self.options.route_single_frames and self.bank.buckets != before:  # else the timings still hold
                 start = time.perf_counter()

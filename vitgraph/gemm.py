@@ -218,7 +218,7 @@ def fc1_kernel(rows: int, weight: torch.Tensor, backend: str) -> tuple | None:
     rows, as a hashable key (equal keys: one kernel); None where it runs on cuBLAS."""
     if backend != "quack" or not _quack_rows(rows, weight, QUACK_MIN_ROWS):
         return None
-    return "fc1", str(weight.dtype), _tile_key(fc1_tile, rows, weight)
+    return "fc1", str(weight.dtype), _tile_items(fc1_tile, rows, weight.shape[0], weight.device)
 
 
 def qkv_kernel(rows: int, weight: torch.Tensor, backend: str) -> tuple | None:
@@ -231,11 +231,7 @@ def qkv_kernel(rows: int, weight: torch.Tensor, backend: str) -> tuple | None:
 
 def qkv_rope_kernel(rows: int, weight: torch.Tensor) -> tuple:
     """The compiled kernel :func:`linear_qkv_rope` runs for ``rows`` rows."""
-    return "qkv_rope", str(weight.dtype), _tile_key(rope_tile, rows, weight)
-
-
-def _tile_key(pick, rows: int, weight: torch.Tensor) -> tuple:
-    return tuple(pick(rows, weight.shape[0], arch_and_sm_count(weight.device)[1]).items())
+    return "qkv_rope", str(weight.dtype), _tile_items(rope_tile, rows, weight.shape[0], weight.device)
 
 
 def _tiles(rows: int, cols: int, tile: dict) -> int:
@@ -267,8 +263,14 @@ def fc1_tile(rows: int, cols: int, sm_count: int) -> dict:
     return pick_tile(rows, cols, sm_count, QUACK_FC1_WAVE_US, QUACK_FC1_TILES)
 
 
+def _tile_items(pick, rows: int, cols: int, device: torch.device) -> tuple:
+    """The tile ``pick`` (:func:`fc1_tile`, :func:`rope_tile`) gives ``rows x cols`` on ``device``,
+    as hashable items: a kernel's key, and :func:`_config`'s."""
+    return tuple(pick(rows, cols, arch_and_sm_count(device)[1]).items())
+
+
 def _config(pick, rows: int, cols: int, device: torch.device):
-    return _gemm_config(tuple(pick(rows, cols, arch_and_sm_count(device)[1]).items()))
+    return _gemm_config(_tile_items(pick, rows, cols, device))
 
 
 @functools.cache

@@ -37,6 +37,8 @@ from typing import Sequence
 
 import torch
 
+from .attention import FA4_CACHE_SWITCH, enable_fa4_disk_cache
+from .capture.graphs import padded_batch
 from .capture.planner import Bucket
 from .config import VisionConfig
 from .models.qwen2_vl import Qwen2VisionTower
@@ -47,7 +49,7 @@ WORKER_TIMEOUT_S = 600.0
 # Per op: the module whose get_cache_path() holds its compiled kernels (*.o files), and the
 # switch of that disk cache ("1": on; vitgraph turns FA4's on unless it is set). A worker's
 # compile only helps where the kernel persists.
-_FA4_CACHE = ("flash_attn.cute.cache_utils", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED")
+_FA4_CACHE = ("flash_attn.cute.cache_utils", FA4_CACHE_SWITCH)
 _QUACK_CACHE = ("quack.cache.jit", "QUACK_CACHE_ENABLED")
 _DISK_CACHE = {"attention": _FA4_CACHE, "qkv": _QUACK_CACHE, "qkv_rope": _QUACK_CACHE, "fc1": _QUACK_CACHE}
 
@@ -69,17 +71,12 @@ class PrecompileReport:
     failures: list[str] = field(default_factory=list)  # workers that did not finish cleanly
 
 
-def _layout(tower: Qwen2VisionTower, bucket: Bucket):
-    return tower.build_batch([], num_tokens=bucket.tokens, num_segments=bucket.max_segments,
-                             max_seqlen=bucket.max_seqlen)
-
-
 def kernel_jobs(tower: Qwen2VisionTower, buckets: Sequence[Bucket]) -> list[KernelJob]:
     """One job per distinct kernel the forwards of ``buckets`` run, with the smallest bucket
     that runs it; attention first (FlashAttention 4's compiles take longest)."""
     jobs: dict[tuple, KernelJob] = {}
     for bucket in sorted(buckets):
-        for op, key in tower.jit_kernels(_layout(tower, bucket)):
+        for op, key in tower.jit_kernels(padded_batch(tower, bucket)):
             jobs.setdefault(key, KernelJob(op, key, bucket))
     return sorted(jobs.values(), key=lambda j: (j.op != "attention", j.bucket))
 
@@ -106,7 +103,7 @@ def _spec(tower: Qwen2VisionTower, jobs: Sequence[KernelJob], device: torch.devi
 
 def _kernel_files(modules: Sequence[str]) -> int:
     """Compiled kernels in the disk caches of ``modules`` (see ``_DISK_CACHE``; imports them)."""
-    os.environ.setdefault(_FA4_CACHE[1], "1")  # before FA4 reads it, as vitgraph.attention does
+    enable_fa4_disk_cache()  # before FA4 is imported here, and inherited by the workers
     count = 0
     for name in modules:
         try:
@@ -126,10 +123,8 @@ def _usable_cpus() -> int:
 
 def _spawn(spec: str):
     env = dict(os.environ)
-    # The workers import vitgraph and its kernel libraries from where this process does, and
-    # keep FlashAttention 4's disk cache on as vitgraph.attention does here.
+    # The workers import vitgraph and its kernel libraries from where this process does.
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-c", _WORKER_COMMAND, spec], env=env,
                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
@@ -164,6 +159,7 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
     jobs = kernel_jobs(tower, buckets)
     report = PrecompileReport(kernels=len(jobs))
     if workers == 0 or not jobs:
+        report.seconds = time.perf_counter() - start
         return report
     first, rest = jobs[0], [j for j in jobs[1:] if _persists(j.op)]
     if workers is None:
@@ -177,7 +173,7 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
             procs = _start(tower, shares, device, report)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            tower.run_jit_kernel(first.op, _layout(tower, first.bucket).to(device))
+            tower.run_jit_kernel(first.op, padded_batch(tower, first.bucket).to(device))
         _synchronize(device)
         report.first_kernel_seconds = time.perf_counter() - t0
         report.cold = _kernel_files(caches) > before  # it compiled, and wrote the kernel to disk
@@ -239,7 +235,7 @@ def worker_main(spec_json: str) -> None:
     with torch.inference_mode():
         for op, tokens, segments, max_seqlen in spec["jobs"]:
             lap = time.perf_counter()
-            tower.run_jit_kernel(op, _layout(tower, Bucket(tokens, segments, max_seqlen)).to(device))
+            tower.run_jit_kernel(op, padded_batch(tower, Bucket(tokens, segments, max_seqlen)).to(device))
             _synchronize(device)
             timings[f"{op}@{Bucket(tokens, segments, max_seqlen).name}_s"] = round(time.perf_counter() - lap, 2)
     print(json.dumps(timings), flush=True)

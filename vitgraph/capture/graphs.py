@@ -54,6 +54,13 @@ def _external_event() -> torch.cuda.Event | None:
         return None
 
 
+def padded_batch(model, bucket: Bucket, grids=()):
+    """Host metadata of ``grids`` in ``bucket``'s padded layout; none: the empty layout that
+    warm-up and capture run on."""
+    return model.build_batch(grids, num_tokens=bucket.tokens, num_segments=bucket.max_segments,
+                             max_seqlen=bucket.max_seqlen)
+
+
 def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
@@ -110,13 +117,13 @@ class GraphBank:
     def buckets(self) -> list[Bucket]:
         return sorted(self.graphs)
 
-    def _host_batch(self, bucket: Bucket, grids):
-        """Host metadata of ``grids`` in ``bucket``'s padded layout."""
-        return self.model.build_batch(grids, num_tokens=bucket.tokens, num_segments=bucket.max_segments,
-                                      max_seqlen=bucket.max_seqlen)
+    @property
+    def uncaptured(self) -> list[Bucket]:
+        """Requested buckets with no graph yet (never captured, or dropped), largest first."""
+        return [b for b in reversed(self.requested) if b not in self.graphs]
 
     def _layout(self, bucket: Bucket):
-        layout = self._host_batch(bucket, [])
+        layout = padded_batch(self.model, bucket)
         for name, t in layout.tensors().items():
             if t.dtype != torch.int32:
                 raise TypeError(f"the graph engine stages int32 metadata; {name} is {t.dtype}")
@@ -145,7 +152,7 @@ class GraphBank:
 
     def stage_grids(self, bucket: Bucket, grids) -> np.ndarray:
         """:meth:`stage` of ``grids`` laid out for ``bucket``: what :meth:`load` takes for them."""
-        return self.stage(self._host_batch(bucket, grids))
+        return self.stage(padded_batch(self.model, bucket, grids))
 
     def load(self, bucket: Bucket, pixels: torch.Tensor, staged: np.ndarray) -> None:
         """Copy one step's inputs into the static buffers, on the current stream (rows past
@@ -181,7 +188,7 @@ class GraphBank:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # cached free blocks would hide the pool's growth from the limit check
         reserved_before = torch.cuda.memory_reserved(self.device)
-        todo = [b for b in reversed(self.requested) if b not in self.graphs]
+        todo = self.uncaptured
         pool = next(iter(self.graphs.values())).graph.pool() if self.graphs else None
         for bucket in tqdm(todo, desc="capturing CUDA graphs", unit="graph", disable=not progress):
             # Valid (empty) metadata for warm-up and capture; kernels read the real one at replay.
