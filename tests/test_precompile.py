@@ -1,5 +1,6 @@
 """Kernel precompilation: which kernels the buckets run, the worker processes, the cold-cache path."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,14 +11,17 @@ import pytest
 import torch
 
 import vitgraph.attention
+import vitgraph.encoder
 import vitgraph.gemm
+import vitgraph.models.qwen2_vl
 import vitgraph.precompile
 from vitgraph import fa4_persistent
 from vitgraph.capture.planner import Bucket, budget_ladder, make_buckets
 from vitgraph.config import VisionConfig
-from vitgraph.encoder import EngineOptions, dense_limit
+from vitgraph.encoder import EngineOptions, buckets_for, dense_limit
 from vitgraph.loading import build_tower
-from vitgraph.precompile import KernelJob, _spawn, _spec, _tail, kernel_jobs, precompile
+from vitgraph.precompile import (EarlyWorkers, KernelJob, _persists, _spawn, _spec, _tail, kernel_jobs, precompile,
+                                 start_early, worker_main)
 
 H200_SMS = 132
 
@@ -183,23 +187,116 @@ def test_compile_workers_option_is_checked(value):
         EngineOptions(compile_workers=value)
 
 
+@pytest.fixture
+def empty_caches(tmp_path, monkeypatch):
+    """Both libraries usable here, as on an H200, their disk caches in empty directories, and
+    worker starts recorded instead of run."""
+    roots = {}
+    for module, variable in (("flash_attn.cute.cache_utils", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"),
+                             ("quack.cache.jit", "QUACK_CACHE_DIR")):
+        roots[module] = tmp_path / variable
+        monkeypatch.setenv(variable, str(roots[module]))
+    monkeypatch.setattr(vitgraph.precompile, "_has_fa4", lambda device: True)
+    monkeypatch.setattr(vitgraph.precompile, "quack_available", lambda device: True)
+    specs = []
+    monkeypatch.setattr(vitgraph.precompile, "_spawn", lambda spec: specs.append(json.loads(spec)) or (None, None))
+    return roots, specs
+
+
+def start(workers=None, device="cuda", dtype=torch.bfloat16, **options):
+    return start_early(VisionConfig(), torch.device(device), dtype,
+                       dataclasses.asdict(EngineOptions(compile_workers=workers, **options)))
+
+
+def test_workers_start_with_the_encoder_only_where_no_kernel_is_on_disk(empty_caches, monkeypatch):
+    roots, specs = empty_caches
+    early = start(workers=3)
+    assert early.count == 3 and len(early.procs) == 3 and early.roots == roots
+    assert [spec["share"] for spec in specs] == [[0, 3], [1, 3], [2, 3]]
+    assert specs[0]["config"]["depth"] == 1 and specs[0]["dtype"] == "bfloat16" and specs[0]["device"] == "cuda"
+    assert specs[0]["options"] == dataclasses.asdict(EngineOptions(compile_workers=3))
+    monkeypatch.setattr(vitgraph.precompile, "_usable_cpus", lambda: 64)
+    assert start().count == vitgraph.precompile.EARLY_WORKERS
+    monkeypatch.setattr(vitgraph.precompile, "_usable_cpus", lambda: 3)
+    assert start().count == 2
+    specs.clear()
+    # None started: no workers asked for, no GPU, no kernel library in use, or a kernel on disk.
+    assert start(workers=0) is None and start(device="cpu") is None
+    assert start(attention="cudnn", gemm="cublas") is None and start(dtype=torch.float32) is None
+    monkeypatch.setenv("QUACK_CACHE_ENABLED", "0")
+    assert start(attention="cudnn") is None  # quack's kernels would not persist: nothing to compile ahead
+    monkeypatch.delenv("QUACK_CACHE_ENABLED")
+    (roots["quack.cache.jit"] / "k").mkdir(parents=True)
+    (roots["quack.cache.jit"] / "k" / "gemm.o").touch()
+    assert start() is None
+    assert specs == []
+
+
+def test_early_workers_are_adopted_only_where_the_libraries_keep_their_kernels(hopper, empty_caches, monkeypatch):
+    roots, _ = empty_caches
+    t = tower()
+    monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
+    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: 3)  # the workers wrote some already
+    started = []
+    monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, shares, device, report: started.extend(shares) or [])
+    stopped = []
+    procs = [("proc", "log")] * 0  # nothing to wait for here
+    early = EarlyWorkers(procs, 4, dict(roots))
+    monkeypatch.setattr(early, "stop", lambda: stopped.append(True))
+    monkeypatch.setattr(vitgraph.precompile, "_cache_roots", lambda caches: dict(roots))
+    report = precompile(t, default_buckets(t), torch.device("cpu"), early=early)
+    assert report.early and report.cold and report.workers == 0 and stopped == [] and started == []
+    # The libraries, imported, keep their kernels elsewhere: those workers looked at the wrong
+    # directories, so they are stopped and the usual check runs (here: warm).
+    monkeypatch.setattr(vitgraph.precompile, "_cache_roots",
+                        lambda caches: {**roots, "quack.cache.jit": roots["quack.cache.jit"].parent / "other"})
+    report = precompile(t, default_buckets(t), torch.device("cpu"), early=early)
+    assert not report.early and not report.cold and stopped == [True] and started == []
+    report = precompile(t, default_buckets(t), torch.device("cpu"), workers=0, early=early)
+    assert stopped == [True, True]  # no precompiling at all: stopped too
+
+
+def test_an_early_worker_compiles_its_share_of_the_kernels_the_encoder_will_run(hopper, monkeypatch, capsys):
+    t = tower()
+    options = EngineOptions(compile_workers=3)
+    rest = [j for j in kernel_jobs(t, buckets_for(t, options, "fa4", torch.device("cpu")))[1:] if _persists(j.op)]
+    assert len(rest) >= 6
+
+    def as_on_a_gpu(tower, options, device, dtype):  # the backends an H200 resolves to
+        tower.set_attention_backend("fa4")
+        tower.fused, tower.gemm_backend = True, "quack"
+        return "fa4", "quack"
+
+    monkeypatch.setattr(vitgraph.encoder, "configure_tower", as_on_a_gpu)
+    ran = []
+    monkeypatch.setattr(vitgraph.models.qwen2_vl.Qwen2VisionTower, "run_jit_kernel",
+                        lambda self, op, batch: ran.append((op, batch.positions.shape[0])))
+    spec = {"started": 0.0, "config": dataclasses.asdict(VisionConfig(depth=1)), "dtype": "bfloat16",
+            "device": "cpu", "options": dataclasses.asdict(options)}
+    for index in range(3):
+        ran.clear()
+        worker_main(json.dumps({**spec, "share": [index, 3]}))
+        assert ran == [(j.op, j.bucket.tokens) for j in rest[index::3]]
+        assert json.loads(capsys.readouterr().out.splitlines()[-1]).keys() >= {f"{j.op}@{j.bucket.name}_s"
+                                                                                for j in rest[index::3]}
+
+
 COLD_START = textwrap.dedent("""
     import json, pathlib, sys, time
-    from dataclasses import asdict
     import torch
+    import vitgraph.encoder
     from vitgraph import GraphedVisionEncoder
     from vitgraph.config import VisionConfig
-    from vitgraph.precompile import precompile
     roots = [pathlib.Path(p) for p in sys.argv[1:]]
     objects = lambda: sorted(str(p.relative_to(r)) for r in roots for p in r.rglob("*.o"))
-    enc = GraphedVisionEncoder.from_config(VisionConfig(depth=1), device="cuda", dtype=torch.bfloat16,
-                                           budgets=[256, 1024, 2304], capture=False, progress=False)
+    compiled = []  # the kernel files on disk once precompile returns, before capture starts
+    precompile = vitgraph.encoder.precompile
+    vitgraph.encoder.precompile = lambda *args, **kwargs: (precompile(*args, **kwargs), compiled.extend(objects()))[0]
     start = time.perf_counter()
-    first = precompile(enc.tower, enc.bank.requested, enc.device)
-    compiled = objects()
-    enc.capture()
-    print(json.dumps({"first": asdict(first), "in_capture": enc.stats()["precompile"], "compiled": compiled,
-                      "after_capture": objects(), "seconds": time.perf_counter() - start}))
+    enc = GraphedVisionEncoder.from_config(VisionConfig(depth=1), device="cuda", dtype=torch.bfloat16,
+                                           budgets=[256, 1024, 2304], progress=False)
+    print(json.dumps({"first": enc.stats()["precompile"], "compiled": compiled, "after_capture": objects(),
+                      "seconds": time.perf_counter() - start}))
 """)
 
 
@@ -220,13 +317,14 @@ def test_cold_caches_are_filled_by_workers_and_capture_compiles_nothing(tmp_path
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     cold, warm = run(), run()
-    print(f"\n[precompile] cold: {cold['first']} then {cold['seconds']:.1f} s with capture; "
+    print(f"\n[precompile] cold: {cold['first']} then {cold['seconds']:.1f} s with build and capture; "
           f"warm: {warm['first']} then {warm['seconds']:.1f} s")
     first = cold["first"]
-    assert first["cold"] and first["workers"] >= 1 and first["failures"] == []
+    # No kernel on disk: the workers started with the encoder, before its build.
+    assert first["cold"] and first["early"] and first["workers"] >= 1 and first["failures"] == []
     assert len(cold["compiled"]) >= first["kernels"] >= 5
     assert cold["after_capture"] == cold["compiled"]  # capture loaded every kernel, compiled none
-    assert not cold["in_capture"]["cold"]
     # A later process on the same caches: one kernel load tells it so, and it compiles nothing.
-    assert not warm["first"]["cold"] and warm["first"]["failures"] == [] and warm["first"]["workers"] == 0
+    assert not warm["first"]["cold"] and not warm["first"]["early"]
+    assert warm["first"]["failures"] == [] and warm["first"]["workers"] == 0
     assert warm["after_capture"] == cold["compiled"]

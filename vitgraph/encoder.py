@@ -23,7 +23,7 @@ from .config import PRESETS, VisionConfig
 from .gemm import GEMM_BACKENDS, resolve_gemm
 from .loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
 from .models.qwen2_vl import Qwen2VisionTower
-from .precompile import PrecompileReport, precompile
+from .precompile import PrecompileReport, precompile, start_early
 from .validation import check_out, check_pixels, check_rows, normalize_grid
 
 logger = logging.getLogger(__name__)
@@ -130,6 +130,34 @@ def short_cap_rule(options: EngineOptions, attention_backend: str, heads: int, d
     return lambda budget: attention_kernels.fa4_short_cap(budget, heads, sm_count, unit)
 
 
+def configure_tower(tower: Qwen2VisionTower, options: EngineOptions, device: torch.device,
+                    dtype: torch.dtype) -> tuple[str, str]:
+    """Set ``tower``'s attention backend, fusion and GEMM backend as ``options`` ask (resolving
+    "auto" for ``device`` and ``dtype``); returns (attention, gemm)."""
+    tower.inv_freq = tower.inv_freq.float()  # rotary stays fp32 whatever the weight dtype
+    attention = resolve_backend(options.attention, device, dtype)
+    tower.set_attention_backend(attention)
+    fuse = options.fuse
+    if fuse is None:
+        fuse = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and kernels.usable(device)
+    tower.fuse(fuse)  # refuses fuse=True where the kernels cannot run
+    gemm = resolve_gemm(options.gemm, device, dtype, tower.fused)
+    tower.set_gemm_backend(gemm)
+    return attention, gemm
+
+
+def buckets_for(tower: Qwen2VisionTower, options: EngineOptions, attention: str,
+                      device: torch.device) -> list[Bucket]:
+    """The buckets an encoder with these options asks to capture."""
+    budgets = options.budgets
+    if budgets is None:
+        budgets = budget_ladder(options.min_budget, options.max_budget, align=tower.merge_unit)
+    return make_buckets(list(budgets), options.max_items, tower.merge_unit, dense=options.dense_buckets,
+                        dense_up_to=dense_limit(options, attention),
+                        short_cap=short_cap_rule(options, attention, tower.config.num_heads, device,
+                                                 tower.merge_unit))
+
+
 def _check_int(name: str, value, *, minimum: int, optional: bool = False) -> None:
     if optional and value is None:
         return
@@ -220,29 +248,20 @@ class GraphedVisionEncoder:
         self.dtype = _resolve_dtype(dtype, self.device)
         if self.options.mode == "graph" and self.device.type != "cuda":
             raise ValueError(f"mode='graph' needs a CUDA device, got {self.device}")
-        self.tower = tower.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
-        self.tower.inv_freq = self.tower.inv_freq.float()  # rotary stays fp32 whatever the weight dtype
-        self.attention = resolve_backend(self.options.attention, self.device, self.dtype)
-        self.tower.set_attention_backend(self.attention)
-        fuse = self.options.fuse
-        if fuse is None:
-            fuse = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16) and kernels.usable(
-                self.device)
-        self.tower.fuse(fuse)  # refuses fuse=True where the kernels cannot run
-        self.gemm = resolve_gemm(self.options.gemm, self.device, self.dtype, self.tower.fused)
-        self.tower.set_gemm_backend(self.gemm)
-        self.config: VisionConfig = tower.config
-
         self.use_graphs = self.options.mode == "graph" or (self.options.mode == "auto" and self.device.type == "cuda")
-        budgets = self.options.budgets
-        if budgets is None:
-            budgets = budget_ladder(self.options.min_budget, self.options.max_budget, align=tower.merge_unit)
-        self.requested_buckets = make_buckets(list(budgets), self.options.max_items, tower.merge_unit,
-                                              dense=self.options.dense_buckets,
-                                              dense_up_to=dense_limit(self.options, self.attention),
-                                              short_cap=short_cap_rule(self.options, self.attention,
-                                                                       tower.config.num_heads, self.device,
-                                                                       tower.merge_unit))
+        # With no compiled kernel on disk, kernel-compiling workers start now, before this
+        # process loads the kernel libraries, so that their start-up overlaps its own.
+        self._early_workers = (start_early(tower.config, self.device, self.dtype, asdict(self.options))
+                               if self.use_graphs else None)
+        try:
+            self.tower = tower.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+            self.attention, self.gemm = configure_tower(self.tower, self.options, self.device, self.dtype)
+        except BaseException:
+            if self._early_workers is not None:
+                self._early_workers.stop()
+            raise
+        self.config: VisionConfig = tower.config
+        self.requested_buckets = buckets_for(self.tower, self.options, self.attention, self.device)
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
@@ -306,7 +325,9 @@ class GraphedVisionEncoder:
             before = self.bank.buckets
             todo = self.bank.uncaptured
             if todo:
-                self._precompile = precompile(self.tower, todo, self.device, self.options.compile_workers)
+                self._precompile = precompile(self.tower, todo, self.device, self.options.compile_workers,
+                                              early=self._early_workers)
+                self._early_workers = None
                 self._precompile_seconds += self._precompile.seconds
             self.bank.capture(pool_limit_bytes=self.options.pool_limit_bytes, progress=self.options.progress)
             if self.options.route_single_frames and self.bank.buckets != before:  # else the timings still hold

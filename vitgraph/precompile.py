@@ -23,6 +23,7 @@ its ops alone on zeros (the model's ``run_jit_kernel``).
 
 from __future__ import annotations
 
+import getpass
 import importlib
 import json
 import logging
@@ -37,10 +38,11 @@ from typing import Sequence
 
 import torch
 
-from .attention import FA4_CACHE_SWITCH, enable_fa4_disk_cache
+from .attention import FA4_CACHE_SWITCH, _has_fa4, enable_fa4_disk_cache
 from .capture.graphs import padded_batch
 from .capture.planner import Bucket
 from .config import VisionConfig
+from .gemm import quack_available
 from .models.qwen2_vl import Qwen2VisionTower
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,14 @@ WORKER_TIMEOUT_S = 600.0
 _FA4_CACHE = ("flash_attn.cute.cache_utils", FA4_CACHE_SWITCH)
 _QUACK_CACHE = ("quack.cache.jit", "QUACK_CACHE_ENABLED")
 _DISK_CACHE = {"attention": _FA4_CACHE, "qkv": _QUACK_CACHE, "qkv_rope": _QUACK_CACHE, "fc1": _QUACK_CACHE}
+# Where each library puts its disk cache (its variable, else <tempdir>/<user>/<name>), known
+# without importing it: start_early looks there before anything is imported, and precompile
+# adopts the early workers only where the imported libraries name the same directories.
+_CACHE_DIR_DEFAULTS = {_FA4_CACHE[0]: ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "flash_attention_cute_dsl_cache"),
+                       _QUACK_CACHE[0]: ("QUACK_CACHE_DIR", "quack_cache")}
+# Most workers start_early starts when compile_workers is None (it cannot count the kernels
+# before the libraries load): one per kernel of the default buckets after the first.
+EARLY_WORKERS = 8
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,7 @@ class PrecompileReport:
     workers: int = 0  # processes started
     cold: bool = False  # the first kernel compiled here (caches cold), so the workers ran
     first_kernel_seconds: float = 0.0  # the first kernel here: a load from disk, or a compile
+    early: bool = False  # the workers started with the encoder, before its build (no kernel on disk then)
     seconds: float = 0.0
     failures: list[str] = field(default_factory=list)  # workers that did not finish cleanly
 
@@ -101,17 +112,35 @@ def _spec(tower: Qwen2VisionTower, jobs: Sequence[KernelJob], device: torch.devi
     })
 
 
-def _kernel_files(modules: Sequence[str]) -> int:
-    """Compiled kernels in the disk caches of ``modules`` (see ``_DISK_CACHE``; imports them)."""
+def _cache_roots(modules: Sequence[str]) -> dict[str, Path]:
+    """The disk-cache directory of each of ``modules`` that loads (see ``_DISK_CACHE``; imports them)."""
     enable_fa4_disk_cache()  # before FA4 is imported here, and inherited by the workers
-    count = 0
+    roots = {}
     for name in modules:
         try:
-            root = Path(importlib.import_module(name).get_cache_path())
+            roots[name] = Path(importlib.import_module(name).get_cache_path())
         except Exception:  # not installed, or a release without it: nothing to count there
             continue
-        count += sum(1 for _ in root.rglob("*.o"))
-    return count
+    return roots
+
+
+def _count_kernel_files(roots) -> int:
+    return sum(1 for root in roots for _ in Path(root).rglob("*.o"))
+
+
+def _kernel_files(modules: Sequence[str]) -> int:
+    """Compiled kernels in the disk caches of ``modules`` (imports them)."""
+    return _count_kernel_files(_cache_roots(modules).values())
+
+
+def _default_root(module: str) -> Path | None:
+    variable, name = _CACHE_DIR_DEFAULTS[module]
+    if os.environ.get(variable):
+        return Path(os.environ[variable])
+    try:
+        return Path(tempfile.gettempdir()) / getpass.getuser() / name
+    except Exception:  # no user name to be had: leave the caches to the libraries
+        return None
 
 
 def _usable_cpus() -> int:
@@ -143,6 +172,76 @@ def _start(tower: Qwen2VisionTower, shares: list[list[KernelJob]], device: torch
     return procs
 
 
+def _stop(procs) -> None:
+    for proc, log in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.close()
+
+
+@dataclass
+class EarlyWorkers:
+    """Workers :func:`start_early` started; :func:`precompile` adopts them, or stops them."""
+
+    procs: list  # (Popen, log file)
+    count: int  # workers asked for: worker i takes every count-th kernel after the first, from the i-th
+    roots: dict[str, Path]  # per cache module, the directory that held no kernel at the start
+    failures: list[str] = field(default_factory=list)
+
+    def adopt(self, roots: dict[str, Path]) -> list | None:
+        """The processes, if the libraries, now imported, keep the kernels of ``roots`` where
+        these workers judged the caches empty; else stop them (None)."""
+        if all(m in self.roots and self.roots[m].resolve() == Path(r).resolve() for m, r in roots.items()):
+            return self.procs
+        self.stop()
+        return None
+
+    def stop(self) -> None:
+        _stop(self.procs)
+
+
+def _early_caches(device: torch.device, dtype: torch.dtype, options: dict) -> list[str]:
+    """The cache modules whose kernels an encoder with ``options`` may compile, judged without
+    importing the libraries (as the encoder's backend choice will be, barring a broken install)."""
+    caches = []
+    if (options["attention"] in ("auto", "fa4") and dtype in (torch.float16, torch.bfloat16) and _persists("attention")
+            and _has_fa4(device)):
+        caches.append(_FA4_CACHE[0])
+    if (options["gemm"] in ("auto", "quack") and dtype == torch.bfloat16 and options["fuse"] is not False
+            and _persists("fc1") and quack_available(device)):
+        caches.append(_QUACK_CACHE[0])
+    return caches
+
+
+def start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype, options: dict) -> EarlyWorkers | None:
+    """Where no compiled kernel of FlashAttention 4's or quack's is on disk, start the workers
+    now, before the encoder loads those libraries (seconds of imports each process spends,
+    workers included): each works out the encoder's kernels from ``options`` (the encoder's,
+    as a dict) and compiles its share. None where the caches hold kernels (or none can be
+    used here): then :func:`precompile` decides, after one kernel."""
+    workers = options["compile_workers"]
+    if workers == 0 or device.type != "cuda":
+        return None
+    enable_fa4_disk_cache()  # inherited by the workers, as precompile would have it
+    roots = {m: _default_root(m) for m in _early_caches(device, dtype, options)}
+    if not roots or None in roots.values() or _count_kernel_files(roots.values()) > 0:
+        return None
+    count = workers if workers is not None else min(EARLY_WORKERS, max(0, _usable_cpus() - 1))
+    if count == 0:
+        return None
+    early = EarlyWorkers([], count, roots)
+    spec = {"started": time.time(), "config": asdict(replace(config, depth=1)),
+            "dtype": str(dtype).removeprefix("torch."), "device": str(device), "options": options}
+    for index in range(count):
+        try:
+            early.procs.append(_spawn(json.dumps({**spec, "share": [index, count]})))
+        except OSError as err:  # capture compiles the kernels of the workers that did not start
+            early.failures.append(f"could not start a worker: {err}")
+            break
+    return early
+
+
 def _tail(log) -> str:
     log.seek(0)
     lines = log.read().decode(errors="replace").strip().splitlines()
@@ -150,15 +249,19 @@ def _tail(log) -> str:
 
 
 def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch.device,
-               workers: int | None = None) -> PrecompileReport:
+               workers: int | None = None, early: EarlyWorkers | None = None) -> PrecompileReport:
     """Compile, in parallel processes when the disk caches are cold, the kernels the forwards of
     ``buckets`` run (see the module). ``workers``: most processes (None: one per kernel after
     the first, up to the CPU count less one; 0: none, kernels compile at capture as they are
-    met). Never raises for a worker's failure: capture compiles what is missing."""
+    met). ``early``: workers :func:`start_early` started for these buckets, to wait for instead
+    of starting others (or to stop). Never raises for a worker's failure: capture compiles
+    what is missing."""
     start = time.perf_counter()
     jobs = kernel_jobs(tower, buckets)
     report = PrecompileReport(kernels=len(jobs))
     if workers == 0 or not jobs:
+        if early is not None:
+            early.stop()
         report.seconds = time.perf_counter() - start
         return report
     first, rest = jobs[0], [j for j in jobs[1:] if _persists(j.op)]
@@ -168,15 +271,21 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
     procs = None  # not started
     try:
         caches = sorted({_DISK_CACHE[job.op][0] for job in jobs})
+        if early is not None:  # no kernel was on disk when they started: cold for certain
+            procs = early.adopt(_cache_roots(caches))
+            if procs is not None:
+                report.early, report.workers = True, len(procs)
+                report.failures.extend(early.failures)
         before = _kernel_files(caches)  # imports FA4 and quack: the first kernel's time is then its own
-        if before == 0:  # no kernel on disk at all: cold for certain, so the workers start at once
+        if procs is None and before == 0:  # no kernel on disk at all: cold for certain, so start at once
             procs = _start(tower, shares, device, report)
         t0 = time.perf_counter()
         with torch.inference_mode():
             tower.run_jit_kernel(first.op, padded_batch(tower, first.bucket).to(device))
         _synchronize(device)
         report.first_kernel_seconds = time.perf_counter() - t0
-        report.cold = _kernel_files(caches) > before  # it compiled, and wrote the kernel to disk
+        # It compiled, and wrote the kernel to disk (with early workers writing too, cold is known).
+        report.cold = report.early or _kernel_files(caches) > before
         if not report.cold:  # warm: capture loads every kernel itself
             for proc, _ in procs or ():
                 proc.kill()
@@ -192,17 +301,13 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
             except subprocess.TimeoutExpired:
                 report.failures.append(f"timed out after {WORKER_TIMEOUT_S:.0f} s")
     finally:
-        for proc, log in procs or ():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            log.close()
+        _stop(procs or ())
     for failure in report.failures:
         logger.warning("vitgraph: a kernel-compiling worker failed (%s); capture compiles its kernels", failure)
     report.seconds = time.perf_counter() - start
-    logger.info("vitgraph: %d JIT kernels; the first took %.2f s here, so %s caches; %d worker(s); %.1f s",
+    logger.info("vitgraph: %d JIT kernels; the first took %.2f s here, so %s caches; %d worker(s)%s; %.1f s",
                 report.kernels, report.first_kernel_seconds, "cold" if report.cold else "warm", report.workers,
-                report.seconds)
+                " started with the encoder" if report.early else "", report.seconds)
     return report
 
 
@@ -226,17 +331,28 @@ def worker_main(spec_json: str) -> None:
     device = torch.device(spec["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tower = build_tower(VisionConfig(**spec["config"]), device, getattr(torch, spec["dtype"]))
-    tower.inv_freq = tower.inv_freq.float()
-    tower.set_attention_backend(spec["attention"])
-    tower.fuse(spec["fused"])
-    tower.set_gemm_backend(spec["gemm"])
+    dtype = getattr(torch, spec["dtype"])
+    tower = build_tower(VisionConfig(**spec["config"]), device, dtype)
+    if "options" in spec:  # started before the encoder chose anything: choose as it will
+        from .encoder import EngineOptions, buckets_for, configure_tower
+
+        options = EngineOptions(**spec["options"])
+        attention, _ = configure_tower(tower, options, device, dtype)
+        index, count = spec["share"]
+        rest = [j for j in kernel_jobs(tower, buckets_for(tower, options, attention, device))[1:] if _persists(j.op)]
+        jobs = [(j.op, j.bucket) for j in rest[index::count]]
+    else:
+        tower.inv_freq = tower.inv_freq.float()
+        tower.set_attention_backend(spec["attention"])
+        tower.fuse(spec["fused"])
+        tower.set_gemm_backend(spec["gemm"])
+        jobs = [(op, Bucket(tokens, segments, max_seqlen)) for op, tokens, segments, max_seqlen in spec["jobs"]]
     timings["build_s"] = round(time.perf_counter() - lap, 2)
     with torch.inference_mode():
-        for op, tokens, segments, max_seqlen in spec["jobs"]:
+        for op, bucket in jobs:
             lap = time.perf_counter()
-            tower.run_jit_kernel(op, padded_batch(tower, Bucket(tokens, segments, max_seqlen)).to(device))
+            tower.run_jit_kernel(op, padded_batch(tower, bucket).to(device))
             _synchronize(device)
-            timings[f"{op}@{Bucket(tokens, segments, max_seqlen).name}_s"] = round(time.perf_counter() - lap, 2)
+            timings[f"{op}@{bucket.name}_s"] = round(time.perf_counter() - lap, 2)
     print(json.dumps(timings), flush=True)
 
