@@ -10,12 +10,18 @@ any process on the machine loads (file-locked).
 ``jit_kernels``), each with the smallest bucket that runs it, and runs the first here. If that
 wrote no new kernel file to the disk caches, it was loaded from a warm cache, and capture
 loads every kernel as before. Otherwise the caches are cold: worker processes compile the
-rest into them while this process waits, and capture then loads them. Where the caches hold
-no kernel file at all, the workers start before the first kernel rather than after it (cold
-for certain: they spend their first seconds importing). (Whether a file appeared, not how long the call took: a
-warm first call with FA4's import in it took 0.5-1.1 s on an H200 host, a compile 3.7-6 s.)
-Nothing here changes what runs: a kernel a worker failed to build is compiled by capture, as
-without it.
+rest into them while this process waits, and capture then loads them. (Whether a file
+appeared, not how long the call took: a warm first call with FA4's import in it took 0.5-1.1 s
+on an H200 host, a compile 3.7-6 s.) Nothing here changes what runs: a kernel a worker failed
+to build is compiled by capture, as without it.
+
+Where the caches hold no kernel file at all, cold is certain before anything is imported, and
+a worker spends most of its time starting Python and importing torch, quack and the CuTe DSL
+(4-9 s on an H200 host) before its compile: so the encoder starts the workers as it is
+constructed (:func:`start_early`), before it loads those libraries itself, and
+:func:`precompile` then waits for them. Each works out the encoder's kernels from its options,
+as the encoder will, and compiles its share of those after the first (which this process
+compiles).
 
 Each worker builds a one-block tower of the same shape with random weights and runs each of
 its ops alone on zeros (the model's ``run_jit_kernel``).
@@ -62,6 +68,7 @@ _CACHE_DIR_DEFAULTS = {_FA4_CACHE[0]: ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "fl
 # Most workers start_early starts when compile_workers is None (it cannot count the kernels
 # before the libraries load): one per kernel of the default buckets after the first.
 EARLY_WORKERS = 8
+START_WITH_ENCODER = True  # False: workers start only in precompile, after the build (for A/Bs)
 
 
 @dataclass(frozen=True)
@@ -221,7 +228,7 @@ def start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype, 
     as a dict) and compiles its share. None where the caches hold kernels (or none can be
     used here): then :func:`precompile` decides, after one kernel."""
     workers = options["compile_workers"]
-    if workers == 0 or device.type != "cuda":
+    if workers == 0 or device.type != "cuda" or not START_WITH_ENCODER:
         return None
     enable_fa4_disk_cache()  # inherited by the workers, as precompile would have it
     roots = {m: _default_root(m) for m in _early_caches(device, dtype, options)}
