@@ -192,6 +192,8 @@ def test_bad_out(encoder, out, error, words):
     (dict(min_budget=-4), "min_budget"),
     (dict(budgets=[]), "budgets"),
     (dict(budgets=[30]), "budgets"),
+    (dict(budgets=[256.0]), "budgets"),
+    (dict(budgets=[True]), "budgets"),
     (dict(pool_limit_bytes=0), "pool_limit_bytes"),
     (dict(dense_buckets="yes"), "dense_buckets"),
     (dict(route_single_frames=1), "route_single_frames"),

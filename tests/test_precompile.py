@@ -281,6 +281,21 @@ def test_an_early_worker_compiles_its_share_of_the_kernels_the_encoder_will_run(
                                                                                 for j in rest[index::3]}
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("options", [dict(budgets=[30]), dict(budgets=[256, 256]), dict(attention="no-such")])
+def test_early_workers_are_stopped_when_the_encoder_cannot_be_built(monkeypatch, options):
+    from vitgraph import GraphedVisionEncoder
+
+    stopped = []
+    early = EarlyWorkers([], 1, {})
+    monkeypatch.setattr(early, "stop", lambda: stopped.append(True))
+    monkeypatch.setattr(vitgraph.encoder, "start_early", lambda *args: early)
+    with pytest.raises(ValueError):
+        GraphedVisionEncoder.from_config(VisionConfig(depth=1), device="cuda", progress=False, **options)
+    assert stopped == [True]
+
+
 COLD_START = textwrap.dedent("""
     import json, pathlib, sys, time
     import torch

@@ -108,7 +108,8 @@ class EngineOptions:
             if not isinstance(getattr(self, name), bool):  # not "in (True, False)": 1 == True
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.budgets is not None and (isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence)
-                                         or len(self.budgets) == 0):
+                                         or len(self.budgets) == 0
+                                         or any(isinstance(b, bool) or not isinstance(b, int) for b in self.budgets)):
             raise ValueError(f"budgets must be a non-empty list of ints or None, got {self.budgets!r}")
 
 
@@ -258,12 +259,12 @@ class GraphedVisionEncoder:
         try:
             self.tower = tower.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
             self.attention, self.gemm = configure_tower(self.tower, self.options, self.device, self.dtype)
+            self.requested_buckets = buckets_for(self.tower, self.options, self.attention, self.device)
         except BaseException:
             if self._early_workers is not None:
                 self._early_workers.stop()
             raise
         self.config: VisionConfig = tower.config
-        self.requested_buckets = buckets_for(self.tower, self.options, self.attention, self.device)
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
