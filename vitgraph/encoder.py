@@ -150,7 +150,7 @@ def configure_tower(tower: Qwen2VisionTower, options: EngineOptions, device: tor
 
 
 def buckets_for(tower: Qwen2VisionTower, options: EngineOptions, attention: str,
-                      device: torch.device) -> list[Bucket]:
+                device: torch.device) -> list[Bucket]:
     """The buckets an encoder with these options asks to capture."""
     budgets = options.budgets
     if budgets is None:

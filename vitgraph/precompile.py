@@ -84,7 +84,7 @@ class PrecompileReport:
     workers: int = 0  # processes started
     cold: bool = False  # the first kernel compiled here (caches cold), so the workers ran
     first_kernel_seconds: float = 0.0  # the first kernel here: a load from disk, or a compile
-    early: bool = False  # the workers started with the encoder, before its build (no kernel on disk then)
+    early: bool = False  # the workers started with the encoder, before it loaded the kernel libraries (no kernel on disk then)
     seconds: float = 0.0
     failures: list[str] = field(default_factory=list)  # workers that did not finish cleanly
 
