@@ -4,6 +4,8 @@ On a machine without a GPU they run on CPU tensors under Triton's interpreter
 (conftest sets ``TRITON_INTERPRET=1``); on a GPU they run compiled.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -224,3 +226,23 @@ def test_fused_forward_matches_reference(padded, split_k, monkeypatch):
         got = tower(pixels, batch)[:real // 4]
     assert torch.isfinite(got).all()
     assert rel_err(got, expect) <= 1e-5
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_warm_up_runs_the_first_block_and_the_merger(fused):
+    """``warm_up`` (what a capture runs first) equals the forward of a one-block tower holding
+    the first block and the merger, on both paths, and leaves the tower whole."""
+    torch.manual_seed(0)
+    tower = Qwen2VisionTower(PRESETS["tiny"]).to(DEVICE).eval()
+    assert len(tower.blocks) > 1
+    one = Qwen2VisionTower(dataclasses.replace(PRESETS["tiny"], depth=1)).to(DEVICE).eval()
+    one.load_state_dict({k: v for k, v in tower.state_dict().items() if not k.startswith("blocks.")
+                         or k.startswith("blocks.0.")})
+    for t in (tower, one):
+        t.fuse(fused)
+    batch = tower.build_batch([(1, 4, 6), (2, 4, 4)], num_tokens=64, num_segments=4).to(DEVICE)
+    pixels = torch.randn(64, tower.input_width, device=DEVICE)
+    with torch.inference_mode():
+        assert torch.equal(tower.warm_up(pixels, batch), one(pixels, batch))
+        assert not torch.equal(tower(pixels, batch), one(pixels, batch))
+    assert len(tower.blocks) == PRESETS["tiny"].depth

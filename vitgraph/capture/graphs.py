@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 ARENA_ALIGN = 2 << 20  # the caching allocator rounds large segments to 2 MiB
 ARENA_MARGIN = 16  # the pool's first segment is the forward's peak plus 1/16
 METADATA_COPY_IN_GRAPH = True  # read at construction; False: load_for_replay copies it
+# Warm up before each capture through the model's warm_up (its first block only: the same
+# kernels at the same shapes) where it has one; False: the whole forward (for A/Bs).
+WARM_UP_ONE_BLOCK = True
 
 
 def _round_up(n: int, align: int) -> int:
@@ -249,7 +252,7 @@ class GraphBank:
                     # A margin for the holes short-lived temporaries leave between long-lived tensors.
                     arena = _round_up(peak + peak // ARENA_MARGIN, ARENA_ALIGN)
                 else:
-                    self.model(pixels, batch)
+                    self._warm_up(pixels, batch)
                     arena = 0
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
@@ -270,6 +273,12 @@ class GraphBank:
                 del result  # back to the pool for the next capture
         return CapturedGraph(bucket, graph, output)
 
+    def _warm_up(self, pixels: torch.Tensor, batch) -> None:
+        """Run every kernel the forward runs once, off the capture: JIT compiles, kernel
+        selection, library plans and workspaces (see ``WARM_UP_ONE_BLOCK``)."""
+        warm_up = getattr(self.model, "warm_up", None) if WARM_UP_ONE_BLOCK else None
+        (warm_up or self.model)(pixels, batch)
+
     def activation_peak(self, bucket: Bucket) -> int:
         """Bytes one eager forward of ``bucket`` allocates at its peak, on the static buffers and
         the current stream, measured after a first forward has warmed up kernels and library
@@ -277,7 +286,7 @@ class GraphBank:
         pixels, batch = self.pixels_view(bucket), self.batch_view(bucket)
         stream = torch.cuda.current_stream(self.device)
         with torch.inference_mode():
-            self.model(pixels, batch)
+            self._warm_up(pixels, batch)
             stream.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -230,7 +230,8 @@ class Qwen2VisionTower(nn.Module):
     * ``input_width`` / ``output_width`` / ``merge_unit``: row widths and patches per output row;
     * ``segments(grid)``: the attention segment lengths an item contributes;
     * ``build_batch(grids, num_tokens=, num_segments=, max_seqlen=)``: host metadata, padded to a layout;
-    * ``forward(pixels, batch)``: ``[T, input_width] -> [T / merge_unit, output_width]``.
+    * ``forward(pixels, batch)``: ``[T, input_width] -> [T / merge_unit, output_width]``;
+    * ``warm_up(pixels, batch)`` (optional): every kernel ``forward`` would run, at the same shapes.
     """
 
     def __init__(self, cfg: VisionConfig) -> None:
@@ -425,15 +426,28 @@ class Qwen2VisionTower(nn.Module):
         """``[T, input_width]`` pixel rows -> ``[T / merge_unit, output_width]``."""
         return self.forward_fused(pixels, batch) if self.fused else self.forward_reference(pixels, batch)
 
-    def forward_reference(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
-        """Plain PyTorch ops, one per step of the reference model (any device and dtype)."""
+    def warm_up(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
+        """The forward through the first block only, then the merger: the same kernels at the
+        same shapes as :meth:`forward` (every block runs the same ones), so what has to happen
+        once before a CUDA graph capture (JIT compiles and loads, library plans and
+        workspaces) happens here, for 1/depth of the work. Not the model's output."""
+        first = self.blocks[:1]
+        if self.fused:
+            return self.forward_fused(pixels, batch, blocks=first)
+        return self.forward_reference(pixels, batch, blocks=first)
+
+    def forward_reference(self, pixels: torch.Tensor, batch: VisionBatch,
+                          blocks: Sequence[nn.Module] | None = None) -> torch.Tensor:
+        """Plain PyTorch ops, one per step of the reference model (any device and dtype).
+        ``blocks``: a prefix of the tower's blocks to run instead of all (see :meth:`warm_up`)."""
         cos, sin = self.rotary(batch.positions)  # first: see forward_fused
         x = self.patch_embed(pixels)  # [T, E]
-        for block in self.blocks:
+        for block in self.blocks if blocks is None else blocks:
             x = block(x, cos, sin, batch)
         return self.merger(x)  # [T / merge_unit, hidden]
 
-    def forward_fused(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
+    def forward_fused(self, pixels: torch.Tensor, batch: VisionBatch,
+                      blocks: Sequence[nn.Module] | None = None) -> torch.Tensor:
         """The same math with three Triton kernels per half-block (see :mod:`vitgraph.kernels`).
 
         The residual stream ``x`` is updated in place; each add is fused with the LayerNorm
@@ -445,8 +459,9 @@ class Qwen2VisionTower(nn.Module):
         and zeroes the padding rows in its epilogue (:mod:`vitgraph.gemm_rope`) and the rotary
         kernel is skipped. At small row counts proj and fc2 split K in two
         (:func:`vitgraph.gemm.linear_split_k`) and the add+LayerNorm after each sums the halves.
+        ``blocks``: a prefix of the tower's blocks to run instead of all (see :meth:`warm_up`).
         """
-        cfg, blocks = self.config, self.blocks
+        cfg, blocks = self.config, self.blocks if blocks is None else blocks
         rows = pixels.shape[0]
         lane, rope_epilogue, ragged_layout, zero_padding = self.fused_paths(batch)
         # The rotary inputs first: they live through the forward while their temporaries
