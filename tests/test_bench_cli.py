@@ -54,6 +54,28 @@ def test_serving_takes_fitted_budgets(capsys):
     assert [r["system"] for r in result["runs"]] == ["vitgraph_eager"]
 
 
+def test_serving_on_several_request_streams_reports_their_medians(capsys):
+    result = serving.main(["--preset", "tiny", "--device", "cpu", "--loads", "2", "--requests", "3",
+                           "--systems", "vitgraph_eager", "--seeds", "4", "5", "6"])
+    assert result["seeds"] == [4, 5, 6] and [r["seed"] for r in result["runs"]] == [4, 5, 6]
+    (median,) = result["medians"]
+    assert median["streams"] == 3 and (median["load_rps"], median["system"]) == (2.0, "vitgraph_eager")
+    for key in ("p50_ms", "p90_ms", "p99_ms", "utilisation"):
+        assert median[key] == sorted(r[key] for r in result["runs"])[1]
+    assert "medians across 3 request streams" in capsys.readouterr().out
+
+
+def test_medians_across_seeds_group_by_load_and_system():
+    runs = [{"load_rps": load, "system": system, "seed": seed, "p50_ms": p, "p90_ms": 2 * p, "p99_ms": 3 * p,
+             "utilisation": p / 100}
+            for seed, p in ((0, 10.0), (1, 30.0)) for load in (5.0, 10.0) for system in ("a", "b")]
+    runs[0] = {**runs[0], "p50_ms": 50.0}  # seed 0, load 5, system a
+    medians = serving.medians_across_seeds(runs)
+    assert [(m["load_rps"], m["system"], m["streams"]) for m in medians] == [
+        (5.0, "a", 2), (5.0, "b", 2), (10.0, "a", 2), (10.0, "b", 2)]
+    assert medians[0]["p50_ms"] == 40.0 and medians[1]["p50_ms"] == 20.0 and medians[3]["p99_ms"] == 60.0
+
+
 def test_serving_is_seeded():
     assert serving.request_grids(20, 3, 12845056) == serving.request_grids(20, 3, 12845056)
 

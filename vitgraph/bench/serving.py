@@ -93,6 +93,17 @@ def simulate(run, pixels_for, grids, arrivals, max_tokens, device) -> dict:
             "slowest_calls": [{"ms": ms, "tokens": t, "frames": f} for ms, t, f in sorted(calls, reverse=True)[:3]]}
 
 
+def medians_across_seeds(runs: list[dict]) -> list[dict]:
+    """Per (load, system), in first-seen order: the median across request streams of each
+    latency percentile and of the GPU's busy share."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["load_rps"], run["system"]), []).append(run)
+    return [{"load_rps": load, "system": system, "streams": len(group),
+             **{key: statistics.median(r[key] for r in group) for key in ("p50_ms", "p90_ms", "p99_ms", "utilisation")}}
+            for (load, system), group in groups.items()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_model_args(p)
@@ -101,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", nargs="*", default=None, help="subset of hf_eager vitgraph_eager vitgraph_graph")
     p.add_argument("--max-pixels", type=int, default=MAX_PIXELS)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
+                   help="run each load on several request streams (instead of --seed) and also report, per "
+                        "system and load, the median of each percentile across them: one stream's p99 is set "
+                        "by a handful of calls, so A/Bs should compare several")
     p.add_argument("--fit-budgets", type=int, metavar="N",
                    help="give the graph system at most N budgets fitted (vitgraph.capture.fit_budgets) to "
                         "another sample of the mix, one request per step, instead of the default ladder")
@@ -117,10 +132,11 @@ def main(argv: list[str] | None = None) -> dict:
                                else ["hf_eager", "vitgraph_eager"])
     max_budget = 16384
     max_pixels = args.max_pixels if on_gpu else min(args.max_pixels, 200704)  # keep the CPU run short
+    seeds = args.seeds or [args.seed]
     engine = {}
     if args.fit_budgets:
         eager_above = EngineOptions().exact_eager_above  # single frames above it never replay
-        sample = request_grids(2000, args.seed + 1, max_pixels)
+        sample = request_grids(2000, max(seeds) + 1, max_pixels)  # none of the measured streams
         engine["budgets"] = fit_budgets([t * h * w for t, h, w in sample if t > 1 or h * w <= eager_above],
                                         args.fit_budgets, max_budget)
     runners, eager_enc, _ = common.build_systems(args, systems, max_budget, **engine)
@@ -137,11 +153,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = {**common.environment(device), "preset": args.model or args.preset, "dtype": str(dtype)[6:],
               "requests_per_load": n, "max_pixels": max_pixels, "mix": [m[0] for m in MIX],
-              "budgets": engine.get("budgets", "default ladder"), "runs": []}
-    grids = request_grids(n, args.seed, max_pixels)
-    result["mean_tokens_per_request"] = statistics.fmean(t * h * w for t, h, w in grids)
+              "budgets": engine.get("budgets", "default ladder"), "seeds": seeds, "runs": []}
+    streams = {seed: request_grids(n, seed, max_pixels) for seed in seeds}
+    result["mean_tokens_per_request"] = statistics.fmean(t * h * w for g in streams.values() for t, h, w in g)
     # Correctness first: every system on one mixed batch, against vitgraph_eager.
-    probe = grids[:6]
+    probe = streams[seeds[0]][:6]
     reference = eager_enc.encode(torch.cat([pixels_for(g) for g in probe]), probe)
     result["check"] = {}
     for name, run in runners.items():
@@ -149,27 +165,34 @@ def main(argv: list[str] | None = None) -> dict:
         result["check"][name] = err
         if not err <= (1e-4 if dtype == torch.float32 else 3e-2):
             raise SystemExit(f"{name}: output differs from vitgraph_eager (rel err {err:.3e})")
-    for g in set(grids):  # warm every shape (and each system's kernels) before the clock starts
+    for g in {g for grids in streams.values() for g in grids}:  # warm every shape and kernel first
         for run in runners.values():
             run(pixels_for(g), [g])
-    for load in loads:
-        rng = np.random.default_rng(args.seed + int(load * 1000))
-        arrivals = np.cumsum(rng.exponential(1.0 / load, size=n)).tolist()
-        for name in systems:
-            if name not in runners:
-                continue
-            stats = simulate(runners[name], pixels_for, grids, arrivals, max_budget, device)
-            result["runs"].append({"system": name, "load_rps": load, **stats})
-            slowest = ", ".join(f"{c['ms']:.1f} ms ({c['tokens']} tokens, {c['frames']} frames)"
-                                for c in stats["slowest_calls"])
-            print(f"  load {load:g}/s {name}: p50 {stats['p50_ms']:.1f} ms, p99 {stats['p99_ms']:.1f} ms; "
-                  f"slowest calls {slowest}", file=sys.stderr)
+    for seed, grids in streams.items():
+        for load in loads:
+            rng = np.random.default_rng(seed + int(load * 1000))
+            arrivals = np.cumsum(rng.exponential(1.0 / load, size=n)).tolist()
+            for name in systems:
+                if name not in runners:
+                    continue
+                stats = simulate(runners[name], pixels_for, grids, arrivals, max_budget, device)
+                result["runs"].append({"system": name, "load_rps": load, "seed": seed, **stats})
+                slowest = ", ".join(f"{c['ms']:.1f} ms ({c['tokens']} tokens, {c['frames']} frames)"
+                                    for c in stats["slowest_calls"])
+                print(f"  seed {seed} load {load:g}/s {name}: p50 {stats['p50_ms']:.1f} ms, p99 "
+                      f"{stats['p99_ms']:.1f} ms; slowest calls {slowest}", file=sys.stderr)
 
     print(f"\nserving: {result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "
           f"{result['date']}; {n} requests per load, mean {result['mean_tokens_per_request']:.0f} patch tokens")
-    common.print_table(["load/s", "system", "p50 ms", "p90 ms", "p99 ms", "req/s", "busy"],
-                       [[r["load_rps"], r["system"], r["p50_ms"], r["p90_ms"], r["p99_ms"], r["throughput_rps"],
-                         r["utilisation"]] for r in result["runs"]])
+    common.print_table(["seed", "load/s", "system", "p50 ms", "p90 ms", "p99 ms", "req/s", "busy"],
+                       [[r["seed"], r["load_rps"], r["system"], r["p50_ms"], r["p90_ms"], r["p99_ms"],
+                         r["throughput_rps"], r["utilisation"]] for r in result["runs"]])
+    if len(seeds) > 1:
+        result["medians"] = medians_across_seeds(result["runs"])
+        print(f"\nmedians across {len(seeds)} request streams (seeds {', '.join(map(str, seeds))}):")
+        common.print_table(["load/s", "system", "p50 ms", "p90 ms", "p99 ms", "busy"],
+                           [[m["load_rps"], m["system"], m["p50_ms"], m["p90_ms"], m["p99_ms"], m["utilisation"]]
+                            for m in result["medians"]])
     common.write_json(result, args.json)
     print(json.dumps(result, separators=(",", ":")))
     return result
