@@ -211,14 +211,14 @@ def start(workers=None, device="cuda", dtype=torch.bfloat16, **options):
 def test_workers_start_with_the_encoder_only_where_no_kernel_is_on_disk(empty_caches, monkeypatch):
     roots, specs = empty_caches
     early = start(workers=3)
-    assert early.count == 3 and len(early.procs) == 3 and early.roots == roots
+    assert len(early.procs) == 3 and early.roots == roots
     assert [spec["share"] for spec in specs] == [[0, 3], [1, 3], [2, 3]]
     assert specs[0]["config"]["depth"] == 1 and specs[0]["dtype"] == "bfloat16" and specs[0]["device"] == "cuda"
     assert specs[0]["options"] == dataclasses.asdict(EngineOptions(compile_workers=3))
     monkeypatch.setattr(vitgraph.precompile, "_usable_cpus", lambda: 64)
-    assert start().count == vitgraph.precompile.EARLY_WORKERS
+    assert len(start().procs) == vitgraph.precompile.EARLY_WORKERS
     monkeypatch.setattr(vitgraph.precompile, "_usable_cpus", lambda: 3)
-    assert start().count == 2
+    assert len(start().procs) == 2
     specs.clear()
     # None started: no workers asked for, no GPU, no kernel library in use, or a kernel on disk.
     assert start(workers=0) is None and start(device="cpu") is None
@@ -241,7 +241,7 @@ def test_early_workers_are_adopted_only_where_the_libraries_keep_their_kernels(h
     monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, shares, device, report: started.extend(shares) or [])
     stopped = []
     procs = [("proc", "log")] * 0  # nothing to wait for here
-    early = EarlyWorkers(procs, 4, dict(roots))
+    early = EarlyWorkers(procs, dict(roots))
     monkeypatch.setattr(early, "stop", lambda: stopped.append(True))
     monkeypatch.setattr(vitgraph.precompile, "_cache_roots", lambda caches: dict(roots))
     report = precompile(t, default_buckets(t), torch.device("cpu"), early=early)
@@ -288,7 +288,7 @@ def test_early_workers_are_stopped_when_the_encoder_cannot_be_built(monkeypatch,
     from vitgraph import GraphedVisionEncoder
 
     stopped = []
-    early = EarlyWorkers([], 1, {})
+    early = EarlyWorkers([], {})
     monkeypatch.setattr(early, "stop", lambda: stopped.append(True))
     monkeypatch.setattr(vitgraph.encoder, "start_early", lambda *args: early)
     with pytest.raises(ValueError):

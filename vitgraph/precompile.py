@@ -191,8 +191,7 @@ def _stop(procs) -> None:
 class EarlyWorkers:
     """Workers :func:`start_early` started; :func:`precompile` adopts them, or stops them."""
 
-    procs: list  # (Popen, log file)
-    count: int  # workers asked for: worker i takes every count-th kernel after the first, from the i-th
+    procs: list  # (Popen, log file); worker i of n takes every n-th kernel after the first, from the i-th
     roots: dict[str, Path]  # per cache module, the directory that held no kernel at the start
     failures: list[str] = field(default_factory=list)
 
@@ -237,7 +236,7 @@ def start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype, 
     count = workers if workers is not None else min(EARLY_WORKERS, max(0, _usable_cpus() - 1))
     if count == 0:
         return None
-    early = EarlyWorkers([], count, roots)
+    early = EarlyWorkers([], roots)
     spec = {"started": time.time(), "config": asdict(replace(config, depth=1)),
             "dtype": str(dtype).removeprefix("torch."), "device": str(device), "options": options}
     for index in range(count):
