@@ -93,6 +93,83 @@ def test_jit_kernels_follow_the_forward_paths(hopper):
     assert ops(tower(), Bucket(256, 16)) == ["attention"]  # below quack's row thresholds: cuBLAS
 
 
+def record_triton_calls(monkeypatch) -> set:
+    """Stand-ins for the Triton kernels (and for the attention and GEMM kernels around them),
+    shaped as the real ones, that record each call's variant: what decides a compile."""
+    qwen = vitgraph.models.qwen2_vl
+    calls = set()
+
+    def add_layernorm(x, y, weight, bias, eps, y_bias=None):
+        calls.add(("add_layernorm", tuple(x.shape), None if y is None else tuple(y.shape), y_bias is not None))
+        return torch.zeros_like(x)
+
+    def rotary_(qkv, cos, sin, num_heads, segment_ids=None, lane_dim=None, zero_padding=False):
+        calls.add(("rotary_", tuple(qkv.shape), tuple(cos.shape), segment_ids is not None, lane_dim, zero_padding))
+        views = qkv.view(qkv.shape[0], 3, num_heads, -1).unbind(1)
+        if lane_dim is None:
+            return views
+        q = torch.zeros(qkv.shape[0], num_heads, lane_dim, dtype=qkv.dtype)
+        return q, q.clone(), views[2]
+
+    def quick_gelu_(x):
+        calls.add(("quick_gelu_", tuple(x.shape)))
+        return x
+
+    for name, fn in [("add_layernorm", add_layernorm), ("rotary_", rotary_), ("quick_gelu_", quick_gelu_)]:
+        monkeypatch.setattr(vitgraph.kernels, name, fn)
+    def jit(name, out):  # a kernel FlashAttention 4 or quack would compile
+        calls.add(("jit", name))
+        return out.zero_()
+
+    def attend(backend, q, k, v, batch, padding_zeroed):
+        return jit("attention", torch.zeros_like(v)) if backend == "fa4" else torch.zeros_like(v)
+
+    monkeypatch.setattr(qwen, "attend", attend)
+    monkeypatch.setattr(qwen, "dense_masked", lambda q, k, v, scale: torch.zeros_like(v))
+    monkeypatch.setattr(qwen.cudnn_attention, "ragged_metadata", lambda *args: None)
+    monkeypatch.setattr(qwen.cudnn_attention, "ragged_attention", lambda qkv, meta, max_seqlen: qkv[:, 2])
+    monkeypatch.setattr(qwen, "linear_qkv_rope",
+                        lambda x, weight, *args: jit("qkv_rope", torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype)))
+    monkeypatch.setattr(vitgraph.gemm, "_quack", lambda: (lambda x, w, _, out, *args, **kwargs: jit("fc1", out),
+                                                          lambda x, w, out, **kwargs: jit("qkv", out), "quick_gelu"))
+    monkeypatch.setattr(vitgraph.gemm, "_config", lambda *args: None)
+    monkeypatch.setattr(vitgraph.gemm, "_gemm_config", lambda *args: None)
+    monkeypatch.setattr(vitgraph.gemm, "_split_k_device", lambda device: True)  # as on an H200
+    return calls
+
+
+@pytest.mark.parametrize("attention, gemm", [("fa4", "quack"), ("fa4", "cublas"), ("cudnn", "quack"),
+                                             ("cudnn", "cublas"), ("varlen", "cublas"), ("sdpa", "cublas")])
+def test_run_triton_kernels_compiles_what_the_forward_runs(hopper, monkeypatch, attention, gemm):
+    """What precompile runs while the workers compile: every Triton kernel variant the fused
+    forward runs for a layout, and only those."""
+    calls = record_triton_calls(monkeypatch)
+    t = tower(attention, gemm, embed_dim=160, num_heads=2, hidden_size=64, patch_size=2)  # small: CPU GEMMs
+    seen = set()
+    for bucket in [Bucket(256, 16), Bucket(512, 16), Bucket(1024, 16), Bucket(1152, 16, 1024), Bucket(2304, 16),
+                   Bucket(256, 1), Bucket(2304, 1), Bucket(4096, 16)]:
+        batch = layout(t, bucket)
+        calls.clear()
+        t.warm_up(torch.zeros(bucket.tokens, t.input_width, dtype=torch.bfloat16), batch)
+        forward = set(calls)
+        calls.clear()
+        t.run_triton_kernels(batch)
+        assert calls == {call for call in forward if call[0] != "jit"}, bucket
+        seen |= forward
+    # Each kind of kernel ran (QuickGELU's pass and the rotary at 256 rows at least), and
+    # add+LayerNorm summed split-K partials.
+    assert {call[0] for call in seen} == {"add_layernorm", "rotary_", "quick_gelu_"} | ({"jit"} if gemm == "quack"
+                                                                                          or attention == "fa4" else set())
+    assert any(call[0] == "add_layernorm" and call[2] is not None and len(call[2]) == 3 for call in seen)
+
+
+def test_run_triton_kernels_runs_nothing_for_the_plain_forward(monkeypatch):
+    calls = record_triton_calls(monkeypatch)
+    t = tower("sdpa", "cublas", fused=False)
+    t.run_triton_kernels(layout(t, Bucket(256, 16)))
+    assert calls == set()
+
+
 def test_precompile_with_no_workers_or_no_kernels_does_nothing(hopper):
     t = tower()
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=0)
@@ -122,6 +199,7 @@ def test_failed_or_missing_workers_leave_the_kernels_to_capture(hopper, monkeypa
     assert report.cold and report.workers == 2
     assert len(report.failures) == 2 and all(f.startswith("exit 1: ") for f in report.failures)
     assert "capture compiles its kernels" in caplog.text
+    assert report.triton_seconds == 0  # no Triton kernel runs on this CPU
 
     def no_processes(*args, **kwargs):
         raise OSError("fork refused")
@@ -129,6 +207,28 @@ def test_failed_or_missing_workers_leave_the_kernels_to_capture(hopper, monkeypa
     monkeypatch.setattr(vitgraph.precompile.subprocess, "Popen", no_processes)
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
     assert report.workers == 0 and report.failures == ["could not start a worker: fork refused"]
+
+
+def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_here(hopper, monkeypatch):
+    t = tower()
+    buckets = default_buckets(t)
+    order = []
+    monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: order.append(op))
+    monkeypatch.setattr(t, "run_triton_kernels", lambda batch: order.append(batch.positions.shape[0]))
+    monkeypatch.setattr(vitgraph.precompile, "_triton_compiles", lambda device: True)  # as on a GPU
+    files = iter(range(5, 100))
+    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: next(files))  # cold
+    monkeypatch.setattr(vitgraph.precompile, "_spawn", lambda spec: (subprocess.Popen([sys.executable, "-c", ""]),
+                                                                     open(os.devnull, "rb")))
+    report = precompile(t, buckets, torch.device("cpu"), workers=2)
+    assert report.cold and report.workers == 2 and report.failures == [] and report.triton_seconds > 0
+    # The first JIT kernel, then each bucket's Triton kernels, smallest first.
+    assert order == [kernel_jobs(t, buckets)[0].op] + sorted(b.tokens for b in buckets)
+    # Warm caches: no workers to wait for, so capture loads them as it goes.
+    order.clear()
+    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: 5)
+    report = precompile(t, buckets, torch.device("cpu"), workers=2)
+    assert order == [kernel_jobs(t, buckets)[0].op] and report.triton_seconds == 0
 
 
 @pytest.mark.parametrize("switch, kept", [("QUACK_CACHE_ENABLED", {"attention"}),
@@ -175,10 +275,29 @@ def test_a_worker_runs_its_jobs_and_reports_what_failed():
     proc, log = _spawn(_spec(t, [KernelJob("attention", (), Bucket(64, 4)), KernelJob("attention", (), Bucket(128, 1))],
                              torch.device("cpu")))
     assert proc.wait(timeout=120) == 0, _tail(log)
+    assert json.loads(_tail(log))["dynamo_imported"] is False
     proc, log = _spawn(_spec(t, [KernelJob("attention", (), Bucket(64, 4)), KernelJob("fc2", (), Bucket(64, 4))],
                              torch.device("cpu")))
     assert proc.wait(timeout=120) == 1
     assert "op must be one of" in _tail(log) and "'fc2'" in _tail(log)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_worker_keeps_torch_compiler_disable_from_importing_dynamo(skip):
+    """What quack's import runs: ``torch.compiler.disable`` as a decorator, bare and with
+    arguments. In a worker it still decorates, without importing ``torch._dynamo``."""
+    code = textwrap.dedent(f"""
+        import sys, torch
+        from vitgraph.precompile import _without_dynamo
+        if {skip}:
+            _without_dynamo()
+        bare = torch.compiler.disable(lambda: 1)
+        called = torch.compiler.disable(recursive=False)(lambda: 2)
+        print(bare(), called(), "torch._dynamo" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "2", str(not skip)]
 
 
 @pytest.mark.parametrize("value", [-1, True, 1.5, "4"])
@@ -297,20 +416,24 @@ def test_early_workers_are_stopped_when_the_encoder_cannot_be_built(monkeypatch,
 
 
 COLD_START = textwrap.dedent("""
-    import json, pathlib, sys, time
+    import json, os, pathlib, sys, time
     import torch
     import vitgraph.encoder
     from vitgraph import GraphedVisionEncoder
     from vitgraph.config import VisionConfig
     roots = [pathlib.Path(p) for p in sys.argv[1:]]
     objects = lambda: sorted(str(p.relative_to(r)) for r in roots for p in r.rglob("*.o"))
-    compiled = []  # the kernel files on disk once precompile returns, before capture starts
+    triton_root = pathlib.Path(os.environ["TRITON_CACHE_DIR"])
+    triton = lambda: sorted(str(p.relative_to(triton_root)) for p in triton_root.rglob("*.cubin"))
+    compiled, compiled_triton = [], []  # the kernel files on disk once precompile returns, before capture starts
     precompile = vitgraph.encoder.precompile
-    vitgraph.encoder.precompile = lambda *args, **kwargs: (precompile(*args, **kwargs), compiled.extend(objects()))[0]
+    vitgraph.encoder.precompile = lambda *args, **kwargs: (precompile(*args, **kwargs), compiled.extend(objects()),
+                                                           compiled_triton.extend(triton()))[0]
     start = time.perf_counter()
     enc = GraphedVisionEncoder.from_config(VisionConfig(depth=1), device="cuda", dtype=torch.bfloat16,
                                            budgets=[256, 1024, 2304], progress=False)
     print(json.dumps({"first": enc.stats()["precompile"], "compiled": compiled, "after_capture": objects(),
+                      "triton_compiled": compiled_triton, "triton_after_capture": triton(),
                       "seconds": time.perf_counter() - start}))
 """)
 
@@ -339,6 +462,9 @@ def test_cold_caches_are_filled_by_workers_and_capture_compiles_nothing(tmp_path
     assert first["cold"] and first["early"] and first["workers"] >= 1 and first["failures"] == []
     assert len(cold["compiled"]) >= first["kernels"] >= 5
     assert cold["after_capture"] == cold["compiled"]  # capture loaded every kernel, compiled none
+    # The Triton kernels too: this process compiled them while the workers ran.
+    assert first["triton_seconds"] > 0 and len(cold["triton_compiled"]) >= 3
+    assert cold["triton_after_capture"] == cold["triton_compiled"]
     # A later process on the same caches: one kernel load tells it so, and it compiles nothing.
     assert not warm["first"]["cold"] and not warm["first"]["early"]
     assert warm["first"]["failures"] == [] and warm["first"]["workers"] == 0

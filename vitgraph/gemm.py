@@ -127,10 +127,8 @@ def _quick_gelu_epilogue():
 
 @functools.cache
 def _quack():
-    """quack's GEMM-with-activation and plain GEMM entries, the registered activation's name, and
-    the tile config."""
+    """quack's GEMM-with-activation and plain GEMM entries, and the registered activation's name."""
     from quack import activation
-    from quack.gemm_config import GemmConfig
     from quack.gemm_interface import gemm_act_tuned, gemm_tuned
 
     # quack keeps compiled kernels on disk keyed by the activation's name: name it after its
@@ -138,8 +136,7 @@ def _quack():
     source = inspect.getsource(_quick_gelu_epilogue).encode()
     name = f"vitgraph_quick_gelu_{hashlib.sha256(source).hexdigest()[:12]}"
     activation.act_fn_map.setdefault(name, _quick_gelu_epilogue())
-    config = GemmConfig(**QUACK_TILE, swap_ab=False, is_dynamic_persistent=False)
-    return gemm_act_tuned.fn, gemm_tuned.fn, name, config
+    return gemm_act_tuned.fn, gemm_tuned.fn, name
 
 
 def _weight_fits(weight: torch.Tensor) -> bool:
@@ -159,7 +156,7 @@ def _quack_fits(x: torch.Tensor, weight: torch.Tensor, min_rows: int) -> bool:
 def linear_quick_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backend: str) -> torch.Tensor:
     """``quick_gelu(x @ weight.T + bias)`` for ``x [M, K]``, ``weight [N, K]``."""
     if backend == "quack" and _quack_fits(x, weight, QUACK_MIN_ROWS):
-        gemm_act, _, name, _ = _quack()
+        gemm_act, _, name = _quack()
         out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
         gemm_act(x, weight.t(), None, out, None, bias, name,
                  config=_config(fc1_tile, x.shape[0], weight.shape[0], x.device))
@@ -170,9 +167,9 @@ def linear_quick_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
 def linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backend: str) -> torch.Tensor:
     """``x @ weight.T + bias``: quack's GEMM from ``QUACK_QKV_MIN_ROWS`` rows, cuBLAS below."""
     if backend == "quack" and _quack_fits(x, weight, QUACK_QKV_MIN_ROWS):
-        _, gemm, _, config = _quack()
+        _, gemm, _ = _quack()
         out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
-        gemm(x, weight.t(), out, bias=bias, config=config)
+        gemm(x, weight.t(), out, bias=bias, config=_gemm_config(tuple(QUACK_TILE.items())))
         return out
     return F.linear(x, weight, bias)
 

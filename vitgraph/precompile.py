@@ -24,7 +24,10 @@ as the encoder will, and compiles its share of those after the first (which this
 compiles).
 
 Each worker builds a one-block tower of the same shape with random weights and runs each of
-its ops alone on zeros (the model's ``run_jit_kernel``).
+its ops alone on zeros (the model's ``run_jit_kernel``). It keeps quack's import from
+importing ``torch._dynamo`` (seconds; see :func:`_without_dynamo`). While the workers compile,
+this process compiles the buckets' Triton kernels (the model's ``run_triton_kernels``), which
+capture would otherwise compile one after another after the wait.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from typing import Sequence
 
 import torch
 
+from . import kernels
 from .attention import FA4_CACHE_SWITCH, _has_fa4, enable_fa4_disk_cache
 from .capture.graphs import padded_batch
 from .capture.planner import Bucket
@@ -69,6 +73,11 @@ _CACHE_DIR_DEFAULTS = {_FA4_CACHE[0]: ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "fl
 # before the libraries load): one per kernel of the default buckets after the first.
 EARLY_WORKERS = 8
 START_WITH_ENCODER = True  # False: workers start only in precompile, after the build (for A/Bs)
+# While cold-cache workers compile, this process compiles the buckets' Triton kernels (else
+# capture compiles them, one after another, after the wait). False: for A/Bs.
+TRITON_WHILE_WAITING = True
+# Workers keep quack's import from importing torch._dynamo (see _without_dynamo). False: for A/Bs.
+WORKERS_WITHOUT_DYNAMO = True
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,7 @@ class PrecompileReport:
     cold: bool = False  # the first kernel compiled here (caches cold), so the workers ran
     first_kernel_seconds: float = 0.0  # the first kernel here: a load from disk, or a compile
     early: bool = False  # the workers started with the encoder, before it loaded the kernel libraries (no kernel on disk then)
+    triton_seconds: float = 0.0  # the buckets' Triton kernels, compiled here while the workers ran
     seconds: float = 0.0
     failures: list[str] = field(default_factory=list)  # workers that did not finish cleanly
 
@@ -115,6 +125,7 @@ def _spec(tower: Qwen2VisionTower, jobs: Sequence[KernelJob], device: torch.devi
         "dtype": str(block.attn.qkv.weight.dtype).removeprefix("torch."),
         "device": str(device),
         "attention": block.attn.backend, "gemm": tower.gemm_backend, "fused": tower.fused,
+        "without_dynamo": WORKERS_WITHOUT_DYNAMO,
         "jobs": [[j.op, j.bucket.tokens, j.bucket.max_segments, j.bucket.max_seqlen] for j in jobs],
     })
 
@@ -238,7 +249,8 @@ def start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype, 
         return None
     early = EarlyWorkers([], roots)
     spec = {"started": time.time(), "config": asdict(replace(config, depth=1)),
-            "dtype": str(dtype).removeprefix("torch."), "device": str(device), "options": options}
+            "dtype": str(dtype).removeprefix("torch."), "device": str(device), "options": options,
+            "without_dynamo": WORKERS_WITHOUT_DYNAMO}
     for index in range(count):
         try:
             early.procs.append(_spawn(json.dumps({**spec, "share": [index, count]})))
@@ -297,6 +309,14 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
                 proc.kill()
         elif procs is None:  # kernels on disk, but not this one (another release, other buckets)
             procs = _start(tower, shares, device, report)
+        if report.cold and procs and TRITON_WHILE_WAITING and _triton_compiles(device):
+            # Idle here until the workers finish: compile the Triton kernels capture would.
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for bucket in sorted(buckets):
+                    tower.run_triton_kernels(padded_batch(tower, bucket).to(device))
+            _synchronize(device)
+            report.triton_seconds = time.perf_counter() - t0
         deadline = time.monotonic() + WORKER_TIMEOUT_S
         for proc, log in procs if report.cold else ():
             try:
@@ -311,9 +331,11 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
     for failure in report.failures:
         logger.warning("vitgraph: a kernel-compiling worker failed (%s); capture compiles its kernels", failure)
     report.seconds = time.perf_counter() - start
-    logger.info("vitgraph: %d JIT kernels; the first took %.2f s here, so %s caches; %d worker(s)%s; %.1f s",
+    logger.info("vitgraph: %d JIT kernels; the first took %.2f s here, so %s caches; %d worker(s)%s%s; %.1f s",
                 report.kernels, report.first_kernel_seconds, "cold" if report.cold else "warm", report.workers,
-                " started with the encoder" if report.early else "", report.seconds)
+                " started with the encoder" if report.early else "",
+                f"; Triton kernels {report.triton_seconds:.1f} s here meanwhile" if report.triton_seconds else "",
+                report.seconds)
     return report
 
 
@@ -322,9 +344,27 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
 _WORKER_COMMAND = "import sys; from vitgraph.precompile import worker_main; worker_main(sys.argv[1])"
 
 
+def _triton_compiles(device: torch.device) -> bool:
+    """The Triton kernels compile for ``device`` (a GPU; the interpreter runs them uncompiled)."""
+    return device.type == "cuda" and kernels.usable(device)
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _disable_without_dynamo(fn=None, recursive=True, *, reason=None):
+    """``torch.compiler.disable`` for a process that never runs ``torch.compile``: nothing to disable."""
+    return fn if fn is not None else (lambda f: f)
+
+
+def _without_dynamo() -> None:
+    """Importing quack (FA4 imports it too) runs ``torch.compiler.disable`` as a decorator, which
+    imports ``torch._dynamo``: 1.5 s warm, about 5 s cold on an H200 host, on a worker's path
+    to its first compile. A worker only compiles kernels, so it skips that import."""
+    if "torch._dynamo" not in sys.modules:
+        torch.compiler.disable = _disable_without_dynamo
 
 
 def worker_main(spec_json: str) -> None:
@@ -334,6 +374,8 @@ def worker_main(spec_json: str) -> None:
     spec = json.loads(spec_json)
     timings = {"start_s": round(time.time() - spec["started"], 2)}  # Python, torch and vitgraph imports
     lap = time.perf_counter()
+    if spec.get("without_dynamo"):
+        _without_dynamo()
     device = torch.device(spec["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -360,5 +402,6 @@ def worker_main(spec_json: str) -> None:
             tower.run_jit_kernel(op, padded_batch(tower, bucket).to(device))
             _synchronize(device)
             timings[f"{op}@{bucket.name}_s"] = round(time.perf_counter() - lap, 2)
+    timings["dynamo_imported"] = "torch._dynamo" in sys.modules
     print(json.dumps(timings), flush=True)
 

@@ -422,6 +422,41 @@ class Qwen2VisionTower(nn.Module):
         else:
             raise ValueError(f"op must be one of {JIT_OPS}, got {op!r}")
 
+    def run_triton_kernels(self, batch: VisionBatch) -> None:
+        """Run each Triton kernel :meth:`forward_fused` runs for ``batch`` once, on zeros laid
+        out for ``batch`` (on the device), through the forward's own calls, and none of the
+        kernels of :meth:`jit_kernels`: Triton compiles (or loads) every variant the forward
+        needs, with the GEMMs on cuBLAS where the forward's would compile. Nothing for the
+        plain forward."""
+        if not self.fused:
+            return
+        cfg, block = self.config, self.blocks[0]
+        attn, mlp = block.attn, block.mlp
+        rows, device, dtype = batch.positions.shape[0], attn.qkv.weight.device, attn.qkv.weight.dtype
+        paths = self.fused_paths(batch)
+        x = torch.zeros(rows, cfg.embed_dim, device=device, dtype=dtype)
+        kernels.add_layernorm(x, None, block.norm1.weight, block.norm1.bias, block.norm1.eps)
+        if not paths.rope_epilogue:
+            qkv = torch.zeros(rows, attn.qkv.weight.shape[0], device=device, dtype=dtype)
+            self._rotate(qkv, *self.rotary(batch.positions), batch, paths)
+        y, y_bias = linear_split_k(x, attn.proj.weight, attn.proj.bias)
+        kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias)
+        if block.act_name == "quick_gelu" and fc1_kernel(rows, mlp.fc1.weight, self.gemm_backend) is None:
+            linear_quick_gelu(x, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)  # cuBLAS, then the Triton pass
+        f = torch.zeros(rows, mlp.fc2.weight.shape[1], device=device, dtype=dtype)
+        z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)
+        kernels.add_layernorm(x, z, self.merger.ln_q.weight, self.merger.ln_q.bias, self.merger.ln_q.eps, z_bias)
+
+    def _rotate(self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, batch: VisionBatch,
+                paths: FusedPaths) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of ``qkv``, rotated by the Triton kernel unless qkv's GEMM did (``paths``)."""
+        heads = self.config.num_heads
+        if paths.rope_epilogue:
+            return qkv.view(qkv.shape[0], 3, heads, -1).unbind(1)
+        # cuDNN's ragged attention reads q, k, v out of qkv itself (no segment ids, no zeroing).
+        return kernels.rotary_(qkv, cos, sin, heads, None if paths.ragged else batch.segment_ids, paths.lane,
+                               paths.zero_padding)
+
     def forward(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
         """``[T, input_width]`` pixel rows -> ``[T / merge_unit, output_width]``."""
         return self.forward_fused(pixels, batch) if self.fused else self.forward_reference(pixels, batch)
@@ -463,13 +498,15 @@ class Qwen2VisionTower(nn.Module):
         """
         cfg, blocks = self.config, self.blocks if blocks is None else blocks
         rows = pixels.shape[0]
-        lane, rope_epilogue, ragged_layout, zero_padding = self.fused_paths(batch)
+        paths = self.fused_paths(batch)
+        lane, rope_epilogue, ragged_layout, zero_padding = paths
         # The rotary inputs first: they live through the forward while their temporaries
         # do not, so the holes those leave sit at the start of the graphs' memory pool
         # rather than between the big activations.
         if rope_epilogue:
             freq_h, freq_w = self.rope_columns()
             pos_h, pos_w = self.rope_rows(batch)
+            cos = sin = None
         else:
             cos, sin = self.rotary(batch.positions)
         x = self.patch_embed(pixels)
@@ -488,24 +525,15 @@ class Qwen2VisionTower(nn.Module):
             else:
                 qkv = linear_qkv(h, attn.qkv.weight, attn.qkv.bias, self.gemm_backend)
             del h
+            q, k, v = self._rotate(qkv, cos, sin, batch, paths)
             if lane is not None:
-                q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads, batch.segment_ids, lane)
                 out = dense_masked(q, k, v, cfg.head_dim ** -0.5)
-                del q, k, v
-            elif ragged is not None:
-                if not rope_epilogue:
-                    kernels.rotary_(qkv, cos, sin, cfg.num_heads)
+            elif ragged is not None:  # reads q, k, v out of qkv itself
                 out = cudnn_attention.ragged_attention(qkv.view(rows, 3, cfg.num_heads, -1), ragged,
                                                        batch.max_seqlen)
             else:
-                if rope_epilogue:
-                    q, k, v = qkv.view(rows, 3, cfg.num_heads, -1).unbind(1)
-                else:
-                    q, k, v = kernels.rotary_(qkv, cos, sin, cfg.num_heads, batch.segment_ids,
-                                              zero_padding=zero_padding)
                 out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding or rope_epilogue)
-                del q, k, v
-            del qkv
+            del q, k, v, qkv
             y, y_bias = linear_split_k(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias)
             del out
             h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias)
