@@ -20,8 +20,8 @@ a worker spends most of its time starting Python and importing torch, quack and 
 (4-9 s on an H200 host) before its compile: so the encoder starts the workers as it is
 constructed (:func:`start_early`), before it loads those libraries itself, and
 :func:`precompile` then waits for them. Each works out the encoder's kernels from its options,
-as the encoder will, and compiles its share of those after the first (which this process
-compiles).
+as the encoder will, and compiles its share of all of them: cold being certain, this process
+compiles none.
 
 Each worker builds a one-block tower of the same shape with random weights and runs each of
 its ops alone on zeros (the model's ``run_jit_kernel``). It keeps quack's import from
@@ -70,8 +70,8 @@ _DISK_CACHE = {"attention": _FA4_CACHE, "qkv": _QUACK_CACHE, "qkv_rope": _QUACK_
 _CACHE_DIR_DEFAULTS = {_FA4_CACHE[0]: ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "flash_attention_cute_dsl_cache"),
                        _QUACK_CACHE[0]: ("QUACK_CACHE_DIR", "quack_cache")}
 # Most workers start_early starts when compile_workers is None (it cannot count the kernels
-# before the libraries load): one per kernel of the default buckets after the first.
-EARLY_WORKERS = 8
+# before the libraries load): one per kernel of the default buckets.
+EARLY_WORKERS = 9
 START_WITH_ENCODER = True  # False: workers start only in precompile, after the build (for A/Bs)
 # While cold-cache workers compile, this process compiles the buckets' Triton kernels (else
 # capture compiles them, one after another, after the wait). False: for A/Bs.
@@ -91,8 +91,8 @@ class KernelJob:
 class PrecompileReport:
     kernels: int = 0  # distinct kernels the buckets run
     workers: int = 0  # processes started
-    cold: bool = False  # the first kernel compiled here (caches cold), so the workers ran
-    first_kernel_seconds: float = 0.0  # the first kernel here: a load from disk, or a compile
+    cold: bool = False  # the first kernel compiled (caches cold), so the workers ran
+    first_kernel_seconds: float = 0.0  # the first kernel here: a load from disk, or a compile (0: early workers ran it)
     early: bool = False  # the workers started with the encoder, before it loaded the kernel libraries (no kernel on disk then)
     triton_seconds: float = 0.0  # the buckets' Triton kernels, compiled here while the workers ran
     seconds: float = 0.0
@@ -202,7 +202,7 @@ def _stop(procs) -> None:
 class EarlyWorkers:
     """Workers :func:`start_early` started; :func:`precompile` adopts them, or stops them."""
 
-    procs: list  # (Popen, log file); worker i of n takes every n-th kernel after the first, from the i-th
+    procs: list  # (Popen, log file); worker i of n takes every n-th kernel, from the i-th
     roots: dict[str, Path]  # per cache module, the directory that held no kernel at the start
     failures: list[str] = field(default_factory=list)
 
@@ -297,11 +297,12 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
         before = _kernel_files(caches)  # imports FA4 and quack: the first kernel's time is then its own
         if procs is None and before == 0:  # no kernel on disk at all: cold for certain, so start at once
             procs = _start(tower, shares, device, report)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            tower.run_jit_kernel(first.op, padded_batch(tower, first.bucket).to(device))
-        _synchronize(device)
-        report.first_kernel_seconds = time.perf_counter() - t0
+        if not report.early:  # early workers compile the first kernel too
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                tower.run_jit_kernel(first.op, padded_batch(tower, first.bucket).to(device))
+            _synchronize(device)
+            report.first_kernel_seconds = time.perf_counter() - t0
         # It compiled, and wrote the kernel to disk (with early workers writing too, cold is known).
         report.cold = report.early or _kernel_files(caches) > before
         if not report.cold:  # warm: capture loads every kernel itself
@@ -331,9 +332,10 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
     for failure in report.failures:
         logger.warning("vitgraph: a kernel-compiling worker failed (%s); capture compiles its kernels", failure)
     report.seconds = time.perf_counter() - start
-    logger.info("vitgraph: %d JIT kernels; the first took %.2f s here, so %s caches; %d worker(s)%s%s; %.1f s",
-                report.kernels, report.first_kernel_seconds, "cold" if report.cold else "warm", report.workers,
-                " started with the encoder" if report.early else "",
+    how = (f"none on disk when the encoder started (cold caches): {report.workers} worker(s) started with it"
+           if report.early else f"the first took {report.first_kernel_seconds:.2f} s here, so "
+           f"{'cold' if report.cold else 'warm'} caches; {report.workers} worker(s)")
+    logger.info("vitgraph: %d JIT kernels; %s%s; %.1f s", report.kernels, how,
                 f"; Triton kernels {report.triton_seconds:.1f} s here meanwhile" if report.triton_seconds else "",
                 report.seconds)
     return report
@@ -387,8 +389,8 @@ def worker_main(spec_json: str) -> None:
         options = EngineOptions(**spec["options"])
         attention, _ = configure_tower(tower, options, device, dtype)
         index, count = spec["share"]
-        rest = [j for j in kernel_jobs(tower, buckets_for(tower, options, attention, device))[1:] if _persists(j.op)]
-        jobs = [(j.op, j.bucket) for j in rest[index::count]]
+        every = [j for j in kernel_jobs(tower, buckets_for(tower, options, attention, device)) if _persists(j.op)]
+        jobs = [(j.op, j.bucket) for j in every[index::count]]
     else:
         tower.inv_freq = tower.inv_freq.float()
         tower.set_attention_backend(spec["attention"])
