@@ -91,7 +91,7 @@ class KernelJob:
 class PrecompileReport:
     kernels: int = 0  # distinct kernels the buckets run
     workers: int = 0  # processes started
-    cold: bool = False  # the first kernel compiled (caches cold), so the workers ran
+    cold: bool = False  # caches cold (no kernel on disk as the early workers started, or the first compiled here): the workers ran
     first_kernel_seconds: float = 0.0  # the first kernel here: a load from disk, or a compile (0: early workers ran it)
     early: bool = False  # the workers started with the encoder, before it loaded the kernel libraries (no kernel on disk then)
     triton_seconds: float = 0.0  # the buckets' Triton kernels, compiled here while the workers ran
