@@ -209,7 +209,7 @@ def test_failed_or_missing_workers_leave_the_kernels_to_capture(hopper, monkeypa
     assert report.workers == 0 and report.failures == ["could not start a worker: fork refused"]
 
 
-def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_here(hopper, monkeypatch):
+def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_here(hopper, monkeypatch, caplog):
     t = tower()
     buckets = default_buckets(t)
     order = []
@@ -224,6 +224,18 @@ def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_he
     assert report.cold and report.workers == 2 and report.failures == [] and report.triton_seconds > 0
     # The first JIT kernel, then each bucket's Triton kernels, smallest first.
     assert order == [kernel_jobs(t, buckets)[0].op] + sorted(b.tokens for b in buckets)
+    # Out of GPU memory for a large bucket: the rest is left to capture, and precompile goes on.
+    order.clear()
+
+    def out_of_memory_above_1024(batch):
+        if batch.positions.shape[0] > 1024:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        order.append(batch.positions.shape[0])
+
+    monkeypatch.setattr(t, "run_triton_kernels", out_of_memory_above_1024)
+    report = precompile(t, buckets, torch.device("cpu"), workers=2)
+    assert report.cold and report.failures == [] and order[1:] == sorted(b.tokens for b in buckets if b.tokens <= 1024)
+    assert "out of GPU memory compiling the Triton kernels of bucket 1152x16" in caplog.text
     # Warm caches: no workers to wait for, so capture loads them as it goes.
     order.clear()
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: 5)

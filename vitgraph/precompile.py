@@ -313,10 +313,14 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
         if report.cold and procs and TRITON_WHILE_WAITING and _triton_compiles(device):
             # Idle here until the workers finish: compile the Triton kernels capture would.
             t0 = time.perf_counter()
-            with torch.inference_mode():
-                for bucket in sorted(buckets):
-                    tower.run_triton_kernels(padded_batch(tower, bucket).to(device))
-            _synchronize(device)
+            try:
+                with torch.inference_mode():
+                    for bucket in sorted(buckets):
+                        tower.run_triton_kernels(padded_batch(tower, bucket).to(device))
+                _synchronize(device)
+            except torch.OutOfMemoryError:  # the workers' contexts took the room: capture compiles the rest
+                logger.warning("vitgraph: out of GPU memory compiling the Triton kernels of bucket %s before "
+                               "capture; capture compiles the rest", bucket.name)
             report.triton_seconds = time.perf_counter() - t0
         deadline = time.monotonic() + WORKER_TIMEOUT_S
         for proc, log in procs if report.cold else ():
