@@ -363,63 +363,6 @@ def test_workers_start_with_the_encoder_only_where_no_kernel_is_on_disk(empty_ca
     assert specs == []
 
 
-@pytest.fixture
-def recorded_start(monkeypatch):
-    """start_early recorded (and the encoder as on a GPU), its workers' stop too."""
-    events = []
-    early = EarlyWorkers([], {})
-    monkeypatch.setattr(early, "stop", lambda: events.append("stop"))
-    monkeypatch.setattr(vitgraph.encoder, "start_early", lambda *args: events.append("start") or early)
-    monkeypatch.setattr(vitgraph.encoder, "_uses_graphs", lambda options, device: True)
-    return events, early
-
-
-def test_constructors_start_the_workers_before_loading_or_building_the_weights(recorded_start, monkeypatch,
-                                                                               checkpoint):
-    """So that the workers' start-up overlaps reading a checkpoint or initialising weights."""
-    from vitgraph import GraphedVisionEncoder
-
-    events, early = recorded_start
-
-    def fails(name):
-        def make(*args):
-            events.append(name)
-            raise OSError(f"{name} failed")
-        return make
-
-    monkeypatch.setattr(vitgraph.encoder, "build_tower", fails("build"))
-    with pytest.raises(OSError, match="build failed"):
-        GraphedVisionEncoder.from_config(VisionConfig(depth=1), device="cpu")
-    assert events == ["start", "build", "stop"]  # and stopped when the weights cannot be made
-    events.clear()
-    monkeypatch.setattr(vitgraph.encoder, "load_tower", fails("load"))
-    with pytest.raises(OSError, match="load failed"):
-        GraphedVisionEncoder.from_pretrained(checkpoint, device="cpu")
-    assert events == ["start", "load", "stop"]
-    events.clear()
-    monkeypatch.setattr(vitgraph.encoder, "tower_from_state_dict", fails("state dict"))
-    with pytest.raises(OSError, match="state dict failed"):
-        GraphedVisionEncoder.from_state_dict({}, VisionConfig(depth=1), device="cpu")
-    assert events == ["start", "state dict", "stop"]
-    # Made: the encoder takes those workers over and starts no others.
-    events.clear()
-    made = {}
-    monkeypatch.setattr(GraphedVisionEncoder, "__init__", lambda self, tower, **kwargs: made.update(kwargs))
-    GraphedVisionEncoder._from_tower(lambda: events.append("build"), VisionConfig(depth=1), torch.device("cpu"),
-                                     torch.float32, {"capture": False})
-    assert events == ["start", "build"] and made["_early_workers"] is early and made["capture"] is False
-
-
-def test_the_encoder_stops_workers_it_was_given_when_its_options_are_bad(recorded_start):
-    from vitgraph import GraphedVisionEncoder
-
-    events, early = recorded_start
-    with pytest.raises(ValueError, match="mode"):
-        GraphedVisionEncoder(build_tower(VisionConfig(depth=1), torch.device("cpu"), torch.float32), device="cpu",
-                             mode="graph", _early_workers=early)
-    assert events == ["stop"]
-
-
 def test_early_workers_are_adopted_only_where_the_libraries_keep_their_kernels(hopper, empty_caches, monkeypatch):
     roots, _ = empty_caches
     t = tower()

@@ -23,7 +23,7 @@ from .config import PRESETS, VisionConfig
 from .gemm import GEMM_BACKENDS, resolve_gemm
 from .loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
 from .models.qwen2_vl import Qwen2VisionTower
-from .precompile import EarlyWorkers, PrecompileReport, precompile, start_early
+from .precompile import PrecompileReport, precompile, start_early
 from .validation import check_out, check_pixels, check_rows, normalize_grid
 
 logger = logging.getLogger(__name__)
@@ -226,10 +226,6 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def _uses_graphs(options: EngineOptions, device: torch.device) -> bool:
-    return options.mode == "graph" or (options.mode == "auto" and device.type == "cuda")
-
-
 class GraphedVisionEncoder:
     """The Qwen2-VL vision encoder (ViT + patch merger), replayed from CUDA graphs.
 
@@ -249,21 +245,18 @@ class GraphedVisionEncoder:
     backend and fusion, and captures graphs that read its weights in place.
     """
 
-    def __init__(self, tower: Qwen2VisionTower, *, device=None, dtype=None, _early_workers: EarlyWorkers | None = None,
-                 **options: Any) -> None:
-        # _early_workers: started by a constructor (from_config, ...) before it made the tower.
-        self._early_workers = _early_workers
+    def __init__(self, tower: Qwen2VisionTower, *, device=None, dtype=None, **options: Any) -> None:
+        self.options = EngineOptions(**options)
+        self.device = _resolve_device(device)
+        self.dtype = _resolve_dtype(dtype, self.device)
+        if self.options.mode == "graph" and self.device.type != "cuda":
+            raise ValueError(f"mode='graph' needs a CUDA device, got {self.device}")
+        self.use_graphs = self.options.mode == "graph" or (self.options.mode == "auto" and self.device.type == "cuda")
+        # With no compiled kernel on disk, kernel-compiling workers start now, before this
+        # process loads the kernel libraries, so that their start-up overlaps its own.
+        self._early_workers = (start_early(tower.config, self.device, self.dtype, asdict(self.options))
+                               if self.use_graphs else None)
         try:
-            self.options = EngineOptions(**options)
-            self.device = _resolve_device(device)
-            self.dtype = _resolve_dtype(dtype, self.device)
-            if self.options.mode == "graph" and self.device.type != "cuda":
-                raise ValueError(f"mode='graph' needs a CUDA device, got {self.device}")
-            self.use_graphs = _uses_graphs(self.options, self.device)
-            # With no compiled kernel on disk, kernel-compiling workers start now, before this
-            # process loads the kernel libraries, so that their start-up overlaps its own.
-            if self._early_workers is None and self.use_graphs:
-                self._early_workers = start_early(tower.config, self.device, self.dtype, asdict(self.options))
             self.tower = tower.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
             self.attention, self.gemm = configure_tower(self.tower, self.options, self.device, self.dtype)
             self.requested_buckets = buckets_for(self.tower, self.options, self.attention, self.device)
@@ -298,8 +291,8 @@ class GraphedVisionEncoder:
         dtype = _resolve_dtype(dtype, device)
         files = find_checkpoint(source, revision=revision, cache_dir=cache_dir,
                                 local_files_only=local_files_only, token=token)
-        config = read_config(files)
-        return cls._from_tower(lambda: load_tower(files, config, device, dtype), config, device, dtype, options)
+        tower = load_tower(files, read_config(files), device, dtype)
+        return cls(tower, device=device, dtype=dtype, **options)
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: VisionConfig | Mapping, *,
@@ -309,8 +302,7 @@ class GraphedVisionEncoder:
         config = config if isinstance(config, VisionConfig) else VisionConfig.from_dict(dict(config))
         device = _resolve_device(device)
         dtype = _resolve_dtype(dtype, device)
-        return cls._from_tower(lambda: tower_from_state_dict(state_dict, config, device, dtype), config, device,
-                               dtype, options)
+        return cls(tower_from_state_dict(state_dict, config, device, dtype), device=device, dtype=dtype, **options)
 
     @classmethod
     def from_config(cls, config: VisionConfig | str, *, device=None, dtype=None, seed: int = 0,
@@ -323,29 +315,10 @@ class GraphedVisionEncoder:
         EngineOptions(**options)
         device = _resolve_device(device)
         dtype = _resolve_dtype(dtype, device)
-
-        def random_tower() -> Qwen2VisionTower:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # leave the global RNG be
-                torch.manual_seed(seed)
-                return build_tower(config, device, torch.float32)
-
-        return cls._from_tower(random_tower, config, device, dtype, options)
-
-    @classmethod
-    def _from_tower(cls, make_tower: Callable[[], Qwen2VisionTower], config: VisionConfig, device: torch.device,
-                    dtype: torch.dtype, options: dict) -> "GraphedVisionEncoder":
-        """The encoder of the tower ``make_tower()`` loads or builds, with the kernel-compiling
-        workers (where no compiled kernel is on disk) started before it: their start-up then
-        overlaps the weights' loading too."""
-        engine = EngineOptions(**options)
-        early = start_early(config, device, dtype, asdict(engine)) if _uses_graphs(engine, device) else None
-        try:
-            tower = make_tower()
-        except BaseException:
-            if early is not None:
-                early.stop()
-            raise
-        return cls(tower, device=device, dtype=dtype, _early_workers=early, **options)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # leave the global RNG be
+            torch.manual_seed(seed)
+            tower = build_tower(config, device, torch.float32)
+        return cls(tower, device=device, dtype=dtype, **options)
 
     def capture(self) -> None:
         """Capture every bucket (largest first, one shared pool). Idempotent."""
