@@ -387,19 +387,17 @@ def worker_main(spec_json: str) -> None:
         torch.cuda.set_device(device)
     dtype = getattr(torch, spec["dtype"])
     tower = build_tower(VisionConfig(**spec["config"]), device, dtype)
-    if "options" in spec:  # started before the encoder chose anything: choose as it will
-        from .encoder import EngineOptions, buckets_for, configure_tower
+    from .encoder import EngineOptions, buckets_for, configure_tower
 
+    if "options" in spec:  # started before the encoder chose anything: choose as it will
         options = EngineOptions(**spec["options"])
         attention, _ = configure_tower(tower, options, device, dtype)
         index, count = spec["share"]
         every = [j for j in kernel_jobs(tower, buckets_for(tower, options, attention, device)) if _persists(j.op)]
         jobs = [(j.op, j.bucket) for j in every[index::count]]
-    else:
-        tower.inv_freq = tower.inv_freq.float()
-        tower.set_attention_backend(spec["attention"])
-        tower.fuse(spec["fused"])
-        tower.set_gemm_backend(spec["gemm"])
+    else:  # the encoder's choices, already resolved
+        configure_tower(tower, EngineOptions(attention=spec["attention"], gemm=spec["gemm"], fuse=spec["fused"]),
+                        device, dtype)
         jobs = [(op, Bucket(tokens, segments, max_seqlen)) for op, tokens, segments, max_seqlen in spec["jobs"]]
     timings["build_s"] = round(time.perf_counter() - lap, 2)
     with torch.inference_mode():
