@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -21,8 +20,8 @@ from vitgraph.capture.planner import Bucket, budget_ladder, make_buckets
 from vitgraph.config import VisionConfig
 from vitgraph.encoder import EngineOptions, buckets_for, dense_limit
 from vitgraph.loading import build_tower
-from vitgraph.precompile import (EarlyWorkers, KernelJob, Workers, _lines, _persists, _spec, _tail, kernel_jobs,
-                                 precompile, start_early, worker_main)
+from vitgraph.precompile import (EarlyWorkers, KernelJob, _persists, _spawn, _spec, _tail, kernel_jobs, precompile,
+                                 start_early, worker_main)
 
 H200_SMS = 132
 
@@ -48,25 +47,6 @@ def default_buckets(t):
     return make_buckets(budget_ladder(options.min_budget, options.max_budget, unit), options.max_items, unit,
                         dense=options.dense_buckets, dense_up_to=dense_limit(options, "fa4"),
                         short_cap=lambda b: vitgraph.attention.fa4_short_cap(b, heads, H200_SMS, unit))
-
-
-class DoneWorkers:
-    """Workers that have already finished cleanly, with their specs."""
-
-    def __init__(self, specs):
-        self.specs = [json.loads(spec) for spec in specs]
-
-    def __len__(self):
-        return len(self.specs)
-
-    def wait(self, timeout):
-        return []
-
-    def kill(self):
-        pass
-
-    def close(self):
-        pass
 
 
 def layout(t, bucket):
@@ -226,7 +206,7 @@ def test_failed_or_missing_workers_leave_the_kernels_to_capture(hopper, monkeypa
 
     monkeypatch.setattr(vitgraph.precompile.subprocess, "Popen", no_processes)
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
-    assert report.workers == 0 and report.failures == ["could not start the workers: fork refused"]
+    assert report.workers == 0 and report.failures == ["could not start a worker: fork refused"]
 
 
 def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_here(hopper, monkeypatch, caplog):
@@ -238,7 +218,8 @@ def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_he
     monkeypatch.setattr(vitgraph.precompile, "_triton_compiles", lambda device: True)  # as on a GPU
     files = iter(range(5, 100))
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: next(files))  # cold
-    monkeypatch.setattr(vitgraph.precompile, "Workers", DoneWorkers)
+    monkeypatch.setattr(vitgraph.precompile, "_spawn", lambda spec: (subprocess.Popen([sys.executable, "-c", ""]),
+                                                                     open(os.devnull, "rb")))
     report = precompile(t, buckets, torch.device("cpu"), workers=2)
     assert report.cold and report.workers == 2 and report.failures == [] and report.triton_seconds > 0
     # The first JIT kernel, then each bucket's Triton kernels, smallest first.
@@ -270,7 +251,7 @@ def test_workers_only_compile_kernels_whose_cache_is_on(hopper, monkeypatch, swi
     files = iter(range(100))
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: next(files))  # cold
     started = []
-    monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, shares, device, report: started.extend(shares) or None)
+    monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, shares, device, report: started.extend(shares) or [])
     monkeypatch.setenv(switch, "0")
     jobs = kernel_jobs(t, default_buckets(t))
     precompile(t, default_buckets(t), torch.device("cpu"), workers=16)
@@ -301,87 +282,16 @@ def test_kernel_files_are_counted_in_each_cache_that_loads(tmp_path, monkeypatch
     assert vitgraph.precompile._kernel_files(["fake_quack_cache"]) == 1
 
 
-@pytest.mark.parametrize("forked", [True, False], ids=["forked", "own-processes"])
-def test_workers_run_their_jobs_and_report_what_failed(monkeypatch, caplog, forked):
-    monkeypatch.setattr(vitgraph.precompile, "FORK_WORKERS", forked)
-    caplog.set_level("DEBUG", logger="vitgraph.precompile")
+def test_a_worker_runs_its_jobs_and_reports_what_failed():
     t = tower(attention="sdpa", gemm="cublas", fused=False)  # attention runs on the CPU
-    workers = Workers([_spec(t, [KernelJob("attention", (), Bucket(64, 4)), KernelJob("attention", (), Bucket(128, 1))],
-                             torch.device("cpu")),
-                       _spec(t, [KernelJob("attention", (), Bucket(64, 4)), KernelJob("fc2", (), Bucket(64, 4))],
-                             torch.device("cpu"))])
-    try:
-        assert len(workers) == 2 and len(workers.procs) == (1 if forked else 2)  # forked: one Python start
-        failures = workers.wait(timeout=120)
-        assert len(failures) == 1 and failures[0].startswith("exit 1: ")
-        assert "op must be one of" in failures[0] and "'fc2'" in failures[0]
-        done = json.loads(_tail(workers.logs[0]))  # each worker writes to its own log
-        assert done["dynamo_imported"] is False and done.keys() >= {"attention@64x4_s", "attention@128x1_s"}
-        if forked:  # the forking process imported the libraries, not the workers
-            assert json.loads(_lines(workers.own_log)[-1])["exits"] == [0, 1]
-        assert "kernel-compiling worker: {" in caplog.text
-    finally:
-        workers.close()
-
-
-def test_stopping_forked_workers_stops_the_process_that_forked_them_and_its_children(monkeypatch, tmp_path):
-    # A stand-in for fork_workers: forks a child that would outlive it, and both wait.
-    pids = tmp_path / "pids"
-    monkeypatch.setattr(vitgraph.precompile, "_FORK_COMMAND", textwrap.dedent(f"""
-        import os, time
-        child = os.fork()
-        if child == 0:
-            time.sleep(300)
-            os._exit(0)
-        open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{child}}")
-        time.sleep(300)
-    """))
-    monkeypatch.setattr(vitgraph.precompile, "FORK_WORKERS", True)
-    workers = Workers(["{}"])
-    for _ in range(300):
-        if pids.exists() and len(pids.read_text().split()) == 2:
-            break
-        time.sleep(0.1)
-    parent, child = map(int, pids.read_text().split())
-    assert workers.wait(timeout=0.2) == ["timed out after 0 s"]
-    workers.close()
-    assert workers.procs[0].returncode == -9
-    for _ in range(100):  # the child is not ours to reap: it goes once its group is killed
-        if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z":
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the forked child outlived the stop")
-
-
-def test_a_worker_forked_after_cuda_started_runs_in_a_new_process(monkeypatch):
-    monkeypatch.setattr(vitgraph.precompile, "FORK_WORKERS", True)
-    monkeypatch.setattr(vitgraph.precompile, "_FORK_COMMAND", textwrap.dedent("""
-        import sys
-        import vitgraph.precompile
-        vitgraph.precompile._STARTS_CUDA = ("vitgraph.loading",)  # imported before the fork: CUDA started
-        from vitgraph.precompile import fork_workers
-        fork_workers(sys.argv[1])
-    """))
-    t = tower(attention="sdpa", gemm="cublas", fused=False)
-    workers = Workers([_spec(t, [KernelJob("attention", (), Bucket(64, 4))], torch.device("cpu"))])
-    try:
-        assert workers.wait(timeout=120) == []
-        said, done = _lines(workers.logs[0])[-2:]
-        assert said == "vitgraph: forked after CUDA started; starting this worker in a new process"
-        assert "attention@64x4_s" in json.loads(done)
-    finally:
-        workers.close()
-
-
-def test_a_forked_worker_that_cannot_start_is_reported(monkeypatch):
-    monkeypatch.setattr(vitgraph.precompile, "FORK_WORKERS", True)
-    workers = Workers(["not json"])
-    try:
-        [failure] = workers.wait(timeout=120)
-        assert failure.startswith("exit 1 before the workers started: ") and "JSONDecodeError" in failure
-    finally:
-        workers.close()
+    proc, log = _spawn(_spec(t, [KernelJob("attention", (), Bucket(64, 4)), KernelJob("attention", (), Bucket(128, 1))],
+                             torch.device("cpu")))
+    assert proc.wait(timeout=120) == 0, _tail(log)
+    assert json.loads(_tail(log))["dynamo_imported"] is False
+    proc, log = _spawn(_spec(t, [KernelJob("attention", (), Bucket(64, 4)), KernelJob("fc2", (), Bucket(64, 4))],
+                             torch.device("cpu")))
+    assert proc.wait(timeout=120) == 1
+    assert "op must be one of" in _tail(log) and "'fc2'" in _tail(log)
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -420,13 +330,7 @@ def empty_caches(tmp_path, monkeypatch):
     monkeypatch.setattr(vitgraph.precompile, "_has_fa4", lambda device: True)
     monkeypatch.setattr(vitgraph.precompile, "quack_available", lambda device: True)
     specs = []
-
-    def record(started):
-        workers = DoneWorkers(started)
-        specs.extend(workers.specs)
-        return workers
-
-    monkeypatch.setattr(vitgraph.precompile, "Workers", record)
+    monkeypatch.setattr(vitgraph.precompile, "_spawn", lambda spec: specs.append(json.loads(spec)) or (None, None))
     return roots, specs
 
 
@@ -438,14 +342,14 @@ def start(workers=None, device="cuda", dtype=torch.bfloat16, **options):
 def test_workers_start_with_the_encoder_only_where_no_kernel_is_on_disk(empty_caches, monkeypatch):
     roots, specs = empty_caches
     early = start(workers=3)
-    assert len(early.workers) == 3 and early.roots == roots
+    assert len(early.procs) == 3 and early.roots == roots
     assert [spec["share"] for spec in specs] == [[0, 3], [1, 3], [2, 3]]
     assert specs[0]["config"]["depth"] == 1 and specs[0]["dtype"] == "bfloat16" and specs[0]["device"] == "cuda"
     assert specs[0]["options"] == dataclasses.asdict(EngineOptions(compile_workers=3))
     monkeypatch.setattr(vitgraph.precompile, "_usable_cpus", lambda: 64)
-    assert len(start().workers) == vitgraph.precompile.EARLY_WORKERS
+    assert len(start().procs) == vitgraph.precompile.EARLY_WORKERS
     monkeypatch.setattr(vitgraph.precompile, "_usable_cpus", lambda: 3)
-    assert len(start().workers) == 2
+    assert len(start().procs) == 2
     specs.clear()
     # None started: no workers asked for, no GPU, no kernel library in use, or a kernel on disk.
     assert start(workers=0) is None and start(device="cpu") is None
@@ -466,9 +370,10 @@ def test_early_workers_are_adopted_only_where_the_libraries_keep_their_kernels(h
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: ran.append(op))
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: 3)  # the workers wrote some already
     started = []
-    monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, shares, device, report: started.extend(shares) or None)
+    monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, shares, device, report: started.extend(shares) or [])
     stopped = []
-    early = EarlyWorkers(DoneWorkers([]), dict(roots))  # nothing to wait for here
+    procs = [("proc", "log")] * 0  # nothing to wait for here
+    early = EarlyWorkers(procs, dict(roots))
     monkeypatch.setattr(early, "stop", lambda: stopped.append(True))
     monkeypatch.setattr(vitgraph.precompile, "_cache_roots", lambda caches: dict(roots))
     report = precompile(t, default_buckets(t), torch.device("cpu"), early=early)
@@ -517,7 +422,7 @@ def test_early_workers_are_stopped_when_the_encoder_cannot_be_built(monkeypatch,
     from vitgraph import GraphedVisionEncoder
 
     stopped = []
-    early = EarlyWorkers(None, {})
+    early = EarlyWorkers([], {})
     monkeypatch.setattr(early, "stop", lambda: stopped.append(True))
     monkeypatch.setattr(vitgraph.encoder, "start_early", lambda *args: early)
     with pytest.raises(ValueError):

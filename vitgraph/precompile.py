@@ -23,9 +23,6 @@ constructed (:func:`start_early`), before it loads those libraries itself, and
 as the encoder will, and compiles its share of all of them: cold being certain, this process
 compiles none.
 
-The workers fork from one process that imports torch, vitgraph and the kernel libraries once
-(:func:`fork_workers`), so that they do not each start Python and import them, all at once.
-
 Each worker builds a one-block tower of the same shape with random weights and runs each of
 its ops alone on zeros (the model's ``run_jit_kernel``). It keeps quack's import from
 importing ``torch._dynamo`` (seconds; see :func:`_without_dynamo`). While the workers compile,
@@ -35,19 +32,15 @@ capture would otherwise compile one after another after the wait.
 
 from __future__ import annotations
 
-import contextlib
 import getpass
 import importlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
@@ -85,16 +78,6 @@ START_WITH_ENCODER = True  # False: workers start only in precompile, after the 
 TRITON_WHILE_WAITING = True
 # Workers keep quack's import from importing torch._dynamo (see _without_dynamo). False: for A/Bs.
 WORKERS_WITHOUT_DYNAMO = True
-# Workers fork from one process that imported torch and the kernel libraries once, instead of
-# each starting Python and importing them (see fork_workers; POSIX only). False: for A/Bs.
-FORK_WORKERS = True
-# What fork_workers imports before it forks: torch (imported with this module) and what each
-# worker imports before its kernel libraries. Not those: the CuTe DSL starts the CUDA driver as
-# it is imported (measured on an H200), and a forked child cannot use a driver started before
-# the fork. Nor may anything here count devices through the CUDA runtime (hence _FORK_SAFE_ENV).
-_PRELOAD = ("vitgraph.loading", "vitgraph.encoder")
-_STARTS_CUDA = ("cutlass",)  # modules whose import starts the CUDA driver
-_FORK_SAFE_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # torch.cuda.is_available() asks NVML
 
 
 @dataclass(frozen=True)
@@ -185,111 +168,54 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-class Workers:
-    """Worker processes, one per spec: each a process of its own, or (``FORK_WORKERS``, POSIX)
-    each forked from one process that imported torch, vitgraph and the kernel libraries once
-    (see :func:`fork_workers`). Each worker writes to its own log."""
+def _spawn(spec: str):
+    env = dict(os.environ)
+    # The workers import vitgraph and its kernel libraries from where this process does.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-c", _WORKER_COMMAND, spec], env=env,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    return proc, log
 
-    def __init__(self, specs: Sequence[str]):
-        env = dict(os.environ)
-        # The workers import vitgraph and its kernel libraries from where this process does.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        self.logs = [tempfile.TemporaryFile() for _ in specs]
-        self.forked = FORK_WORKERS and hasattr(os, "fork")
-        self.own_log = tempfile.TemporaryFile() if self.forked else None  # the forking process's
-        self.procs: list[subprocess.Popen] = []
+
+def _start(tower: Qwen2VisionTower, shares: list[list[KernelJob]], device: torch.device, report: PrecompileReport):
+    procs = []
+    for share in shares:
         try:
-            if self.forked:  # in a session of its own, so that stopping it stops its children too
-                fds = [log.fileno() for log in self.logs]
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-c", _FORK_COMMAND, json.dumps({"specs": list(specs), "logs": fds})],
-                    env={**env, **_FORK_SAFE_ENV}, stdin=subprocess.DEVNULL, stdout=self.own_log, stderr=subprocess.STDOUT,
-                    pass_fds=fds, start_new_session=True))
-            else:
-                for spec, log in zip(specs, self.logs):
-                    self.procs.append(subprocess.Popen([sys.executable, "-c", _WORKER_COMMAND, spec], env=env,
-                                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
-        except BaseException:
-            self.close()
-            raise
-
-    def __len__(self) -> int:
-        return len(self.logs)
-
-    def kill(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                if self.forked:
-                    with contextlib.suppress(ProcessLookupError):  # the group ended meanwhile
-                        os.killpg(proc.pid, signal.SIGKILL)
-                else:
-                    proc.kill()
-
-    def wait(self, timeout: float) -> list[str]:
-        """Wait for every worker (``timeout`` seconds in all); what failed, one line each."""
-        deadline = time.monotonic() + timeout
-        failures = []
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                failures.append(f"timed out after {timeout:.0f} s")
-        if failures:
-            return failures
-        exits = [proc.returncode for proc in self.procs]
-        if self.forked:
-            last = _lines(self.own_log)[-1:]
-            if self.procs[0].returncode != 0 or not last or not last[0].startswith("{"):
-                return [f"exit {self.procs[0].returncode} before the workers started: {' '.join(last) or 'no output'}"]
-            exits = json.loads(last[0])["exits"]
-            logger.debug("vitgraph: the process that forked the workers: %s", last[0])
-        for code, log in zip(exits, self.logs):
-            if code != 0:
-                failures.append(f"exit {code}: {_tail(log)}")
-            else:
-                logger.debug("vitgraph: kernel-compiling worker: %s", _tail(log))
-        return failures
-
-    def close(self) -> None:
-        self.kill()
-        for proc in self.procs:
-            proc.wait()
-        for log in self.logs + [self.own_log] * self.forked:
-            log.close()
+            procs.append(_spawn(_spec(tower, share, device)))
+        except OSError as err:  # no processes to be had here: capture compiles instead
+            report.failures.append(f"could not start a worker: {err}")
+            break
+    report.workers = len(procs)
+    return procs
 
 
-def _start(tower: Qwen2VisionTower, shares: list[list[KernelJob]], device: torch.device,
-           report: PrecompileReport) -> Workers | None:
-    if not shares:
-        return None
-    try:
-        workers = Workers([_spec(tower, share, device) for share in shares])
-    except OSError as err:  # no processes to be had here: capture compiles instead
-        report.failures.append(f"could not start the workers: {err}")
-        return None
-    report.workers = len(workers)
-    return workers
+def _stop(procs) -> None:
+    for proc, log in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.close()
 
 
 @dataclass
 class EarlyWorkers:
     """Workers :func:`start_early` started; :func:`precompile` adopts them, or stops them."""
 
-    workers: Workers | None  # worker i of n takes every n-th kernel, from the i-th; None: none started
+    procs: list  # (Popen, log file); worker i of n takes every n-th kernel, from the i-th
     roots: dict[str, Path]  # per cache module, the directory that held no kernel at the start
     failures: list[str] = field(default_factory=list)
 
-    def adopt(self, roots: dict[str, Path]) -> Workers | None:
-        """The workers, if the libraries, now imported, keep the kernels of ``roots`` where
+    def adopt(self, roots: dict[str, Path]) -> list | None:
+        """The processes, if the libraries, now imported, keep the kernels of ``roots`` where
         these workers judged the caches empty; else stop them (None)."""
         if all(m in self.roots and self.roots[m].resolve() == Path(r).resolve() for m, r in roots.items()):
-            return self.workers
+            return self.procs
         self.stop()
         return None
 
     def stop(self) -> None:
-        if self.workers is not None:
-            self.workers.close()
+        _stop(self.procs)
 
 
 def _early_caches(device: torch.device, dtype: torch.dtype, options: dict) -> list[str]:
@@ -321,22 +247,22 @@ def start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype, 
     count = workers if workers is not None else min(EARLY_WORKERS, max(0, _usable_cpus() - 1))
     if count == 0:
         return None
+    early = EarlyWorkers([], roots)
     spec = {"started": time.time(), "config": asdict(replace(config, depth=1)),
             "dtype": str(dtype).removeprefix("torch."), "device": str(device), "options": options,
             "without_dynamo": WORKERS_WITHOUT_DYNAMO}
-    try:
-        return EarlyWorkers(Workers([json.dumps({**spec, "share": [index, count]}) for index in range(count)]), roots)
-    except OSError as err:  # capture compiles the kernels
-        return EarlyWorkers(None, roots, [f"could not start the workers: {err}"])
-
-
-def _lines(log) -> list[str]:
-    log.seek(0)
-    return log.read().decode(errors="replace").strip().splitlines()
+    for index in range(count):
+        try:
+            early.procs.append(_spawn(json.dumps({**spec, "share": [index, count]})))
+        except OSError as err:  # capture compiles the kernels of the workers that did not start
+            early.failures.append(f"could not start a worker: {err}")
+            break
+    return early
 
 
 def _tail(log) -> str:
-    lines = _lines(log)
+    log.seek(0)
+    lines = log.read().decode(errors="replace").strip().splitlines()
     return lines[-1] if lines else "no output"
 
 
@@ -360,18 +286,17 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
     if workers is None:
         workers = max(0, _usable_cpus() - 1)
     shares = _shares(rest, min(workers, len(rest)))
-    running = None  # not started
+    procs = None  # not started
     try:
         caches = sorted({_DISK_CACHE[job.op][0] for job in jobs})
         if early is not None:  # no kernel was on disk when they started: cold for certain
-            report.failures.extend(early.failures)
-            running = early.adopt(_cache_roots(caches))
-            if running is not None:
-                report.early, report.workers = True, len(running)
+            procs = early.adopt(_cache_roots(caches))
+            if procs is not None:
+                report.early, report.workers = True, len(procs)
+                report.failures.extend(early.failures)
         before = _kernel_files(caches)  # imports FA4 and quack: the first kernel's time is then its own
-        started = running is not None
-        if not started and before == 0:  # no kernel on disk at all: cold for certain, so start at once
-            running, started = _start(tower, shares, device, report), True
+        if procs is None and before == 0:  # no kernel on disk at all: cold for certain, so start at once
+            procs = _start(tower, shares, device, report)
         if not report.early:  # early workers compile the first kernel too
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -381,11 +306,11 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
         # It compiled, and wrote the kernel to disk (with early workers writing too, cold is known).
         report.cold = report.early or _kernel_files(caches) > before
         if not report.cold:  # warm: capture loads every kernel itself
-            if running is not None:
-                running.kill()
-        elif not started:  # kernels on disk, but not this one (another release, other buckets)
-            running = _start(tower, shares, device, report)
-        if report.cold and running and TRITON_WHILE_WAITING and _triton_compiles(device):
+            for proc, _ in procs or ():
+                proc.kill()
+        elif procs is None:  # kernels on disk, but not this one (another release, other buckets)
+            procs = _start(tower, shares, device, report)
+        if report.cold and procs and TRITON_WHILE_WAITING and _triton_compiles(device):
             # Idle here until the workers finish: compile the Triton kernels capture would.
             t0 = time.perf_counter()
             try:
@@ -397,11 +322,17 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
                 logger.warning("vitgraph: out of GPU memory compiling the Triton kernels of bucket %s before "
                                "capture; capture compiles the rest", bucket.name)
             report.triton_seconds = time.perf_counter() - t0
-        if report.cold and running is not None:
-            report.failures.extend(running.wait(WORKER_TIMEOUT_S))
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        for proc, log in procs if report.cold else ():
+            try:
+                if proc.wait(timeout=max(0.0, deadline - time.monotonic())) != 0:
+                    report.failures.append(f"exit {proc.returncode}: {_tail(log)}")
+                else:
+                    logger.debug("vitgraph: kernel-compiling worker: %s", _tail(log))
+            except subprocess.TimeoutExpired:
+                report.failures.append(f"timed out after {WORKER_TIMEOUT_S:.0f} s")
     finally:
-        if running is not None:
-            running.close()
+        _stop(procs or ())
     for failure in report.failures:
         logger.warning("vitgraph: a kernel-compiling worker failed (%s); capture compiles its kernels", failure)
     report.seconds = time.perf_counter() - start
@@ -417,73 +348,6 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
 # Not ``-m vitgraph.precompile``: importing the package imports this module first, and runpy
 # would then run a second copy of it.
 _WORKER_COMMAND = "import sys; from vitgraph.precompile import worker_main; worker_main(sys.argv[1])"
-
-
-_FORK_COMMAND = "import sys; from vitgraph.precompile import fork_workers; fork_workers(sys.argv[1])"
-
-
-def fork_workers(arg_json: str) -> None:
-    """The process :class:`Workers` starts with ``FORK_WORKERS``: import what the workers import
-    (``_PRELOAD``), once, then fork one worker per spec, each writing to its own log (a
-    descriptor inherited from the encoder's process), and print their exit codes as JSON.
-
-    Ten processes each starting Python and importing torch at once took 4-6 s on an H200 host
-    before they imported the kernel libraries; here that is paid once. Nothing here may start
-    CUDA, or the children could not use it (they would then each start a new process, as
-    without forking): so the workers import the kernel libraries themselves (``_PRELOAD``)."""
-    arg = json.loads(arg_json)
-    lap = time.perf_counter()
-    if any(json.loads(spec).get("without_dynamo") for spec in arg["specs"]):
-        _without_dynamo()
-    for name in _PRELOAD:
-        importlib.import_module(name)
-    # If CUDA started here after all, each worker starts afresh instead (see _run_forked).
-    report = {"imports_s": round(time.perf_counter() - lap, 2), "threads": _threads(),
-              "cuda_started": _cuda_started()}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    children = []
-    for spec, log in zip(arg["specs"], arg["logs"]):
-        child = os.fork()
-        if child == 0:
-            _run_forked(spec, log)
-        children.append(child)
-    report["exits"] = [os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) for child in children]
-    print(json.dumps(report), flush=True)
-
-
-def _cuda_started() -> bool:
-    return torch.cuda.is_initialized() or any(name in sys.modules for name in _STARTS_CUDA)
-
-
-def _threads() -> int:
-    """This process's threads, the libraries' own too where the OS says (a fork copies only the
-    caller's: logged, for when a child hangs)."""
-    try:
-        return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("Threads:")))
-    except (OSError, StopIteration, ValueError):
-        return threading.active_count()
-
-
-def _run_forked(spec: str, log: int) -> None:
-    """A forked worker: run ``spec`` with its output in ``log``; exit without returning (and without
-    the forking process's exit handlers)."""
-    code = 1
-    try:
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        if torch.cuda._is_in_bad_fork() or _cuda_started():  # CUDA started before the fork: start afresh
-            print("vitgraph: forked after CUDA started; starting this worker in a new process", flush=True)
-            os.execv(sys.executable, [sys.executable, "-c", _WORKER_COMMAND, spec])
-        worker_main(spec)
-        code = 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
 
 
 def _triton_compiles(device: torch.device) -> bool:
@@ -514,7 +378,7 @@ def worker_main(spec_json: str) -> None:
     from .loading import build_tower
 
     spec = json.loads(spec_json)
-    timings = {"start_s": round(time.time() - spec["started"], 2)}  # Python and imports (forked: the forking process's)
+    timings = {"start_s": round(time.time() - spec["started"], 2)}  # Python, torch and vitgraph imports
     lap = time.perf_counter()
     if spec.get("without_dynamo"):
         _without_dynamo()
