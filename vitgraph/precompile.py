@@ -117,15 +117,19 @@ def _shares(jobs: Sequence[KernelJob], workers: int) -> list[list[KernelJob]]:
     return [list(jobs[i::workers]) for i in range(workers)]
 
 
+def _base_spec(config: VisionConfig, device: torch.device, dtype: torch.dtype) -> dict:
+    """What every worker's spec holds: a one-block tower's shape, where it runs, and when it was started."""
+    return {"started": time.time(),  # the worker reports how long its start and imports took
+            "config": asdict(replace(config, depth=1)), "dtype": str(dtype).removeprefix("torch."),
+            "device": str(device), "without_dynamo": WORKERS_WITHOUT_DYNAMO}
+
+
 def _spec(tower: Qwen2VisionTower, jobs: Sequence[KernelJob], device: torch.device) -> str:
+    """A worker's spec for ``jobs``, with the backends ``tower`` resolved."""
     block = tower.blocks[0]
     return json.dumps({
-        "started": time.time(),  # the worker reports how long its start and imports took
-        "config": asdict(replace(tower.config, depth=1)),
-        "dtype": str(block.attn.qkv.weight.dtype).removeprefix("torch."),
-        "device": str(device),
+        **_base_spec(tower.config, device, block.attn.qkv.weight.dtype),
         "attention": block.attn.backend, "gemm": tower.gemm_backend, "fused": tower.fused,
-        "without_dynamo": WORKERS_WITHOUT_DYNAMO,
         "jobs": [[j.op, j.bucket.tokens, j.bucket.max_segments, j.bucket.max_seqlen] for j in jobs],
     })
 
@@ -248,9 +252,7 @@ def start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype, 
     if count == 0:
         return None
     early = EarlyWorkers([], roots)
-    spec = {"started": time.time(), "config": asdict(replace(config, depth=1)),
-            "dtype": str(dtype).removeprefix("torch."), "device": str(device), "options": options,
-            "without_dynamo": WORKERS_WITHOUT_DYNAMO}
+    spec = {**_base_spec(config, device, dtype), "options": options}
     for index in range(count):
         try:
             early.procs.append(_spawn(json.dumps({**spec, "share": [index, count]})))
