@@ -13,11 +13,16 @@ from DRAM as in the 32-block tower, per call in µs:
 Both outputs are checked against an fp32 reference computed in the checkpoint's order (its
 columns then interleaved), and against each other.
 
-With ``--tiles``, only ``fused`` is timed, once per quack tile configuration listed (e.g.
+With ``--tiles``, ``fused`` is timed once per quack tile configuration listed (e.g.
 ``128x160pp12``: a 128x160 pingpong tile in 1x2 clusters, vitgraph's; ``128x240coop21``), each
-output checked against the reference; wave counts on the GPU's SMs are printed beside.
+output checked against the reference, after ``gemm+rotary``; wave counts on the GPU's SMs are
+printed beside. With ``--after-layernorm`` every timed call is preceded by the Triton
+LayerNorm that feeds qkv in the tower: quack's kernels launch with programmatic dependent
+launch (PDL), so back to back one's prologue overlaps the previous one's epilogue, which no
+kernel ahead of them allows in the tower.
 
-Usage: gemm_rope_epilogue.py [M ...] [--tiles CONFIG ...]. Needs quack-kernels (the ``fa4`` extra) and a Hopper GPU.
+Usage: gemm_rope_epilogue.py [M ...] [--tiles CONFIG ...] [--after-layernorm]. Needs quack-kernels
+(the ``fa4`` extra) and a Hopper GPU.
 """
 import argparse
 import dataclasses
@@ -51,6 +56,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("ms", nargs="*", type=int, default=[256, 512, 1024, 2048, 4096, 8192])
     parser.add_argument("--tiles", nargs="*", help="quack configurations to time fused with, e.g. 128x240coop21")
+    parser.add_argument("--after-layernorm", action="store_true",
+                        help="with --tiles: time each call after the LayerNorm that feeds qkv in the tower")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -63,7 +70,7 @@ def main() -> None:
     bs = [torch.randn(3 * EMBED, device=dev, dtype=torch.bfloat16) for _ in range(SETS)]
     wis, bis = [w[order].contiguous() for w in ws], [b[order].contiguous() for b in bs]
     if args.tiles:
-        return sweep(args.ms, args.tiles, freq_h, freq_w, wis, bis)
+        return sweep(args.ms, args.tiles, freq_h, freq_w, wis, bis, args.after_layernorm)
     print(f"{'M':>6} {'gemm+rotary':>12} {'gemm':>8} {'fused':>8} {'saved':>8}   err fused/ref  err current/ref  fused vs current")
     for m in args.ms:
         x = torch.randn(m, EMBED, device=dev, dtype=torch.bfloat16)
@@ -122,16 +129,36 @@ def parse_tile(text: str):
                       swap_ab=False, is_dynamic_persistent=False)
 
 
-def sweep(ms, tiles, freq_h, freq_w, wis, bis) -> None:
+def sweep(ms, tiles, freq_h, freq_w, wis, bis, after_layernorm: bool) -> None:
     dev = wis[0].device
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     n = wis[0].shape[0]
+    gamma, beta = torch.ones(EMBED, device=dev, dtype=torch.bfloat16), torch.zeros(EMBED, device=dev, dtype=torch.bfloat16)
     for m in ms:
-        x = torch.randn(m, EMBED, device=dev, dtype=torch.bfloat16)
+        residual = torch.randn(m, EMBED, device=dev, dtype=torch.bfloat16)
+        x = kernels.add_layernorm(residual, None, gamma, beta, 1e-6)
+
+        def fed(qkv_of):  # qkv of x, after the LayerNorm that writes x when asked
+            if not after_layernorm:
+                return qkv_of(x)
+            return qkv_of(kernels.add_layernorm(residual, None, gamma, beta, 1e-6))
+
         pos = torch.stack([torch.arange(m, device=dev) // 128, torch.arange(m, device=dev) % 128], 1).float()
         pos_h, pos_w = pos[:, 0].contiguous(), pos[:, 1].contiguous()
+        cos = sin = torch.ones(m, HEAD_DIM // 2, device=dev)
+        seg = torch.zeros(m, device=dev, dtype=torch.int32)
+
+        def current(x, w, b):  # the tower below QUACK_ROPE_MIN_ROWS rows: the GEMM, then the Triton pass
+            qkv = linear_qkv(x, w, b, "quack")
+            kernels.rotary_(qkv, cos, sin, HEADS, seg, zero_padding=True)
+            return qkv
+
+        us = per_call_us([lambda w=w, b=b: fed(lambda x: current(x, w, b)) for w, b in zip(wis, bis)])
         ref = None
-        row = []
+        row = [f"gemm+rotary {us:6.1f} us"]
+        if after_layernorm:
+            alone = per_call_us([lambda: kernels.add_layernorm(residual, None, gamma, beta, 1e-6)] * len(wis))
+            row.insert(0, f"layernorm alone {alone:5.1f} us")
         for text in tiles:
             cfg = parse_tile(text)
             try:
@@ -142,7 +169,7 @@ def sweep(ms, tiles, freq_h, freq_w, wis, bis) -> None:
                 continue
             ref = got if ref is None else ref
             err = ((got - ref).norm() / ref.norm()).item()
-            us = per_call_us([lambda w=w, b=b, cfg=cfg: qkv_rope(x, w, b, freq_h, freq_w, pos_h, pos_w, cfg)
+            us = per_call_us([lambda w=w, b=b, cfg=cfg: fed(lambda x: qkv_rope(x, w, b, freq_h, freq_w, pos_h, pos_w, cfg))
                               for w, b in zip(wis, bis)])
             tiles_mn = -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
             row.append(f"{text} {us:6.1f} us ({tiles_mn / sms:.2f} waves, vs first {err:.0e})")

@@ -22,6 +22,7 @@ CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -45,6 +46,24 @@ def usable(device: torch.device | str) -> bool:
     return available() and (torch.device(device).type == "cuda" or interpreted())
 
 
+# Hopper and later: add+LayerNorm lets the kernel after it launch as soon as every program of
+# it has started (griddepcontrol.launch_dependents). quack's GEMMs, which read its output as qkv
+# and fc1, launch with programmatic dependent launch and wait for this kernel to finish before
+# their first load, so only their launch and prologue overlap it; a kernel launched the plain
+# way waits as before. Results are unchanged. False: the plain way (for A/Bs).
+LAYERNORM_LAUNCHES_DEPENDENTS = True
+
+
+@functools.lru_cache(maxsize=None)
+def _has_grid_dependency_control(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _launches_dependents(t: torch.Tensor) -> bool:
+    return (LAYERNORM_LAUNCHES_DEPENDENTS and t.is_cuda and not interpreted()
+            and _has_grid_dependency_control(t.device.index if t.device.index is not None else 0))
+
+
 if available():
     import triton
     import triton.language as tl
@@ -63,7 +82,9 @@ if available():
     @triton.jit
     def _add_layernorm_kernel(x_ptr, y_ptr, y_bias_ptr, h_ptr, w_ptr, b_ptr, rows, eps,
                               N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_Y: tl.constexpr,
-                              SPLITS: tl.constexpr, HAS_Y_BIAS: tl.constexpr):
+                              SPLITS: tl.constexpr, HAS_Y_BIAS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
+        if LAUNCH_DEPENDENTS:
+            tl.extra.cuda.gdc_launch_dependents()
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
         c = tl.arange(0, BLOCK_N)[None, :]
         mask = (r < rows) & (c < N)
@@ -189,7 +210,7 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
         x, y if y is not None else x, y_bias if y_bias is not None else x, h, weight, bias, rows, eps,
         N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=per, HAS_Y=y is not None,
         SPLITS=y.shape[0] if y is not None and y.dim() == 3 else 1, HAS_Y_BIAS=y_bias is not None,
-        num_warps=8)
+        LAUNCH_DEPENDENTS=_launches_dependents(x), num_warps=8)
     return h
 
 
