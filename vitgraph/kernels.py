@@ -52,6 +52,7 @@ def usable(device: torch.device | str) -> bool:
 # their first load, so only their launch and prologue overlap it; a kernel launched the plain
 # way waits as before. Results are unchanged. False: the plain way (for A/Bs).
 LAYERNORM_LAUNCHES_DEPENDENTS = True
+LAUNCH_DEPENDENTS_MAX_ROWS = 1 << 30  # above this many rows, the plain way
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,7 +61,7 @@ def _has_grid_dependency_control(index: int) -> bool:
 
 
 def _launches_dependents(t: torch.Tensor) -> bool:
-    return (LAYERNORM_LAUNCHES_DEPENDENTS and t.is_cuda and not interpreted()
+    return (LAYERNORM_LAUNCHES_DEPENDENTS and t.shape[0] <= LAUNCH_DEPENDENTS_MAX_ROWS and t.is_cuda and not interpreted()
             and _has_grid_dependency_control(t.device.index if t.device.index is not None else 0))
 
 
