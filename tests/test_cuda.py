@@ -94,6 +94,25 @@ def test_every_bucket_replay_is_bitwise_equal_to_eager_on_the_same_buffers(graph
         print(f"\n[bitwise] bucket {bucket.name:>7}: {len(grids)} frames, {tokens} tokens, replay == eager")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="griddepcontrol needs compute capability 9+")
+def test_layernorm_launching_its_dependents_changes_no_bit(graph_enc, monkeypatch):
+    """On Hopper add+LayerNorm lets the kernel after it launch early (quack's GEMMs then run
+    their prologue while it finishes, and wait for its results): every bucket's replay equals
+    an eager run on the same buffers with every kernel launched the plain way."""
+    assert kernels._launches_dependents(torch.empty(BUDGETS[-1], 1, device="cuda"))
+    assert not kernels._launches_dependents(torch.empty(kernels.LAUNCH_DEPENDENTS_MAX_ROWS + 1, 1, device="cuda"))
+    bank = graph_enc.bank
+    rng = random.Random(1)
+    for bucket in bank.buckets:
+        _, tokens = load_random_frames(bank, bucket, rng)
+        replayed = bank.replay(bucket)[:tokens // 4].clone()
+        monkeypatch.setattr(kernels, "LAYERNORM_LAUNCHES_DEPENDENTS", False)
+        plain = bank.run_eager(bucket)[:tokens // 4]
+        monkeypatch.setattr(kernels, "LAYERNORM_LAUNCHES_DEPENDENTS", True)
+        assert torch.equal(replayed, plain), f"bucket {bucket.name}: {diff_report(replayed, plain)}"
+
+
 def load_random_frames(bank, bucket, rng):
     """Load random frames filling about 3/4 of ``bucket`` into its buffers; returns (grids, tokens)."""
     grids = []
