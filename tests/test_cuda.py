@@ -406,7 +406,7 @@ def test_stats_report(graph_enc):
 # vitgraph.gemm's quack paths: (function, output width, the cuBLAS path it replaces, row threshold, more rows)
 QUACK_LAYERS = {
     "fc1+quick_gelu": (linear_quick_gelu, 5120, lambda x, w, b: kernels.quick_gelu_(F.linear(x, w, b)),
-                       "QUACK_MIN_ROWS", (1000, 1152, 4096)),
+                       "QUACK_MIN_ROWS", (256, 1000, 1152, 4096)),
     "qkv": (linear_qkv, 3840, F.linear, "QUACK_QKV_MIN_ROWS", (4000,)),
 }
 
@@ -442,16 +442,16 @@ def test_quack_gemm_against_cublas_in_and_out_of_a_graph(layer):
 def test_fc1_tiles_give_the_same_bits():
     """fc1's tile follows a wave model (128x128 at 1152 rows on an H200, QUACK_TILE at 4096):
     every candidate gives the bits the picked one gives."""
-    from vitgraph.gemm import QUACK_FC1_TILES, QUACK_TILE, _gemm_config, _quack
+    from vitgraph.gemm import QUACK_FC1_SMALL_TILE, QUACK_FC1_TILES, QUACK_TILE, _gemm_config, _quack
 
     gemm_act, _, name = _quack()
     torch.manual_seed(0)
     weight = torch.randn(5120, 1280, device="cuda", dtype=torch.bfloat16) * 0.03
     bias = torch.randn(5120, device="cuda", dtype=torch.bfloat16) * 0.1
-    for rows in (1152, 4096):
+    for rows in (256, 1152, 4096):
         x = torch.randn(rows, 1280, device="cuda", dtype=torch.bfloat16)
         got = linear_quick_gelu(x, weight, bias, "quack")
-        for tile in [QUACK_TILE] + [tile for tile, _ in QUACK_FC1_TILES]:
+        for tile in [QUACK_TILE, QUACK_FC1_SMALL_TILE] + [tile for tile, _ in QUACK_FC1_TILES]:
             other = torch.empty_like(got)
             gemm_act(x, weight.t(), None, other, None, bias, name, config=_gemm_config(tuple(tile.items())))
             assert torch.equal(other, got), (rows, tile)
@@ -463,7 +463,7 @@ def test_qkv_rope_epilogue_against_gemm_plus_triton_rotary():
     the real widths, positions far from 0 (angles up to ~1000 rad), NaN in the padding rows'
     inputs; eagerly and replayed on new inputs."""
     from vitgraph.config import PRESETS
-    from vitgraph.gemm import QUACK_ROPE_TILES, QUACK_TILE, _gemm_config, linear_qkv_rope
+    from vitgraph.gemm import QUACK_ROPE_SMALL_TILE, QUACK_ROPE_TILES, QUACK_TILE, _gemm_config, linear_qkv_rope
     from vitgraph.gemm_rope import qkv_rope
     from vitgraph.models.qwen2_vl import Qwen2VisionTower
 
@@ -475,7 +475,7 @@ def test_qkv_rope_epilogue_against_gemm_plus_triton_rotary():
     weight = torch.randn(3 * cfg.embed_dim, cfg.embed_dim, device="cuda", dtype=torch.bfloat16) * 0.03
     bias = torch.randn(3 * cfg.embed_dim, device="cuda", dtype=torch.bfloat16) * 0.1
     heads, head_dim = cfg.num_heads, cfg.head_dim
-    for rows, real in ((1024, 1024), (1536, 1500), (4096, 3900)):
+    for rows, real in ((256, 240), (1024, 1024), (1536, 1500), (4096, 3900)):
         x = torch.randn(rows, cfg.embed_dim, device="cuda", dtype=torch.bfloat16)
         x[real:] = float("nan")
         positions = torch.randint(0, 1000, (rows, 2), device="cuda", dtype=torch.int32)
@@ -491,7 +491,7 @@ def test_qkv_rope_epilogue_against_gemm_plus_triton_rotary():
         assert rel_err(got[:real].float(), ref[:real].float()) <= 1e-2
         # Whichever tile the wave model picks (128x240 for 1024 rows on an H200), the others
         # give the same bits: the tiles differ in N, not in the order K is summed.
-        for tile in [QUACK_TILE] + [tile for tile, _ in QUACK_ROPE_TILES]:
+        for tile in [QUACK_TILE, QUACK_ROPE_SMALL_TILE] + [tile for tile, _ in QUACK_ROPE_TILES]:
             other = qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, _gemm_config(tuple(tile.items())))
             assert torch.equal(other, got), tile
         v = slice(2 * heads * head_dim, None)  # v is not rotated

@@ -146,6 +146,18 @@ def test_rope_epilogue_only_where_it_was_measured_to_win():
     assert not rope_in_gemm(rows, weight[:, :1276], "quack")  # not contiguous
 
 
+def test_the_256_row_bucket_takes_quacks_64_row_tiles():
+    from vitgraph.gemm import QUACK_FC1_SMALL_TILE, QUACK_ROPE_SMALL_TILE, fc1_kernel, fc1_tile, rope_tile
+
+    qkv, fc1 = torch.empty(3 * 1280, 1280), torch.empty(5120, 1280)
+    assert rope_in_gemm(256, qkv, "quack") and not rope_in_gemm(256, qkv, "cublas")
+    assert rope_tile(256, 3 * 1280, 132) == QUACK_ROPE_SMALL_TILE
+    assert fc1_tile(256, 5120, 132) == QUACK_FC1_SMALL_TILE
+    assert vitgraph.gemm._quack_rows(256, fc1, vitgraph.gemm.QUACK_MIN_ROWS, small=True)
+    for rows in (64, 252, 260, 288, 480):  # next to it cuBLAS and the Triton passes stay (measured slower)
+        assert not rope_in_gemm(rows, qkv, "quack") and fc1_kernel(rows, fc1, "quack") is None, rows
+
+
 def test_rope_tile_follows_the_wave_model(monkeypatch):
     from vitgraph.gemm import QUACK_ROPE_TILES, QUACK_TILE, rope_tile
 

@@ -1,13 +1,14 @@
 """fc1 with QuickGELU in its epilogue: one CuTe-DSL GEMM instead of cuBLAS plus a Triton pass
 (and qkv through the same GEMM at large row counts, with the rotary in its epilogue from
-``QUACK_ROPE_MIN_ROWS`` rows: :mod:`vitgraph.gemm_rope`).
+``QUACK_ROPE_MIN_ROWS`` rows and in the 256-row bucket: :mod:`vitgraph.gemm_rope`).
 
 The ``quack`` backend runs quack-kernels' Hopper GEMM (installed with the ``fa4`` extra) with
 the bias and ``x * sigmoid(1.702 x)`` applied to the fp32 accumulator before the one bf16
 store. At 4096 tokens that saves the QuickGELU pass over fc1's output (84 MB read and
 written) and quack's tile also beats cuBLAS there: 93.7 -> 73.6 µs per block on an H200
 (``benchmarks/gemm_quack_epilogue.py``). Below ``QUACK_MIN_ROWS`` rows cuBLAS plus the
-Triton pass is as fast, so small inputs keep it. The plain qkv GEMM also takes quack's tile
+Triton pass is as fast, so small inputs keep it, except the 256-row bucket, where fc1 and qkv
+(with the rotary) take quack's 64-row tiles (``QUACK_SMALL_ROWS``). The plain qkv GEMM also takes quack's tile
 from ``QUACK_QKV_MIN_ROWS`` rows, where it beats cuBLAS's choice. fc1's and (with the rotary)
 qkv's tile is picked per row count by a wave model (:func:`pick_tile`), so that a bucket's last
 wave of output tiles is not mostly idle; the tiles give the same bits. Every call with the same
@@ -63,6 +64,19 @@ QUACK_ROPE_TILES = (  # the alternatives, each with its µs per wave
 QUACK_FC1_WAVE_US = 9.04  # QUACK_TILE's, for fc1 with QuickGELU
 QUACK_FC1_TILES = ((dict(tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2), 7.39),)
 TILE_MARGIN = 0.05
+# The 256-row bucket (every frame of up to 256 tokens): fc1 and qkv with the rotary through quack
+# with 64-row tiles, one warpgroup's MMA each (128-row tiles leave most SMs idle there: 48 tiles of
+# 128x160 for qkv on 132 SMs). Alone, back to back (µs on an H200): fc1 + QuickGELU 11.8 -> 9.8
+# against cuBLAS + the Triton pass (h200-gemm-fc1-small.log), qkv + rotary 11.5 -> 9.3
+# (h200-gemm-rope-small.log). In the tower that only pays since add+LayerNorm launches its
+# dependents (vitgraph.kernels.LAYERNORM_LAUNCHES_DEPENDENTS): after a LayerNorm launched the plain
+# way qkv + rotary measured 13.7-14.1 against 13.2-13.6 µs, with it 12.2-12.5
+# (h200-gemm-rope-launch-dependents.log); end to end (benchmarks/ab_setting.py, both build orders)
+# the 256-row bucket 1.65 -> 1.55 and 1.69 -> 1.58 ms. The 288-row bucket lost 0.08-0.10 ms and
+# 480 rows 0.05, so the band is that one bucket. The tiles give the 128-row tiles' bits.
+QUACK_SMALL_ROWS = (256, 256)  # (fewest, most) rows
+QUACK_FC1_SMALL_TILE = dict(tile_m=64, tile_n=160, pingpong=True, cluster_m=2, cluster_n=1)
+QUACK_ROPE_SMALL_TILE = dict(tile_m=64, tile_n=128, pingpong=True, cluster_m=1, cluster_n=1)
 # proj and fc2 (N = 1280) up to this many rows: K split in SPLIT_K halves, one strided-batched
 # cuBLAS GEMM whose partial products the next add+LayerNorm sums. At 256 rows a 128x128 tile
 # grid has 20 tiles for 132 SMs. GEMM + add+LayerNorm, µs on an H200
@@ -145,17 +159,24 @@ def _weight_fits(weight: torch.Tensor) -> bool:
     return weight.is_contiguous() and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0
 
 
-def _quack_rows(rows: int, weight: torch.Tensor, min_rows: int) -> bool:
-    return rows >= min_rows and _weight_fits(weight)
+def _small(rows: int) -> bool:
+    """``rows`` takes quack's 64-row tiles (see ``QUACK_SMALL_ROWS``)."""
+    fewest, most = QUACK_SMALL_ROWS
+    return fewest <= rows <= most
 
 
-def _quack_fits(x: torch.Tensor, weight: torch.Tensor, min_rows: int) -> bool:
-    return x.is_contiguous() and x.shape[1] == weight.shape[1] and _quack_rows(x.shape[0], weight, min_rows)
+def _quack_rows(rows: int, weight: torch.Tensor, min_rows: int, small: bool = False) -> bool:
+    return (rows >= min_rows or (small and _small(rows))) and _weight_fits(weight)
+
+
+def _quack_fits(x: torch.Tensor, weight: torch.Tensor, min_rows: int, small: bool = False) -> bool:
+    return (x.is_contiguous() and x.shape[1] == weight.shape[1]
+            and _quack_rows(x.shape[0], weight, min_rows, small))
 
 
 def linear_quick_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backend: str) -> torch.Tensor:
     """``quick_gelu(x @ weight.T + bias)`` for ``x [M, K]``, ``weight [N, K]``."""
-    if backend == "quack" and _quack_fits(x, weight, QUACK_MIN_ROWS):
+    if backend == "quack" and _quack_fits(x, weight, QUACK_MIN_ROWS, small=True):
         gemm_act, _, name = _quack()
         out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
         gemm_act(x, weight.t(), None, out, None, bias, name,
@@ -197,7 +218,7 @@ def linear_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def rope_in_gemm(rows: int, weight: torch.Tensor, backend: str) -> bool:
     """Whether qkv of ``rows`` rows (contiguous input) takes :func:`linear_qkv_rope`, the rotary in
     the GEMM's epilogue. The per-row fp32 vectors need ``rows % 4 == 0`` (16-byte aligned rows)."""
-    return backend == "quack" and rows >= QUACK_ROPE_MIN_ROWS and rows % 4 == 0 and _weight_fits(weight)
+    return backend == "quack" and _quack_rows(rows, weight, QUACK_ROPE_MIN_ROWS, small=True) and rows % 4 == 0
 
 
 def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, freq_h: torch.Tensor,
@@ -213,7 +234,7 @@ def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, f
 def fc1_kernel(rows: int, weight: torch.Tensor, backend: str) -> tuple | None:
     """The compiled kernel :func:`linear_quick_gelu` runs for a contiguous input of ``rows``
     rows, as a hashable key (equal keys: one kernel); None where it runs on cuBLAS."""
-    if backend != "quack" or not _quack_rows(rows, weight, QUACK_MIN_ROWS):
+    if backend != "quack" or not _quack_rows(rows, weight, QUACK_MIN_ROWS, small=True):
         return None
     return "fc1", str(weight.dtype), _tile_items(fc1_tile, rows, weight.shape[0], weight.device)
 
@@ -251,12 +272,16 @@ def pick_tile(rows: int, cols: int, sm_count: int, wave_us: float, alternatives)
 
 
 def rope_tile(rows: int, cols: int, sm_count: int) -> dict:
-    """qkv with the rotary: see ``QUACK_ROPE_TILES``."""
+    """qkv with the rotary: see ``QUACK_ROPE_TILES`` (and ``QUACK_SMALL_ROWS``)."""
+    if _small(rows):
+        return QUACK_ROPE_SMALL_TILE
     return pick_tile(rows, cols, sm_count, QUACK_ROPE_WAVE_US, QUACK_ROPE_TILES)
 
 
 def fc1_tile(rows: int, cols: int, sm_count: int) -> dict:
-    """fc1 with QuickGELU: see ``QUACK_FC1_TILES``."""
+    """fc1 with QuickGELU: see ``QUACK_FC1_TILES`` (and ``QUACK_SMALL_ROWS``)."""
+    if _small(rows):
+        return QUACK_FC1_SMALL_TILE
     return pick_tile(rows, cols, sm_count, QUACK_FC1_WAVE_US, QUACK_FC1_TILES)
 
 

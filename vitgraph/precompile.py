@@ -71,7 +71,7 @@ _CACHE_DIR_DEFAULTS = {_FA4_CACHE[0]: ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "fl
                        _QUACK_CACHE[0]: ("QUACK_CACHE_DIR", "quack_cache")}
 # Most workers start_early starts when compile_workers is None (it cannot count the kernels
 # before the libraries load): one per kernel of the default buckets.
-EARLY_WORKERS = 9
+EARLY_WORKERS = 11
 START_WITH_ENCODER = True  # False: workers start only in precompile, after the build (for A/Bs)
 # While cold-cache workers compile, this process compiles the buckets' Triton kernels (else
 # capture compiles them, one after another, after the wait). False: for A/Bs.
