@@ -69,11 +69,11 @@ def test_one_job_per_kernel_of_the_default_ladder_each_on_its_smallest_bucket(ho
     assert ops == sorted(ops, key=lambda op: op != "attention")  # the longest compiles first
     # Every tile the wave models and the attention rules can pick is in use by default, and
     # each is its own kernel.
-    tiles = {op: {j.key[2:] if op == "attention" else dict(j.key[2])["tile_n"] for j in jobs if j.op == op}
-             for op in set(ops)}
+    tiles = {op: {j.key[2:] if op == "attention" else j.key[2] for j in jobs if j.op == op} for op in set(ops)}
     g, a = vitgraph.gemm, vitgraph.attention
-    assert tiles["fc1"] == {g.QUACK_TILE["tile_n"]} | {tile["tile_n"] for tile, _ in g.QUACK_FC1_TILES}
-    assert tiles["qkv_rope"] == {g.QUACK_TILE["tile_n"]} | {tile["tile_n"] for tile, _ in g.QUACK_ROPE_TILES}
+    items = lambda tiles: {tuple(tile.items()) for tile in tiles}
+    assert tiles["fc1"] == items([g.QUACK_TILE, g.QUACK_FC1_SMALL_TILE] + [tile for tile, _ in g.QUACK_FC1_TILES])
+    assert tiles["qkv_rope"] == items([g.QUACK_TILE, g.QUACK_ROPE_SMALL_TILE] + [tile for tile, _ in g.QUACK_ROPE_TILES])
     assert tiles["attention"] == {(a.FA4_LONG_TILE, False), (a.FA4_SHORT_TILE, False), (a.FA4_SHORT_TILE, True),
                                   (a.FA4_TINY_TILE, False)}
     assert "qkv" not in tiles  # every default bucket rotates in qkv's epilogue
@@ -90,7 +90,8 @@ def test_jit_kernels_follow_the_forward_paths(hopper):
     assert ops(tower(attention="cudnn"), packed) == ["qkv_rope", "fc1"]
     assert ops(tower(attention="varlen", gemm="cublas"), packed) == []
     assert ops(tower(hidden_act="gelu"), packed) == ["qkv_rope", "attention"]  # no QuickGELU epilogue
-    assert ops(tower(), Bucket(256, 16)) == ["attention"]  # below quack's row thresholds: cuBLAS
+    assert ops(tower(), Bucket(256, 16)) == ["qkv_rope", "attention", "fc1"]  # quack's 64-row tiles
+    assert ops(tower(), Bucket(288, 16)) == ["attention"]  # below quack's row thresholds: cuBLAS
 
 
 def record_triton_calls(monkeypatch) -> set:
@@ -146,7 +147,7 @@ def test_run_triton_kernels_compiles_what_the_forward_runs(hopper, monkeypatch, 
     calls = record_triton_calls(monkeypatch)
     t = tower(attention, gemm, embed_dim=160, num_heads=2, hidden_size=64, patch_size=2)  # small: CPU GEMMs
     seen = set()
-    for bucket in [Bucket(256, 16), Bucket(512, 16), Bucket(1024, 16), Bucket(1152, 16, 1024), Bucket(2304, 16),
+    for bucket in [Bucket(256, 16), Bucket(384, 16), Bucket(512, 16), Bucket(1024, 16), Bucket(1152, 16, 1024), Bucket(2304, 16),
                    Bucket(256, 1), Bucket(2304, 1), Bucket(4096, 16)]:
         batch = layout(t, bucket)
         calls.clear()
@@ -156,7 +157,7 @@ def test_run_triton_kernels_compiles_what_the_forward_runs(hopper, monkeypatch, 
         t.run_triton_kernels(batch)
         assert calls == {call for call in forward if call[0] != "jit"}, bucket
         seen |= forward
-    # Each kind of kernel ran (QuickGELU's pass and the rotary at 256 rows at least), and
+    # Each kind of kernel ran (QuickGELU's pass and the rotary at 384 rows at least), and
     # add+LayerNorm summed split-K partials.
     assert {call[0] for call in seen} == {"add_layernorm", "rotary_", "quick_gelu_"} | ({"jit"} if gemm == "quack"
                                                                                           or attention == "fa4" else set())
@@ -173,7 +174,7 @@ def test_run_triton_kernels_runs_nothing_for_the_plain_forward(monkeypatch):
 def test_precompile_with_no_workers_or_no_kernels_does_nothing(hopper):
     t = tower()
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=0)
-    assert (report.kernels, report.workers, report.cold) == (9, 0, False)
+    assert (report.kernels, report.workers, report.cold) == (11, 0, False)
     report = precompile(tower(attention="varlen", gemm="cublas"), [Bucket(256, 16)], torch.device("cpu"))
     assert (report.kernels, report.workers) == (0, 0)
 
@@ -185,7 +186,7 @@ def test_warm_caches_leave_every_kernel_to_capture(hopper, monkeypatch, files, s
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: files)  # and no new file
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
     # With no kernel on disk the workers start before the first kernel, and are stopped after it.
-    assert (report.kernels, report.workers, report.cold, report.failures) == (9, started, False, [])
+    assert (report.kernels, report.workers, report.cold, report.failures) == (11, started, False, [])
 
 
 @pytest.mark.parametrize("files_before", [0, 5], ids=["empty-caches", "kernels-on-disk"])
