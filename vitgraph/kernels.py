@@ -51,7 +51,7 @@ def usable(device: torch.device | str) -> bool:
 # and fc1, launch with programmatic dependent launch and wait for this kernel to finish before
 # their first load, so only their launch and prologue overlap it; a kernel launched the plain
 # way waits as before. Results are unchanged. On an H200 (benchmarks/ab_setting.py, three A/Bs)
-# `1x1024` gained 0.12-0.18 ms; at 3584-4096 rows `16x256` and the clip were 0.05-0.27 ms
+# `1x1024` gained 0.12-0.18 ms; at 3584-4096 rows `16x256` and the clip were 0.04-0.27 ms
 # slower in each, so larger LayerNorms launch the plain way. False: the plain way (for A/Bs).
 LAYERNORM_LAUNCHES_DEPENDENTS = True
 LAUNCH_DEPENDENTS_MAX_ROWS = 2048
