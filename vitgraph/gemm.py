@@ -74,9 +74,13 @@ TILE_MARGIN = 0.05
 # (h200-gemm-rope-launch-dependents.log); end to end (benchmarks/ab_setting.py, both build orders)
 # the 256-row bucket 1.65 -> 1.55 and 1.69 -> 1.58 ms. The 288-row bucket lost 0.08-0.10 ms and
 # 480 rows 0.05, so the band is that one bucket. The tiles give the 128-row tiles' bits.
+# Both in 2x1 clusters: the two 64-row tiles of a cluster load each weight tile once (TMA
+# multicast). qkv + rotary after the LayerNorm, 256 rows (h200-gemm-rope-small-clusters.log):
+# 1x1 12.2-12.6 µs, 2x1 10.9-11.1, 4x1 11.3; end to end 1x256 -0.05 ms. fc1 in 4x1 clusters
+# lost (13.5 against 9.8 µs alone; 1x256 +0.12 ms end to end).
 QUACK_SMALL_ROWS = (256, 256)  # (fewest, most) rows
 QUACK_FC1_SMALL_TILE = dict(tile_m=64, tile_n=160, pingpong=True, cluster_m=2, cluster_n=1)
-QUACK_ROPE_SMALL_TILE = dict(tile_m=64, tile_n=128, pingpong=True, cluster_m=1, cluster_n=1)
+QUACK_ROPE_SMALL_TILE = dict(tile_m=64, tile_n=128, pingpong=True, cluster_m=2, cluster_n=1)
 # proj and fc2 (N = 1280) up to this many rows: K split in SPLIT_K halves, one strided-batched
 # cuBLAS GEMM whose partial products the next add+LayerNorm sums. At 256 rows a 128x128 tile
 # grid has 20 tiles for 132 SMs. GEMM + add+LayerNorm, µs on an H200
