@@ -22,11 +22,12 @@ CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
 import torch
+
+from .attention import arch_and_sm_count
 
 PAD_KEY_SCORE = -16384.0  # extra-lane value of a padding key: q.k gains -16384, exp() of it is 0
 
@@ -57,14 +58,10 @@ LAYERNORM_LAUNCHES_DEPENDENTS = True
 LAUNCH_DEPENDENTS_MAX_ROWS = 2048
 
 
-@functools.lru_cache(maxsize=None)
-def _has_grid_dependency_control(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def _launches_dependents(t: torch.Tensor) -> bool:
+    # griddepcontrol needs compute capability 9 (Hopper) or later.
     return (LAYERNORM_LAUNCHES_DEPENDENTS and t.shape[0] <= LAUNCH_DEPENDENTS_MAX_ROWS and t.is_cuda and not interpreted()
-            and _has_grid_dependency_control(t.device.index if t.device.index is not None else 0))
+            and arch_and_sm_count(t.device)[0] >= 9)
 
 
 if available():
