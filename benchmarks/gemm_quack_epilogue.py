@@ -53,7 +53,8 @@ def configs():
                                   cluster_n=cluster_n, swap_ab=False, is_dynamic_persistent=False))
     # 64-row tiles: one warpgroup's MMA per tile, for a few hundred rows (more CTAs than 128-row tiles)
     for tile_n, pingpong in [(128, True), (160, True), (256, True), (128, False)]:
-        for cluster_m, cluster_n in [(2, 1), (1, 2), (4, 1)]:  # 4x1: four 64-row tiles share each weight tile
+        # 4x1: four 64-row tiles share each weight tile; 2x2: weight tiles and input tiles both shared by two
+        for cluster_m, cluster_n in [(2, 1), (1, 2), (4, 1), (2, 2)]:
             out.append(GemmConfig(tile_m=64, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m,
                                   cluster_n=cluster_n, swap_ab=False, is_dynamic_persistent=False))
     for cluster_m, cluster_n in [(2, 1), (1, 2)]:  # swapped operands: small M becomes the N tile
