@@ -199,9 +199,8 @@ def linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backen
     return F.linear(x, weight, bias)
 
 
-@functools.cache
 def _split_k_device(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in SPLIT_K_ARCHS
+    return device.type == "cuda" and arch_and_sm_count(device)[0] in SPLIT_K_ARCHS
 
 
 def linear_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
