@@ -171,6 +171,10 @@ def test_rope_tile_follows_the_wave_model(monkeypatch):
     for rows in (1152, 1280, 2048, 3584, 4096):  # QUACK_TILE was the fastest there too
         assert rope_tile(rows, qkv, 132) == QUACK_TILE, rows
     assert rope_tile(512, qkv, 132) == QUACK_TILE  # 96 tiles of 160 already fit one wave
+    # From QUACK_ROPE_MIN_ROWS (576) to 1024 rows, each pick was the fastest 128-row tile measured
+    # after the LayerNorm: 160 wide at 576-640 rows, 192 at 704-768, 240 at 832-896.
+    assert rope_tile(640, qkv, 132) == QUACK_TILE and rope_tile(768, qkv, 132) == wide
+    assert rope_tile(896, qkv, 132) == wider
     assert rope_tile(1024, qkv, 114) == QUACK_TILE  # fewer SMs: the 128 tiles of 240 take two waves
     monkeypatch.setattr(vitgraph.gemm, "QUACK_ROPE_TILES", ())
     assert rope_tile(1024, qkv, 132) == rope_tile(1536, qkv, 132) == QUACK_TILE

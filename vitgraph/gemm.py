@@ -42,7 +42,11 @@ QUACK_QKV_MIN_ROWS = 2048  # plain qkv: quack's tile wins from 2048 rows (28.4 v
 # qkv with the rotary in its epilogue (vitgraph.gemm_rope) against qkv + the Triton rotary pass,
 # µs per call on an H200 (benchmarks/gemm_rope_epilogue.py): 22.9 -> 22.1 at 1024 rows, 35.5 -> 31.1
 # at 2048, 66.6 -> 56.9 at 4096; 15.1 -> 14.6 at 512 (noise) and 11.6 -> 14.2 at 256 (cuBLAS wins).
-QUACK_ROPE_MIN_ROWS = 1024
+# Since the LayerNorm ahead launches quack's GEMM early (vitgraph.kernels), each after it
+# (--after-layernorm, the tile the wave model picks): 576 rows 20.6 -> 18.3, 640 19.8 -> 17.9,
+# 704 21.4 -> 20.5, 768 21.7 -> 20.2, 832 24.6 -> 22.4, 896 25.4 -> 22.3; end to end one frame
+# of 576-896 tokens 0.04-0.10 ms faster (benchmarks/ab_setting.py, both build orders).
+QUACK_ROPE_MIN_ROWS = 576
 # quack's Hopper tile for fc1 (1280 -> 5120): the fastest at 1024 and 4096 rows of those measured.
 QUACK_TILE = dict(tile_m=128, tile_n=160, pingpong=True, cluster_m=1, cluster_n=2)
 # qkv with the rotary (N = 3840) and fc1 (N = 5120; both K = 1280) pick their tile by a wave
