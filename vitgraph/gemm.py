@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 
 GEMM_BACKENDS = ("quack", "cublas")
 QUACK_ARCHS = (9,)  # compute capability majors whose quack GEMM configuration was measured (Hopper)
-QUACK_MIN_ROWS = 512  # fc1 + QuickGELU: from 512 rows quack wins (14.5 vs 17.2 µs; equal at 384)
+# fc1 + QuickGELU: from 512 rows quack wins (14.5 vs 17.2 µs; equal at 384). Lower thresholds, end to
+# end: the 384-row bucket 0.05 ms faster, the 416-row one 0.08-0.11 slower (BENCHMARKS.md).
+QUACK_MIN_ROWS = 512
 QUACK_QKV_MIN_ROWS = 2048  # plain qkv: quack's tile wins from 2048 rows (28.4 vs 31.5 µs), loses at 1024 (19.6 vs 17.8)
 # qkv with the rotary in its epilogue (vitgraph.gemm_rope) against qkv + the Triton rotary pass,
 # µs per call on an H200 (benchmarks/gemm_rope_epilogue.py): 22.9 -> 22.1 at 1024 rows, 35.5 -> 31.1
