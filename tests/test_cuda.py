@@ -113,6 +113,31 @@ def test_layernorm_launching_its_dependents_changes_no_bit(graph_enc, monkeypatc
         assert torch.equal(replayed, plain), f"bucket {bucket.name}: {diff_report(replayed, plain)}"
 
 
+def test_split_k_partials_summed_by_layernorm_at_every_split_size():
+    """proj and fc2 at the real widths, split in K up to SPLIT_K_MAX_ROWS rows on Hopper: the
+    add+LayerNorm that sums the partials (one row per program, or several above
+    LAYERNORM_ONE_ROW_MAX_ROWS) matches the unsplit GEMM plus add and LayerNorm in fp32."""
+    torch.manual_seed(0)
+    width = 1280
+    gamma = torch.rand(width, device="cuda", dtype=torch.bfloat16) + 0.5
+    beta = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
+    split = torch.cuda.get_device_capability()[0] in vitgraph.gemm.SPLIT_K_ARCHS
+    for rows in (256, 704, vitgraph.gemm.SPLIT_K_MAX_ROWS):
+        for k in (width, 4 * width):  # proj, fc2
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            weight = torch.randn(width, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+            bias = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
+            residual = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+            y, y_bias = vitgraph.gemm.linear_split_k(x, weight, bias)
+            assert (y_bias is not None) == split and (y.dim() == 3) == split, (rows, k)
+            got_x = residual.clone()
+            got_h = kernels.add_layernorm(got_x, y, gamma, beta, 1e-6, y_bias=y_bias)
+            expect_x = residual.float() + x.float() @ weight.float().T + bias.float()
+            expect_h = F.layer_norm(expect_x, (width,), gamma.float(), beta.float(), 1e-6)
+            assert rel_err(got_x.float(), expect_x) <= 1e-2, (rows, k)
+            assert rel_err(got_h.float(), expect_h) <= 1e-2, (rows, k)
+
+
 def load_random_frames(bank, bucket, rng):
     """Load random frames filling about 3/4 of ``bucket`` into its buffers; returns (grids, tokens)."""
     grids = []

@@ -92,8 +92,11 @@ QUACK_ROPE_SMALL_TILE = dict(tile_m=64, tile_n=128, pingpong=True, cluster_m=2, 
 # grid has 20 tiles for 132 SMs. GEMM + add+LayerNorm, µs on an H200
 # (benchmarks/gemm_batched_split_k.py): proj 8.8 -> 7.8 at 256 rows, 9.4 -> 8.4 at 384,
 # 9.9 -> 9.3 at 512; fc2 16.1 -> 12.7, 16.5 -> 14.3, 17.6 -> 15.6; none at 1024 or more, and
-# more than two splits or fp32 partials were slower.
-SPLIT_K_MAX_ROWS = 512
+# more than two splits or fp32 partials were slower. From 576 to 896 rows, end to end
+# (benchmarks/ab_setting.py, one frame per bucket): 640 -0.05 ms, 704 -0.23 to -0.27 (cuBLAS's
+# unsplit kernels are slow at that shape: the 704-row bucket was slower than the 768-row one),
+# 832 -0.05 to -0.07, 896 -0.06 to -0.07, 576 and 768 within +-0.02.
+SPLIT_K_MAX_ROWS = 896
 SPLIT_K = 2
 SPLIT_K_ARCHS = (9,)  # compute capability majors where it was measured (Hopper)
 
