@@ -93,8 +93,8 @@ QUACK_ROPE_SMALL_TILE = dict(tile_m=64, tile_n=128, pingpong=True, cluster_m=2, 
 # (benchmarks/gemm_batched_split_k.py): proj 8.8 -> 7.8 at 256 rows, 9.4 -> 8.4 at 384,
 # 9.9 -> 9.3 at 512; fc2 16.1 -> 12.7, 16.5 -> 14.3, 17.6 -> 15.6; none at 1024 or more, and
 # more than two splits or fp32 partials were slower. From 576 to 896 rows, end to end
-# (benchmarks/ab_setting.py, one frame per bucket): 640 -0.05 ms, 704 -0.23 to -0.27 (cuBLAS's
-# unsplit kernels are slow at that shape: the 704-row bucket was slower than the 768-row one),
+# (benchmarks/ab_setting.py, one frame per bucket): 640 -0.05 ms, 704 -0.23 to -0.27 (unsplit, the
+# 704-row bucket was slower than the 768-row one: presumably cuBLAS's kernels for that shape),
 # 832 -0.05 to -0.07, 896 -0.06 to -0.07, 576 and 768 within +-0.02.
 SPLIT_K_MAX_ROWS = 896
 SPLIT_K = 2
