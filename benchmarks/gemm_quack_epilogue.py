@@ -66,9 +66,9 @@ def configs():
 def vitgraph_config(name: str, m: int, n: int, device):
     """The GemmConfig the tower's quack GEMM for layer ``name`` runs with at ``m`` rows (fc1's
     tile follows vitgraph.gemm's wave model; plain qkv keeps QUACK_TILE)."""
-    from vitgraph.gemm import QUACK_TILE, _config, _gemm_config, fc1_tile
+    from vitgraph.gemm import _config, fc1_tile, plain_config
 
-    return _config(fc1_tile, m, n, device) if name == "fc1" else _gemm_config(tuple(QUACK_TILE.items()))
+    return _config(fc1_tile, m, n, device) if name == "fc1" else plain_config()
 
 
 def label(c) -> str:

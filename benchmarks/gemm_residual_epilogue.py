@@ -27,7 +27,7 @@ SETS = 8
 def linear_add_(x, inp, weight, bias):
     """``x += inp @ weight.T + bias`` in one quack GEMM."""
     _, gemm_plain, _ = gemm._quack()
-    gemm_plain(inp, weight.t(), x, bias=bias, add_to_output=True, config=gemm._gemm_config(tuple(gemm.QUACK_TILE.items())))
+    gemm_plain(inp, weight.t(), x, bias=bias, add_to_output=True, config=gemm.plain_config())
     return x
 
 

@@ -203,7 +203,7 @@ def linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backen
     if backend == "quack" and _quack_fits(x, weight, QUACK_QKV_MIN_ROWS):
         _, gemm, _ = _quack()
         out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
-        gemm(x, weight.t(), out, bias=bias, config=_gemm_config(tuple(QUACK_TILE.items())))
+        gemm(x, weight.t(), out, bias=bias, config=plain_config())
         return out
     return F.linear(x, weight, bias)
 
@@ -305,6 +305,11 @@ def _tile_items(pick, rows: int, cols: int, device: torch.device) -> tuple:
 
 def _config(pick, rows: int, cols: int, device: torch.device):
     return _gemm_config(_tile_items(pick, rows, cols, device))
+
+
+def plain_config():
+    """quack's GemmConfig for ``QUACK_TILE``: the plain qkv GEMM's (:func:`linear_qkv`)."""
+    return _gemm_config(tuple(QUACK_TILE.items()))
 
 
 @functools.cache
