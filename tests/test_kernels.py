@@ -153,9 +153,21 @@ def test_the_256_row_bucket_takes_quacks_64_row_tiles():
     assert rope_in_gemm(256, qkv, "quack") and not rope_in_gemm(256, qkv, "cublas")
     assert rope_tile(256, 3 * 1280, 132) == QUACK_ROPE_SMALL_TILE
     assert fc1_tile(256, 5120, 132) == QUACK_FC1_SMALL_TILE
-    assert vitgraph.gemm._quack_rows(256, fc1, vitgraph.gemm.QUACK_MIN_ROWS, small=True)
+    assert vitgraph.gemm._quack_rows(256, fc1, vitgraph.gemm.QUACK_MIN_ROWS, small=vitgraph.gemm._small)
     for rows in (64, 252, 260, 288, 480):  # next to it cuBLAS and the Triton passes stay (measured slower)
         assert not rope_in_gemm(rows, qkv, "quack") and fc1_kernel(rows, fc1, "quack") is None, rows
+
+
+def test_the_512_row_bucket_takes_the_64_row_tile_for_qkv_only():
+    from vitgraph.gemm import QUACK_ROPE_SMALL_TILE, QUACK_TILE, fc1_tile, rope_tile
+
+    qkv = torch.empty(3 * 1280, 1280)
+    assert rope_in_gemm(512, qkv, "quack") and not rope_in_gemm(512, qkv, "cublas")
+    assert rope_tile(512, 3 * 1280, 132) == QUACK_ROPE_SMALL_TILE
+    # fc1 keeps the 128-row tile there (quack from QUACK_MIN_ROWS = 512, by the wave model)
+    assert fc1_tile(512, 5120, 132) == QUACK_TILE
+    for rows in (448, 480, 508, 516, 544):  # next to it: cuBLAS and the Triton rotary pass
+        assert not rope_in_gemm(rows, qkv, "quack"), rows
 
 
 def test_rope_tile_follows_the_wave_model(monkeypatch):
@@ -170,6 +182,7 @@ def test_rope_tile_follows_the_wave_model(monkeypatch):
     assert rope_tile(1536, qkv, 132) == wide
     for rows in (1152, 1280, 2048, 3584, 4096):  # QUACK_TILE was the fastest there too
         assert rope_tile(rows, qkv, 132) == QUACK_TILE, rows
+    monkeypatch.setattr(vitgraph.gemm, "QUACK_ROPE_SMALL_ROWS", (0, 0))  # the wave model alone at 512:
     assert rope_tile(512, qkv, 132) == QUACK_TILE  # 96 tiles of 160 already fit one wave
     # From QUACK_ROPE_MIN_ROWS (576) to 1024 rows, each pick was the fastest 128-row tile measured
     # after the LayerNorm: 160 wide at 576-640 rows, 192 at 704-768, 240 at 832-896.

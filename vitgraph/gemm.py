@@ -1,6 +1,6 @@
 """fc1 with QuickGELU in its epilogue: one CuTe-DSL GEMM instead of cuBLAS plus a Triton pass
 (and qkv through the same GEMM at large row counts, with the rotary in its epilogue from
-``QUACK_ROPE_MIN_ROWS`` rows and in the 256-row bucket: :mod:`vitgraph.gemm_rope`).
+``QUACK_ROPE_MIN_ROWS`` rows and in the 256- and 512-row buckets: :mod:`vitgraph.gemm_rope`).
 
 The ``quack`` backend runs quack-kernels' Hopper GEMM (installed with the ``fa4`` extra) with
 the bias and ``x * sigmoid(1.702 x)`` applied to the fp32 accumulator before the one bf16
@@ -8,7 +8,8 @@ store. At 4096 tokens that saves the QuickGELU pass over fc1's output (84 MB rea
 written) and quack's tile also beats cuBLAS there: 93.7 -> 73.6 µs per block on an H200
 (``benchmarks/gemm_quack_epilogue.py``). Below ``QUACK_MIN_ROWS`` rows cuBLAS plus the
 Triton pass is as fast, so small inputs keep it, except the 256-row bucket, where fc1 and qkv
-(with the rotary) take quack's 64-row tiles (``QUACK_SMALL_ROWS``). The plain qkv GEMM also takes quack's tile
+(with the rotary) take quack's 64-row tiles (``QUACK_SMALL_ROWS``), and the 512-row one, where
+qkv does (``QUACK_ROPE_SMALL_ROWS``). The plain qkv GEMM also takes quack's tile
 from ``QUACK_QKV_MIN_ROWS`` rows, where it beats cuBLAS's choice. fc1's and (with the rotary)
 qkv's tile is picked per row count by a wave model (:func:`pick_tile`), so that a bucket's last
 wave of output tiles is not mostly idle; the tiles give the same bits. Every call with the same
@@ -85,6 +86,12 @@ TILE_MARGIN = 0.05
 # 1x1 12.2-12.6 µs, 2x1 10.9-11.1, 4x1 11.3; end to end 1x256 -0.05 ms. fc1 in 4x1 clusters
 # lost (13.5 against 9.8 µs alone; 1x256 +0.12 ms end to end).
 QUACK_SMALL_ROWS = (256, 256)  # (fewest, most) rows
+# qkv with the rotary also takes its 64-row tile in this band ((fewest, most) rows), where
+# cuBLAS + the Triton rotary pass run otherwise (below QUACK_ROPE_MIN_ROWS). After the
+# LayerNorm (h200-gemm-rope-416-512.log), µs: 512 rows 17.1 -> 15.1, 480 16.7 -> 16.1, 416
+# 15.6 -> 16.4. End to end, one frame per bucket, both build orders (benchmarks/ab_setting.py):
+# the 512-row bucket -0.02 to -0.07 ms, the 480-row one -0.04 to +0.04 (so not taken).
+QUACK_ROPE_SMALL_ROWS = (512, 512)
 QUACK_FC1_SMALL_TILE = dict(tile_m=64, tile_n=160, pingpong=True, cluster_m=2, cluster_n=1)
 QUACK_ROPE_SMALL_TILE = dict(tile_m=64, tile_n=128, pingpong=True, cluster_m=2, cluster_n=1)
 # proj and fc2 (N = 1280) up to this many rows: K split in SPLIT_K halves, one strided-batched
@@ -173,23 +180,31 @@ def _weight_fits(weight: torch.Tensor) -> bool:
 
 
 def _small(rows: int) -> bool:
-    """``rows`` takes quack's 64-row tiles (see ``QUACK_SMALL_ROWS``)."""
+    """fc1 of ``rows`` rows takes quack's 64-row tile (see ``QUACK_SMALL_ROWS``)."""
     fewest, most = QUACK_SMALL_ROWS
     return fewest <= rows <= most
 
 
-def _quack_rows(rows: int, weight: torch.Tensor, min_rows: int, small: bool = False) -> bool:
-    return (rows >= min_rows or (small and _small(rows))) and _weight_fits(weight)
+def _small_rope(rows: int) -> bool:
+    """qkv with the rotary of ``rows`` rows takes quack's 64-row tile (``QUACK_SMALL_ROWS``,
+    ``QUACK_ROPE_SMALL_ROWS``)."""
+    fewest, most = QUACK_ROPE_SMALL_ROWS
+    return _small(rows) or fewest <= rows <= most
 
 
-def _quack_fits(x: torch.Tensor, weight: torch.Tensor, min_rows: int, small: bool = False) -> bool:
+def _quack_rows(rows: int, weight: torch.Tensor, min_rows: int, small=None) -> bool:
+    """``small``: None, or the predicate of the rows below ``min_rows`` that take quack too."""
+    return (rows >= min_rows or (small is not None and small(rows))) and _weight_fits(weight)
+
+
+def _quack_fits(x: torch.Tensor, weight: torch.Tensor, min_rows: int, small=None) -> bool:
     return (x.is_contiguous() and x.shape[1] == weight.shape[1]
             and _quack_rows(x.shape[0], weight, min_rows, small))
 
 
 def linear_quick_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, backend: str) -> torch.Tensor:
     """``quick_gelu(x @ weight.T + bias)`` for ``x [M, K]``, ``weight [N, K]``."""
-    if backend == "quack" and _quack_fits(x, weight, QUACK_MIN_ROWS, small=True):
+    if backend == "quack" and _quack_fits(x, weight, QUACK_MIN_ROWS, small=_small):
         gemm_act, _, name = _quack()
         out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
         gemm_act(x, weight.t(), None, out, None, bias, name,
@@ -230,7 +245,7 @@ def linear_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def rope_in_gemm(rows: int, weight: torch.Tensor, backend: str) -> bool:
     """Whether qkv of ``rows`` rows (contiguous input) takes :func:`linear_qkv_rope`, the rotary in
     the GEMM's epilogue. The per-row fp32 vectors need ``rows % 4 == 0`` (16-byte aligned rows)."""
-    return backend == "quack" and _quack_rows(rows, weight, QUACK_ROPE_MIN_ROWS, small=True) and rows % 4 == 0
+    return backend == "quack" and _quack_rows(rows, weight, QUACK_ROPE_MIN_ROWS, small=_small_rope) and rows % 4 == 0
 
 
 def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, freq_h: torch.Tensor,
@@ -246,7 +261,7 @@ def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, f
 def fc1_kernel(rows: int, weight: torch.Tensor, backend: str) -> tuple | None:
     """The compiled kernel :func:`linear_quick_gelu` runs for a contiguous input of ``rows``
     rows, as a hashable key (equal keys: one kernel); None where it runs on cuBLAS."""
-    if backend != "quack" or not _quack_rows(rows, weight, QUACK_MIN_ROWS, small=True):
+    if backend != "quack" or not _quack_rows(rows, weight, QUACK_MIN_ROWS, small=_small):
         return None
     return "fc1", str(weight.dtype), _tile_items(fc1_tile, rows, weight.shape[0], weight.device)
 
@@ -284,8 +299,8 @@ def pick_tile(rows: int, cols: int, sm_count: int, wave_us: float, alternatives)
 
 
 def rope_tile(rows: int, cols: int, sm_count: int) -> dict:
-    """qkv with the rotary: see ``QUACK_ROPE_TILES`` (and ``QUACK_SMALL_ROWS``)."""
-    if _small(rows):
+    """qkv with the rotary: see ``QUACK_ROPE_TILES`` (and ``QUACK_SMALL_ROWS``, ``QUACK_ROPE_SMALL_ROWS``)."""
+    if _small_rope(rows):
         return QUACK_ROPE_SMALL_TILE
     return pick_tile(rows, cols, sm_count, QUACK_ROPE_WAVE_US, QUACK_ROPE_TILES)
 
