@@ -2,6 +2,7 @@
 
     python benchmarks/profile_replay.py 1x256 1x1024 4x1024     # case names from vitgraph.bench.latency
     python benchmarks/profile_replay.py --top 4x1024             # also the top kernels of each case
+    python benchmarks/profile_replay.py --top --frames 16x24 20x20   # single frames of HxW patches
 
 Kernel classes: attention (flash/cuDNN), GEMM (cuBLAS/cuBLASLt/CUTLASS), fused (vitgraph's
 Triton kernels), other (copies, fills, unfused elementwise).
@@ -22,6 +23,7 @@ from vitgraph.bench.latency import CASES
 parser = argparse.ArgumentParser()
 parser.add_argument("cases", nargs="*", default=["1x256", "1x1024", "4x1024", "16x256"])
 parser.add_argument("--top", action="store_true")
+parser.add_argument("--frames", nargs="*", default=[], help="more cases: one frame of HxW patches each")
 parser.add_argument("--blas", help="torch.backends.cuda.preferred_blas_library(...) first, e.g. cublaslt")
 parser.add_argument("--host", action="store_true", help="split each call's wall time: host work before the "
                     "replay, the replay on the GPU (events), the rest")
@@ -47,8 +49,11 @@ if args.host:
         return out
 
     enc.bank.replay = timed_replay
-for case in args.cases:
-    grids = CASES[case]
+cases = {name: CASES[name] for name in args.cases}
+for frame in args.frames:
+    h, w = (int(v) for v in frame.split("x"))
+    cases[f"1 frame {frame}"] = [(1, h, w)]
+for case, grids in cases.items():
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), 1176, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
         for _ in range(5):

@@ -229,6 +229,15 @@ def test_linear_split_k(monkeypatch):
     y, bias = vitgraph.gemm.linear_split_k(x, w, b)
     assert bias is None and torch.equal(y, F.linear(x, w, b))
     monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_MAX_ROWS", 512)
+    # A row count with its own split (SPLIT_K_BY_ROWS): four partials, or none (1).
+    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_BY_ROWS", {24: 4})
+    parts, bias = vitgraph.gemm.linear_split_k(x, w, b)
+    assert parts.shape == (4, 24, 32) and bias is b
+    torch.testing.assert_close(parts.sum(0) + b, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_BY_ROWS", {24: 1})
+    y, bias = vitgraph.gemm.linear_split_k(x, w, b)
+    assert bias is None and torch.equal(y, F.linear(x, w, b))
+    assert vitgraph.gemm.linear_split_k(x[:20], w, b)[0].shape == (2, 20, 32)  # other rows: SPLIT_K
     monkeypatch.setattr(vitgraph.gemm, "_split_k_device", lambda device: False)
     assert vitgraph.gemm.linear_split_k(x, w, b)[1] is None
 

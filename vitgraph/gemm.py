@@ -105,6 +105,12 @@ QUACK_ROPE_SMALL_TILE = dict(tile_m=64, tile_n=128, pingpong=True, cluster_m=2, 
 # 832 -0.05 to -0.07, 896 -0.06 to -0.07, 576 and 768 within +-0.02.
 SPLIT_K_MAX_ROWS = 896
 SPLIT_K = 2
+# Row counts whose split differs from SPLIT_K (1: unsplit), where cuBLAS's heuristic picks a
+# slow kernel for the batched GEMM. At 416 rows on an H200 its two-split kernel (144x64 tiles)
+# took 21.8 µs per block for proj + fc2 against 17.0 at 480 rows and 15.1 at 384
+# (benchmarks/profile_replay.py --frames); in four the 416-row bucket replayed 0.12 ms faster,
+# unsplit 0.02 slower (benchmarks/ab_setting.py).
+SPLIT_K_BY_ROWS: dict[int, int] = {416: 4}
 SPLIT_K_ARCHS = (9,)  # compute capability majors where it was measured (Hopper)
 
 
@@ -231,14 +237,16 @@ def linear_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x @ weight.T + bias`` for :func:`vitgraph.kernels.add_layernorm` to add: ``(y, None)``
     with the bias applied, or, for at most ``SPLIT_K_MAX_ROWS`` rows on a GPU where it was
-    measured, ``(partials, bias)``: ``[SPLIT_K, T, N]`` products of K's slices from one
-    strided-batched GEMM over views (no copies), which the kernel sums with the bias."""
+    measured, ``(partials, bias)``: ``[S, T, N]`` products of K's slices (``S = SPLIT_K``, or
+    ``SPLIT_K_BY_ROWS[T]``) from one strided-batched GEMM over views (no copies), which the
+    kernel sums with the bias."""
     rows, k = x.shape
-    if (rows > SPLIT_K_MAX_ROWS or k % (8 * SPLIT_K) or not (x.is_contiguous() and weight.is_contiguous())
-            or not _split_k_device(x.device)):
+    splits = SPLIT_K_BY_ROWS.get(rows, SPLIT_K)
+    if (splits < 2 or rows > SPLIT_K_MAX_ROWS or k % (8 * splits)
+            or not (x.is_contiguous() and weight.is_contiguous()) or not _split_k_device(x.device)):
         return F.linear(x, weight, bias), None
-    xs = x.view(rows, SPLIT_K, k // SPLIT_K).transpose(0, 1)  # [S, T, K/S]
-    ws = weight.view(weight.shape[0], SPLIT_K, k // SPLIT_K).permute(1, 2, 0)  # [S, K/S, N]
+    xs = x.view(rows, splits, k // splits).transpose(0, 1)  # [S, T, K/S]
+    ws = weight.view(weight.shape[0], splits, k // splits).permute(1, 2, 0)  # [S, K/S, N]
     return torch.bmm(xs, ws), bias
 
 
