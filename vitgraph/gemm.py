@@ -105,8 +105,8 @@ QUACK_ROPE_SMALL_TILE = dict(tile_m=64, tile_n=128, pingpong=True, cluster_m=2, 
 # 832 -0.05 to -0.07, 896 -0.06 to -0.07, 576 and 768 within +-0.02.
 SPLIT_K_MAX_ROWS = 896
 SPLIT_K = 2
-# Row counts whose split differs from SPLIT_K (1: unsplit), where cuBLAS's heuristic picks a
-# slow kernel for the batched GEMM. At 416 rows on an H200 its two-split kernel (144x64 tiles)
+# Row counts (up to SPLIT_K_MAX_ROWS) whose split differs from SPLIT_K (1: unsplit), where
+# cuBLAS's heuristic picks a slow kernel for the batched GEMM. At 416 rows on an H200 its two-split kernel (144x64 tiles)
 # took 21.8 µs per block for proj + fc2 against 17.0 at 480 rows and 15.1 at 384
 # (benchmarks/profile_replay.py --frames); in four the 416-row bucket replayed 0.12 ms faster,
 # unsplit 0.02 slower (benchmarks/ab_setting.py).
@@ -186,7 +186,7 @@ def _weight_fits(weight: torch.Tensor) -> bool:
 
 
 def _small(rows: int) -> bool:
-    """fc1 of ``rows`` rows takes quack's 64-row tile (see ``QUACK_SMALL_ROWS``)."""
+    """fc1 and qkv with the rotary of ``rows`` rows take quack's 64-row tiles (``QUACK_SMALL_ROWS``)."""
     fewest, most = QUACK_SMALL_ROWS
     return fewest <= rows <= most
 
