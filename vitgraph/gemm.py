@@ -106,10 +106,10 @@ QUACK_ROPE_SMALL_TILE = dict(tile_m=64, tile_n=128, pingpong=True, cluster_m=2, 
 SPLIT_K_MAX_ROWS = 896
 SPLIT_K = 2
 # Row counts (up to SPLIT_K_MAX_ROWS) whose split differs from SPLIT_K (1: unsplit), where
-# cuBLAS's heuristic picks a slow kernel for the batched GEMM. At 416 rows on an H200 its two-split kernel (144x64 tiles)
-# took 21.8 µs per block for proj + fc2 against 17.0 at 480 rows and 15.1 at 384
-# (benchmarks/profile_replay.py --frames); in four the 416-row bucket replayed 0.12 ms faster,
-# unsplit 0.02 slower (benchmarks/ab_setting.py).
+# cuBLAS's heuristic picks a slow kernel for the batched GEMM. At 416 rows on an H200 its
+# two-split kernel (144x64 tiles) took 21.8 µs per block for proj + fc2 against 17.0 at 480
+# rows and 15.1 at 384 (benchmarks/profile_replay.py --frames); in four the 416-row bucket
+# replayed 0.09-0.12 ms faster, unsplit 0.02 slower (benchmarks/ab_setting.py).
 SPLIT_K_BY_ROWS: dict[int, int] = {416: 4}
 SPLIT_K_ARCHS = (9,)  # compute capability majors where it was measured (Hopper)
 
@@ -185,17 +185,20 @@ def _weight_fits(weight: torch.Tensor) -> bool:
     return weight.is_contiguous() and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0
 
 
+def _in_band(rows: int, band: tuple[int, int]) -> bool:
+    fewest, most = band
+    return fewest <= rows <= most
+
+
 def _small(rows: int) -> bool:
     """fc1 and qkv with the rotary of ``rows`` rows take quack's 64-row tiles (``QUACK_SMALL_ROWS``)."""
-    fewest, most = QUACK_SMALL_ROWS
-    return fewest <= rows <= most
+    return _in_band(rows, QUACK_SMALL_ROWS)
 
 
 def _small_rope(rows: int) -> bool:
     """qkv with the rotary of ``rows`` rows takes quack's 64-row tile (``QUACK_SMALL_ROWS``,
     ``QUACK_ROPE_SMALL_ROWS``)."""
-    fewest, most = QUACK_ROPE_SMALL_ROWS
-    return _small(rows) or fewest <= rows <= most
+    return _small(rows) or _in_band(rows, QUACK_ROPE_SMALL_ROWS)
 
 
 def _quack_rows(rows: int, weight: torch.Tensor, min_rows: int, small=None) -> bool:

@@ -490,10 +490,12 @@ class Qwen2VisionTower(nn.Module):
         attends through cuDNN with a masking lane; packed buckets through cuDNN's ragged
         attention when the backend is ``cudnn``; anything else through ``attend`` (with the
         padding rows zeroed by the rotary kernel for ``fa4``). With the ``quack`` GEMM backend,
-        from ``QUACK_ROPE_MIN_ROWS`` rows (and at 256) outside dense buckets, qkv's GEMM applies the rotary
+        from ``QUACK_ROPE_MIN_ROWS`` rows (and in the ``QUACK_SMALL_ROWS`` and
+        ``QUACK_ROPE_SMALL_ROWS`` bands) outside dense buckets, qkv's GEMM applies the rotary
         and zeroes the padding rows in its epilogue (:mod:`vitgraph.gemm_rope`) and the rotary
-        kernel is skipped. At small row counts proj and fc2 split K in two
-        (:func:`vitgraph.gemm.linear_split_k`) and the add+LayerNorm after each sums the halves.
+        kernel is skipped. At small row counts proj and fc2 split K (in two, or as
+        ``SPLIT_K_BY_ROWS`` says; :func:`vitgraph.gemm.linear_split_k`) and the add+LayerNorm
+        after each sums the partial products.
         ``blocks``: a prefix of the tower's blocks to run instead of all (see :meth:`warm_up`).
         """
         cfg, blocks = self.config, self.blocks if blocks is None else blocks
