@@ -113,22 +113,22 @@ def test_layernorm_launching_its_dependents_changes_no_bit(graph_enc, monkeypatc
         assert torch.equal(replayed, plain), f"bucket {bucket.name}: {diff_report(replayed, plain)}"
 
 
-@pytest.mark.parametrize("splits_at_416", [None, 1, 4])
-def test_split_k_partials_summed_by_layernorm_at_every_split_size(monkeypatch, splits_at_416):
-    """proj and fc2 at the real widths, split in K up to SPLIT_K_MAX_ROWS rows on Hopper (at 416
-    rows also unsplit or in four, through SPLIT_K_BY_ROWS): the add+LayerNorm that sums the
-    partials (one row per program, or several above LAYERNORM_ONE_ROW_MAX_ROWS) matches the
-    unsplit GEMM plus add and LayerNorm in fp32."""
+@pytest.mark.parametrize("long_splits", [None, 1, 2])
+def test_split_k_partials_summed_by_layernorm_at_every_split_size(monkeypatch, long_splits):
+    """proj and fc2 at the real widths, split in K up to SPLIT_K_MAX_ROWS rows on Hopper (fc2 in
+    SPLIT_K_LONG slices at SPLIT_K_LONG_ROWS rows, or there unsplit or in two): the
+    add+LayerNorm that sums the partials (one row per program, or several above
+    LAYERNORM_ONE_ROW_MAX_ROWS) matches the unsplit GEMM plus add and LayerNorm in fp32."""
     torch.manual_seed(0)
     width = 1280
     gamma = torch.rand(width, device="cuda", dtype=torch.bfloat16) + 0.5
     beta = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
     split = vitgraph.gemm._split_k_device(torch.device("cuda"))
-    if splits_at_416 is not None:
-        monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_BY_ROWS", {416: splits_at_416})
-    for rows in (256, 416, 704, vitgraph.gemm.SPLIT_K_MAX_ROWS):
-        splits = vitgraph.gemm.SPLIT_K_BY_ROWS.get(rows, vitgraph.gemm.SPLIT_K) if split else 1
+    if long_splits is not None:
+        monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_LONG", long_splits)
+    for rows in (256, 288, 320, 416, 704, vitgraph.gemm.SPLIT_K_MAX_ROWS):
         for k in (width, 4 * width):  # proj, fc2
+            splits = vitgraph.gemm.split_k_count(rows, k) if split else 1
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             weight = torch.randn(width, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
             bias = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1

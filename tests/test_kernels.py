@@ -229,15 +229,18 @@ def test_linear_split_k(monkeypatch):
     y, bias = vitgraph.gemm.linear_split_k(x, w, b)
     assert bias is None and torch.equal(y, F.linear(x, w, b))
     monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_MAX_ROWS", 512)
-    # A row count with its own split (SPLIT_K_BY_ROWS): four partials, or none (1).
-    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_BY_ROWS", {24: 4})
+    # Long K at SPLIT_K_LONG_ROWS rows: four partials; shorter K, or other rows: SPLIT_K.
+    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_LONG_ROWS", (24,))
+    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_LONG_MIN_K", 64)
     parts, bias = vitgraph.gemm.linear_split_k(x, w, b)
     assert parts.shape == (4, 24, 32) and bias is b
     torch.testing.assert_close(parts.sum(0) + b, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_BY_ROWS", {24: 1})
+    assert vitgraph.gemm.linear_split_k(x[:20], w, b)[0].shape == (2, 20, 32)  # other rows
+    short_x, short_w = x[:, :32].contiguous(), w[:, :32].contiguous()
+    assert vitgraph.gemm.linear_split_k(short_x, short_w, b)[0].shape == (2, 24, 32)  # K below the minimum
+    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_LONG", 1)  # a split of 1: the plain linear
     y, bias = vitgraph.gemm.linear_split_k(x, w, b)
     assert bias is None and torch.equal(y, F.linear(x, w, b))
-    assert vitgraph.gemm.linear_split_k(x[:20], w, b)[0].shape == (2, 20, 32)  # other rows: SPLIT_K
     monkeypatch.setattr(vitgraph.gemm, "_split_k_device", lambda device: False)
     assert vitgraph.gemm.linear_split_k(x, w, b)[1] is None
 

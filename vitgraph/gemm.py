@@ -105,12 +105,18 @@ QUACK_ROPE_SMALL_TILE = dict(tile_m=64, tile_n=128, pingpong=True, cluster_m=2, 
 # 832 -0.05 to -0.07, 896 -0.06 to -0.07, 576 and 768 within +-0.02.
 SPLIT_K_MAX_ROWS = 896
 SPLIT_K = 2
-# Row counts (up to SPLIT_K_MAX_ROWS) whose split differs from SPLIT_K (1: unsplit), where
-# cuBLAS's heuristic picks a slow kernel for the batched GEMM. At 416 rows on an H200 its
-# two-split kernel (144x64 tiles) took 21.8 µs per block for proj + fc2 against 17.0 at 480
-# rows and 15.1 at 384 (benchmarks/profile_replay.py --frames); in four the 416-row bucket
-# replayed 0.09-0.12 ms faster, unsplit 0.02 slower (benchmarks/ab_setting.py).
-SPLIT_K_BY_ROWS: dict[int, int] = {416: 4}
+# Row counts where fc2 (K = 5120, from SPLIT_K_LONG_MIN_K) splits in SPLIT_K_LONG slices of 1280
+# instead (proj, K = 1280, keeps SPLIT_K): there cuBLAS's heuristic picks a slow kernel for
+# fc2's two-split batched GEMM. GEMM + add+LayerNorm, µs on an H200
+# (benchmarks/gemm_batched_split_k.py, h200-gemm-batched-split-k-buckets.log), fc2 in two ->
+# four: 320 rows 17.2 -> 14.9, 416 18.5 -> 15.4 (288-384 rows 0.2-0.6 less, from 480 two win;
+# proj in four lost at every row count). End to end (benchmarks/ab_setting.py, one frame per
+# bucket, both build orders): the 320-row bucket 0.07-0.10 ms faster, the 416-row one
+# 0.09-0.12 (with proj in four too; proj in two since, a tie), the 384-row one 0.01-0.06 ms
+# slower with fc2 in four and the 256-, 288- and 352-row ones within 0.02.
+SPLIT_K_LONG_ROWS = (320, 416)
+SPLIT_K_LONG = 4
+SPLIT_K_LONG_MIN_K = 4096
 SPLIT_K_ARCHS = (9,)  # compute capability majors where it was measured (Hopper)
 
 
@@ -236,16 +242,26 @@ def _split_k_device(device: torch.device) -> bool:
     return device.type == "cuda" and arch_and_sm_count(device)[0] in SPLIT_K_ARCHS
 
 
+def split_k_count(rows: int, k: int) -> int:
+    """How many slices of K :func:`linear_split_k` splits ``rows`` rows into where it runs
+    (1: unsplit): ``SPLIT_K``, or ``SPLIT_K_LONG`` for long K at ``SPLIT_K_LONG_ROWS`` rows."""
+    if rows > SPLIT_K_MAX_ROWS:
+        return 1
+    if k >= SPLIT_K_LONG_MIN_K and rows in SPLIT_K_LONG_ROWS:
+        return SPLIT_K_LONG
+    return SPLIT_K
+
+
 def linear_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x @ weight.T + bias`` for :func:`vitgraph.kernels.add_layernorm` to add: ``(y, None)``
     with the bias applied, or, for at most ``SPLIT_K_MAX_ROWS`` rows on a GPU where it was
-    measured, ``(partials, bias)``: ``[S, T, N]`` products of K's slices (``S = SPLIT_K``, or
-    ``SPLIT_K_BY_ROWS[T]``) from one strided-batched GEMM over views (no copies), which the
+    measured, ``(partials, bias)``: ``[S, T, N]`` products of K's slices (``S``:
+    :func:`split_k_count`) from one strided-batched GEMM over views (no copies), which the
     kernel sums with the bias."""
     rows, k = x.shape
-    splits = SPLIT_K_BY_ROWS.get(rows, SPLIT_K)
-    if (splits < 2 or rows > SPLIT_K_MAX_ROWS or k % (8 * splits)
+    splits = split_k_count(rows, k)
+    if (splits < 2 or k % (8 * splits)
             or not (x.is_contiguous() and weight.is_contiguous()) or not _split_k_device(x.device)):
         return F.linear(x, weight, bias), None
     xs = x.view(rows, splits, k // splits).transpose(0, 1)  # [S, T, K/S]

@@ -493,9 +493,9 @@ class Qwen2VisionTower(nn.Module):
         from ``QUACK_ROPE_MIN_ROWS`` rows (and in the ``QUACK_SMALL_ROWS`` and
         ``QUACK_ROPE_SMALL_ROWS`` bands) outside dense buckets, qkv's GEMM applies the rotary
         and zeroes the padding rows in its epilogue (:mod:`vitgraph.gemm_rope`) and the rotary
-        kernel is skipped. At small row counts proj and fc2 split K (in two, or as
-        ``SPLIT_K_BY_ROWS`` says; :func:`vitgraph.gemm.linear_split_k`) and the add+LayerNorm
-        after each sums the partial products.
+        kernel is skipped. At small row counts proj and fc2 split K (in two, fc2 in four at
+        ``SPLIT_K_LONG_ROWS`` rows; :func:`vitgraph.gemm.split_k_count`) and the
+        add+LayerNorm after each sums the partial products.
         ``blocks``: a prefix of the tower's blocks to run instead of all (see :meth:`warm_up`).
         """
         cfg, blocks = self.config, self.blocks if blocks is None else blocks
