@@ -56,13 +56,19 @@ def main() -> None:
     for key in order:
         apply(key)
         encoders[key] = GraphedVisionEncoder.from_config("qwen2-vl-2b", device=device, seed=0, progress=False)
-    # Single frames are routed by timings taken at capture: one routing for both, unless the
-    # settings change which buckets exist (then each keeps the routing it measured).
-    if encoders["changed"].buckets == encoders["default"].buckets:
+    # Steps are routed by timings taken at capture: one routing for both, unless the settings
+    # change which buckets exist or how routing is timed (then each keeps the routing it measured).
+    routing_changed = any(module.__name__ == "vitgraph.capture.routing" for module, *_ in settings)
+    if encoders["changed"].buckets == encoders["default"].buckets and not routing_changed:
         encoders["changed"]._packed_single_below = dict(encoders["default"]._packed_single_below)
+        encoders["changed"]._faster_next = dict(encoders["default"]._faster_next)
+        encoders["changed"]._prepared.clear()
     else:
-        print("bucket sets differ; each encoder keeps its own single-frame routing:",
-              {key: enc._packed_single_below for key, enc in encoders.items()})
+        print("each encoder keeps its own routing:", {key: (enc._packed_single_below, enc.stats()["faster_next_bucket"])
+                                                      for key, enc in encoders.items()})
+    for key, enc in encoders.items():
+        print(f"{key}: faster next buckets {enc.stats()['faster_next_bucket']}, routing timed in "
+              f"{enc._routing_seconds:.2f} s")
     cfg = encoders["default"].config
 
     def encode(key, pixels, grids):

@@ -16,6 +16,7 @@ from helpers import diff_report, hf_forward, hf_tower, random_pixels, rel_err, v
 import vitgraph.gemm
 from vitgraph import GraphedVisionEncoder, kernels
 from vitgraph.attention import available_backends
+from vitgraph.capture.planner import Bucket
 from vitgraph.gemm import linear_qkv, linear_quick_gelu, quack_available
 
 pytestmark = pytest.mark.cuda
@@ -39,8 +40,10 @@ def weights(hf_gpu):
 def make(weights, **options):
     state, config = weights
     # One-frame buckets on every backend (FA4's defaults capture none), so their path stays tested.
+    # No routing to a faster next bucket unless asked: these small models replay in microseconds,
+    # where timing noise would pick the buckets the tests below expect.
     options = {"device": "cuda", "dtype": torch.bfloat16, "budgets": BUDGETS, "max_items": MAX_ITEMS,
-               "dense_max_tokens": BUDGETS[-1], "progress": False, **options}
+               "dense_max_tokens": BUDGETS[-1], "route_to_faster_buckets": False, "progress": False, **options}
     return GraphedVisionEncoder.from_state_dict(state, config, **options)
 
 
@@ -198,6 +201,26 @@ def test_single_frames_follow_the_routing_measured_at_capture(weights, graph_enc
     assert rel_err(got, eager_enc.encode(pixels, grids)) <= 1e-2
     enc.encode(random_pixels([(1, 16, 26)], seed=15).cuda(), [(1, 16, 26)])  # 416 tokens: dense
     assert enc.stats()["buckets"]["512x1"]["replays"] == 1
+
+
+def test_steps_follow_a_faster_next_bucket_measured_at_capture(weights, eager_enc):
+    enc = make(weights, mode="graph", budgets=[256, 512], route_to_faster_buckets=True)
+    measured = enc.stats()["faster_next_bucket"]
+    print(f"\n[routing] faster next buckets: {measured}")
+    assert measured in ({}, {"256x8": "512x8"}) and enc._routing_seconds > 0
+    # Force it: a step of the 256-token packed bucket replays in the 512-token one, same numbers.
+    enc._faster_next = {Bucket(256, 8): Bucket(512, 8)}
+    enc._prepared.clear()
+    grids = [(2, 8, 8)]  # two frames, 128 tokens
+    pixels = random_pixels(grids, seed=16).cuda()
+    before = {name: enc.stats()["buckets"][name]["replays"] for name in ("256x8", "512x8")}
+    got = enc.encode(pixels, grids)
+    after = {name: enc.stats()["buckets"][name]["replays"] for name in ("256x8", "512x8")}
+    assert after == {"256x8": before["256x8"], "512x8": before["512x8"] + 1}
+    assert rel_err(got, eager_enc.encode(pixels, grids)) <= 1e-2
+    single = [(1, 16, 16)]  # one frame: its dense bucket, never rerouted by this map
+    enc.encode(random_pixels(single, seed=17).cuda(), single)
+    assert enc.stats()["buckets"]["256x1"]["replays"] == 1
 
 
 def test_poisoned_pool_and_padding_never_reach_outputs(graph_enc, eager_enc):

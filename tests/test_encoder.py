@@ -197,6 +197,7 @@ def test_bad_out(encoder, out, error, words):
     (dict(pool_limit_bytes=0), "pool_limit_bytes"),
     (dict(dense_buckets="yes"), "dense_buckets"),
     (dict(route_single_frames=1), "route_single_frames"),
+    (dict(route_to_faster_buckets="no"), "route_to_faster_buckets"),
     (dict(short_frame_buckets=None), "short_frame_buckets"),
     (dict(exact_eager_above=-1), "exact_eager_above"),
     (dict(dense_max_tokens=0), "dense_max_tokens"),

@@ -211,6 +211,56 @@ def test_routing_thresholds_follow_the_measured_times():
     assert tie[1024] < 1024
 
 
+def test_steps_of_a_bucket_the_next_one_beats_replay_there():
+    buckets = make_buckets([64, 128, 256, 512], max_items=8, merge_unit=4, dense=True)
+    faster = {Bucket(128, 8): Bucket(256, 8)}
+    assert plan_call([(2, 8, 8)], buckets, faster_next=faster).steps[0].bucket.name == "256x8"  # 128 tokens
+    assert plan_call([(2, 8, 8)], buckets).steps[0].bucket.name == "128x8"  # without the map
+    assert plan_call([(1, 8, 16)], buckets, faster_next=faster).steps[0].bucket.name == "128x1"  # dense: no entry
+    # After the single-frame routing: the packed bucket it picks is looked up too.
+    assert plan_call([(1, 8, 16)], buckets, packed_single_below={128: 129},
+                     faster_next=faster).steps[0].bucket.name == "256x8"
+    # A larger bucket that is not captured, or that cannot hold the step, is never taken.
+    assert plan_call([(2, 8, 8)], [b for b in buckets if b.tokens != 256],
+                     faster_next=faster).steps[0].bucket.name == "128x8"
+    few_slots = {Bucket(128, 8): Bucket(256, 2)}
+    assert plan_call([(3, 4, 8)], buckets + [Bucket(256, 2)],
+                     faster_next=few_slots).steps[0].bucket.name == "128x8"  # 3 frames > 2 slots
+
+
+def test_faster_next_buckets_follow_the_measured_times(monkeypatch):
+    from vitgraph.capture import routing
+    from vitgraph.capture.routing import faster_next_buckets
+
+    class FakeBank:  # replay time per bucket, whatever the input; records what was timed
+        def __init__(self, ms):
+            self.buckets = make_buckets(list(ms), max_items=16, merge_unit=4, dense=True)
+            self.ms, self.calls = ms, []
+
+        def time_replay(self, bucket, grids, reps=2):
+            (t, h, w), = grids
+            self.calls.append((bucket.name, t * h * w))
+            return self.ms[bucket.tokens]
+
+    margin = 1 - routing.FASTER_NEXT_MARGIN
+    bank = FakeBank({256: 1.0, 320: 1.2, 352: 1.1, 384: 1.2 * margin * 1.001, 416: 1.2 * margin, 4096: 9.0,
+                     4608: 1.0})
+    got = faster_next_buckets(bank, lambda n: (1, 2, n // 2), max_tokens=2048)
+    # 320 -> 352 (8% faster); 352 -> 384 no (slower); 384 -> 416 by exactly the margin, not enough;
+    # 416 -> 4096 no (slower); 4096 -> 4608 is above max_tokens: not timed at all.
+    assert got == {Bucket(320, 16): Bucket(352, 16)}
+    assert all(name.endswith("x16") for name, _ in bank.calls)  # packed buckets only
+    assert ("352x16", 320) in bank.calls and ("320x16", 320) in bank.calls  # the pair on the smaller's input
+    assert ("4096x16", 416) in bank.calls and not any(n == 4096 or name.startswith("4608") for name, n in bank.calls)
+    assert len([c for c in bank.calls if c == ("320x16", 320)]) == routing.FASTER_NEXT_REPS
+    assert faster_next_buckets(FakeBank({256: 1.0, 512: 2.0}), lambda n: (1, 2, n // 2)) == {}
+    # The module's limit is read when called (benchmarks/ab_setting.py switches it off so).
+    slow_first = {256: 2.0, 512: 1.0}
+    assert faster_next_buckets(FakeBank(slow_first), lambda n: (1, 2, n // 2)) == {Bucket(256, 16): Bucket(512, 16)}
+    monkeypatch.setattr(routing, "FASTER_NEXT_MAX_TOKENS", 0)
+    assert faster_next_buckets(FakeBank(slow_first), lambda n: (1, 2, n // 2)) == {}
+
+
 def test_large_single_frames_run_eagerly_at_their_exact_shape():
     plan = plan_call([(1, 16, 20), (1, 8, 8)], BUCKETS, exact_eager_above=256)  # 320 then 64 tokens
     assert [s.bucket.tokens for s in plan.steps] == [512]  # packed together: two frames

@@ -18,7 +18,7 @@ from . import kernels
 from .attention import resolve_backend
 from .capture.graphs import GraphBank
 from .capture.planner import Bucket, Plan, Step, budget_ladder, make_buckets, plan_call
-from .capture.routing import single_frame_thresholds
+from .capture.routing import faster_next_buckets, single_frame_thresholds
 from .config import PRESETS, VisionConfig
 from .gemm import GEMM_BACKENDS, resolve_gemm
 from .loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
@@ -81,6 +81,10 @@ class EngineOptions:
     # Time each budget's dense and packed graphs at capture (about 1 s on an H200) and send a
     # single frame to the packed one where that is faster (see vitgraph.capture.routing).
     route_single_frames: bool = True
+    # Time each packed bucket of up to 1024 tokens against the next larger one at capture, on
+    # the input that fills the smaller (about 0.3 s on an H200), and send the smaller one's
+    # steps to the larger where that replays them faster (see vitgraph.capture.routing).
+    route_to_faster_buckets: bool = True
     capture: bool = True  # capture on construction; else call encoder.capture()
     # Before capture, where FlashAttention 4's or quack's kernel caches are cold, compile those
     # kernels in up to this many worker processes at once (None: one per kernel, up to the CPU
@@ -105,7 +109,7 @@ class EngineOptions:
             raise ValueError(f"gemm must be 'auto' or one of {GEMM_BACKENDS}, got {self.gemm!r}")
         if self.fuse is not None and not isinstance(self.fuse, bool):
             raise ValueError(f"fuse must be True, False or None (auto), got {self.fuse!r}")
-        for name in ("dense_buckets", "short_frame_buckets", "route_single_frames"):
+        for name in ("dense_buckets", "short_frame_buckets", "route_single_frames", "route_to_faster_buckets"):
             if not isinstance(getattr(self, name), bool):  # not "in (True, False)": 1 == True
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.budgets is not None and (isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence)
@@ -272,6 +276,7 @@ class GraphedVisionEncoder:
         self._prepared: OrderedDict[tuple, _Prepared] = OrderedDict()
         self._prepared_bytes = 0
         self._packed_single_below: dict[int, int] = {}  # measured at capture (routing)
+        self._faster_next: dict[Bucket, Bucket] = {}  # measured at capture (routing)
         self._routing_seconds = 0.0
         self._precompile = PrecompileReport()
         self._precompile_seconds = 0.0
@@ -334,11 +339,17 @@ class GraphedVisionEncoder:
                 self._early_workers = None
                 self._precompile_seconds += self._precompile.seconds
             self.bank.capture(pool_limit_bytes=self.options.pool_limit_bytes, progress=self.options.progress)
-            if self.options.route_single_frames and self.bank.buckets != before:  # else the timings still hold
+            if self.bank.buckets != before:  # else the timings still hold
                 start = time.perf_counter()
                 merge = self.config.spatial_merge_size
-                self._packed_single_below = single_frame_thresholds(
-                    self.bank, lambda n: (1, merge, n // merge), self.tower.merge_unit)
+
+                def frame(tokens: int) -> tuple[int, int, int]:  # one frame of that many tokens
+                    return 1, merge, tokens // merge
+
+                if self.options.route_single_frames:
+                    self._packed_single_below = single_frame_thresholds(self.bank, frame, self.tower.merge_unit)
+                if self.options.route_to_faster_buckets:
+                    self._faster_next = faster_next_buckets(self.bank, frame)
                 self._routing_seconds += time.perf_counter() - start
             self._prepared.clear()
             self._prepared_bytes = 0
@@ -369,7 +380,7 @@ class GraphedVisionEncoder:
             return prepared
         eager_padding = None if self.attention in PACKED_EAGER_SLOWER else EAGER_MIN_PADDING
         plan = plan_call(grids, self.buckets, self.options.exact_eager_above, self._packed_single_below,
-                         eager_padding)
+                         eager_padding, self._faster_next)
         staged = [None if step.bucket is None else self.bank.stage_grids(step.bucket, step.grids)
                   for step in plan.steps]
         prepared = _Prepared(plan, staged)
@@ -493,5 +504,6 @@ class GraphedVisionEncoder:
                                     if self.bank else 0.0),
                 "precompile": asdict(self._precompile),
                 "single_frame_packed_below": dict(self._packed_single_below),
+                "faster_next_bucket": {small.name: large.name for small, large in self._faster_next.items()},
                 "pool_bytes": self.bank.pool_bytes if self.bank else 0,
             }

@@ -19,7 +19,9 @@ through dense cuDNN attention with its padding keys masked (see
 max_seqlen)`` and a step takes the least one that holds it: single-frame steps prefer
 the dense bucket when their budget has one, unless a threshold measured at capture sends
 small frames of that budget to a packed bucket (:mod:`vitgraph.capture.routing`), and
-steps of short frames prefer their budget's short-frame bucket.
+steps of short frames prefer their budget's short-frame bucket. A packed bucket that
+replayed its input slower than the next larger one did, when timed at capture, hands
+its steps to that one.
 """
 
 from __future__ import annotations
@@ -196,7 +198,8 @@ def smallest_fit(buckets: Sequence[Bucket], tokens: int, segments: int, longest:
 
 
 def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_above: int | None = None,
-              packed_single_below: Mapping[int, int] | None = None, eager_padding: float | None = None) -> Plan:
+              packed_single_below: Mapping[int, int] | None = None, eager_padding: float | None = None,
+              faster_next: Mapping[Bucket, Bucket] | None = None) -> Plan:
     """Pack frames greedily, in order, into replays no larger than the largest bucket.
 
     Frames are the unit of packing: each is its own attention segment and its own
@@ -214,8 +217,12 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
     ``packed_single_below`` (``{budget: n}``, see :mod:`vitgraph.capture.routing`): a step
     holding one frame of fewer than ``n`` tokens, whose smallest fit is the dense bucket of
     that budget, replays in a packed bucket instead (the short-frame one where it fits).
+
+    ``faster_next`` (``{bucket: larger}``, see :mod:`vitgraph.capture.routing`): a step whose
+    bucket is a key replays in the larger bucket, measured faster, which holds it too.
     """
     packed_single_below = packed_single_below or {}
+    faster_next = faster_next or {}
     plan = Plan()
     if not buckets:
         tokens = sum(t * h * w for t, h, w in grids)
@@ -238,6 +245,9 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
             if (bucket is not None and bucket.max_segments == 1
                     and chunk_tokens < packed_single_below.get(bucket.tokens, 0)):
                 bucket = smallest_fit(buckets, chunk_tokens, 2, chunk_longest) or bucket
+            larger = faster_next.get(bucket)
+            if larger is not None and larger in buckets and larger.holds(chunk_tokens, chunk_segments, chunk_longest):
+                bucket = larger
             padded_enough = (bucket is not None and eager_padding is not None
                              and bucket.tokens - chunk_tokens >= eager_padding * bucket.tokens)
             reason = None

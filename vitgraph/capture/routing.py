@@ -1,4 +1,5 @@
-"""Where a single frame replays fastest: its budget's one-frame (dense) bucket, or the packed one.
+"""Routing timed at capture: where a single frame replays fastest (its budget's one-frame
+dense bucket, or the packed one), and which packed buckets the next larger one beats.
 
 Both graphs of a budget run the same GEMMs over the same padded rows; they differ in
 attention. The dense bucket attends over every row of the bucket (padding keys masked),
@@ -59,3 +60,40 @@ def single_frame_thresholds(bank: GraphBank, frame_grid: Callable[[int], Grid], 
         share = (d - p_low) / (p_full - p_low)
         thresholds[tokens] = int(math.sqrt(low ** 2 + share * (tokens ** 2 - low ** 2)))
     return thresholds
+
+
+# Packed buckets of up to this many tokens may hand their steps to the next larger one (see
+# faster_next_buckets). Below it the GEMM kernels a library picks per shape can make a bucket
+# slower than the next one: on an H200 with the default ladder the 320-, 480- and 704-token
+# buckets, every time in six captures timed up to 2048 tokens (0.45 s). From 1024 rows every
+# GEMM's tiles fill the GPU and its time grows with the rows (no other split or tile won
+# there, BENCHMARKS.md), so larger buckets are not timed.
+FASTER_NEXT_MAX_TOKENS = 1024
+FASTER_NEXT_MARGIN = 0.02  # the larger bucket must be this much faster, on the smaller one's input
+FASTER_NEXT_REPS = 3  # interleaved replays of each, the least kept
+
+
+def faster_next_buckets(bank: GraphBank, frame_grid: Callable[[int], Grid],
+                        max_tokens: int | None = None) -> dict[Bucket, Bucket]:
+    """``{bucket: larger}``: packed buckets of up to ``max_tokens`` (default
+    ``FASTER_NEXT_MAX_TOKENS``) tokens whose input that
+    fills them (one frame, ``frame_grid(bucket.tokens)``) replays at least
+    ``FASTER_NEXT_MARGIN`` faster in the next larger packed bucket, which holds every step
+    the smaller one does. Each pair is timed on the same input, its replays interleaved so
+    that both see the same clock."""
+    max_tokens = FASTER_NEXT_MAX_TOKENS if max_tokens is None else max_tokens
+    packed = sorted(b for b in bank.buckets if b.max_seqlen == b.tokens and b.max_segments > 1)
+    faster = {}
+    for small, large in zip(packed, packed[1:]):
+        if small.tokens > max_tokens:
+            break
+        if large.max_segments < small.max_segments:
+            continue
+        grids = [frame_grid(small.tokens)]
+        times = {small: [], large: []}
+        for _ in range(FASTER_NEXT_REPS):
+            for bucket in (small, large):
+                times[bucket].append(bank.time_replay(bucket, grids, reps=1))
+        if min(times[large]) < min(times[small]) * (1 - FASTER_NEXT_MARGIN):
+            faster[small] = large
+    return faster
