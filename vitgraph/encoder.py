@@ -82,7 +82,7 @@ class EngineOptions:
     # single frame to the packed one where that is faster (see vitgraph.capture.routing).
     route_single_frames: bool = True
     # Time each packed bucket of up to 1024 tokens against the next larger one at capture, on
-    # the input that fills the smaller (about 0.3 s on an H200), and send the smaller one's
+    # the input that fills the smaller (about 0.2 s on an H200), and send the smaller one's
     # steps to the larger where that replays them faster (see vitgraph.capture.routing).
     route_to_faster_buckets: bool = True
     capture: bool = True  # capture on construction; else call encoder.capture()

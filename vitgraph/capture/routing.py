@@ -75,12 +75,11 @@ FASTER_NEXT_REPS = 3  # interleaved replays of each, the least kept
 
 def faster_next_buckets(bank: GraphBank, frame_grid: Callable[[int], Grid],
                         max_tokens: int | None = None) -> dict[Bucket, Bucket]:
-    """``{bucket: larger}``: packed buckets of up to ``max_tokens`` (default
-    ``FASTER_NEXT_MAX_TOKENS``) tokens whose input that
-    fills them (one frame, ``frame_grid(bucket.tokens)``) replays at least
-    ``FASTER_NEXT_MARGIN`` faster in the next larger packed bucket, which holds every step
-    the smaller one does. Each pair is timed on the same input, its replays interleaved so
-    that both see the same clock."""
+    """``{bucket: larger}``: packed buckets of up to ``max_tokens`` tokens (default
+    ``FASTER_NEXT_MAX_TOKENS``) whose filling input (one frame, ``frame_grid(bucket.tokens)``)
+    replays at least ``FASTER_NEXT_MARGIN`` faster in the next larger packed bucket, which
+    holds every step the smaller one does. Each pair is timed on the same input, its replays
+    interleaved so that both see the same clock."""
     max_tokens = FASTER_NEXT_MAX_TOKENS if max_tokens is None else max_tokens
     packed = sorted(b for b in bank.buckets if b.max_seqlen == b.tokens and b.max_segments > 1)
     faster = {}
