@@ -3,6 +3,7 @@
     python benchmarks/ab_setting.py vitgraph.gemm.QUACK_QKV_MIN_ROWS=10**9   # qkv back on cuBLAS
     python benchmarks/ab_setting.py vitgraph.gemm.QUACK_MIN_ROWS=256 --cases 1x256 --rounds 7
     python benchmarks/ab_setting.py vitgraph.attention.FA4_SHORT_SEQLEN=0 --cases --frames 40x40 44x46   # single frames
+    python benchmarks/ab_setting.py vitgraph.gemm.SPLIT_K=4 --both-orders   # both build orders in one run
 
 Two graph encoders of the 2B model with the same random weights: ``default`` and
 ``changed``, the second built (captured) and called with the settings changed. Each round
@@ -12,11 +13,13 @@ rounds and the relative difference of the two outputs.
 
 The encoder built second can be faster whatever its settings (0.22 ms at ``4x1024`` in two
 A/Bs of opposite settings on one H200, BENCHMARKS.md): where a difference is that small,
-repeat with ``--changed-first`` and trust only what holds in both build orders.
+trust only what holds in both build orders (``--both-orders`` runs both, each with new
+encoders, and prints the two deltas side by side; ``--changed-first`` runs the second alone).
 """
 
 import argparse
 import ast
+import gc
 import importlib
 
 import torch
@@ -26,17 +29,10 @@ from vitgraph.bench.common import alternating_ab, print_table
 from vitgraph.bench.latency import CASES
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("settings", nargs="+", help="module.NAME=value (an int, float or string literal, or 10**N)")
-    p.add_argument("--cases", nargs="*", default=list(CASES))
-    p.add_argument("--frames", nargs="*", default=[], help="more cases: one frame of HxW patches each")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--changed-first", action="store_true", help="build the changed encoder first")
-    args = p.parse_args()
-    settings = []  # (module, name, default, changed)
-    for text in args.settings:
+def parse_settings(texts: list[str]) -> list[tuple]:
+    """``module.NAME=value`` texts -> ``(module, name, default, changed)``."""
+    settings = []
+    for text in texts:
         target, value = text.split("=", 1)
         module_name, attr = target.rsplit(".", 1)
         module = importlib.import_module(module_name)
@@ -44,18 +40,20 @@ def main() -> None:
         changed = ast.literal_eval(base) ** int(power) if power else ast.literal_eval(value)
         settings.append((module, attr, getattr(module, attr), changed))
         print(f"{target}: default {getattr(module, attr)!r}, changed {changed!r}")
+    return settings
 
+
+def run_order(args, settings, order: tuple[str, str], cases: dict, device: torch.device) -> list[tuple]:
+    """Build the two encoders in ``order`` and time ``cases`` on both: :func:`alternating_ab`'s rows."""
     def apply(key):
         for module, attr, default, changed in settings:
             setattr(module, attr, default if key == "default" else changed)
 
-    device = torch.device("cuda")
     encoders = {}
-    order = ("changed", "default") if args.changed_first else ("default", "changed")
     print("build order:", ", ".join(order))
     for key in order:
         apply(key)
-        encoders[key] = GraphedVisionEncoder.from_config("qwen2-vl-2b", device=device, seed=0, progress=False)
+        encoders[key] = GraphedVisionEncoder.from_config(args.preset, device=device, seed=0, progress=False)
     # Steps are routed by timings taken at capture: one routing for both, unless the settings
     # change which buckets exist or how routing is timed (then each keeps the routing it measured).
     routing_changed = any(module.__name__ == "vitgraph.capture.routing" for module, *_ in settings)
@@ -68,19 +66,61 @@ def main() -> None:
     for key, enc in encoders.items():
         print(f"{key}: faster next buckets {enc.stats()['faster_next_bucket']}, routing timed in "
               f"{enc._routing_seconds:.2f} s")
-    cfg = encoders["default"].config
 
     def encode(key, pixels, grids):
         apply(key)  # eager calls (1x9604) read settings at call time
         return encoders[key].encode(pixels, grids)
 
+    try:
+        return alternating_ab(encode, ("default", "changed"), cases, encoders["default"].config.patch_width, device,
+                              args.rounds, args.iters)
+    finally:
+        apply("default")
+        encoders.clear()  # free the graphs and their pool before the next order builds its own
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("settings", nargs="+", help="module.NAME=value (an int, float or string literal, or 10**N)")
+    p.add_argument("--cases", nargs="*", default=list(CASES))
+    p.add_argument("--frames", nargs="*", default=[], help="more cases: one frame of HxW patches each")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    order = p.add_mutually_exclusive_group()
+    order.add_argument("--changed-first", action="store_true", help="build the changed encoder first")
+    order.add_argument("--both-orders", action="store_true",
+                       help="run the A/B twice, each build order with new encoders, and show both deltas")
+    p.add_argument("--preset", default="qwen2-vl-2b", help="the model shape (a vitgraph preset; random weights)")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    settings = parse_settings(args.settings)
+    device = torch.device(args.device)
     cases = {name: CASES[name] for name in args.cases}
     for frame in args.frames:
         h, w = (int(x) for x in frame.split("x"))
         cases[f"1 frame {h}x{w}"] = [(1, h, w)]
-    results = alternating_ab(encode, ("default", "changed"), cases, cfg.patch_width, device, args.rounds, args.iters)
-    rows = [[name, default, changed, changed - default, f"{diff:.1e}"] for name, default, changed, diff in results]
-    print_table(["case", "default ms", "changed ms", "delta ms", "rel diff"], rows)
+    if args.both_orders:
+        orders = [("default", "changed"), ("changed", "default")]
+    else:
+        orders = [("changed", "default") if args.changed_first else ("default", "changed")]
+    runs = [run_order(args, settings, order, cases, device) for order in orders]
+    for order, results in zip(orders, runs):
+        print(f"{order[0]} built first:")
+        rows = [[name, default, changed, changed - default, f"{diff:.1e}"] for name, default, changed, diff in results]
+        print_table(["case", "default ms", "changed ms", "delta ms", "rel diff"], rows)
+    if len(runs) == 2:
+        # What to trust: a delta of one sign in both orders (the encoder built second can be
+        # faster whatever its settings).
+        print("both orders (delta ms = changed - default):")
+        rows = []
+        for first, second in zip(*runs):
+            deltas = (first[2] - first[1], second[2] - second[1])
+            same = deltas[0] * deltas[1] > 0
+            rows.append([first[0], *deltas, (deltas[0] + deltas[1]) / 2, "yes" if same else "no"])
+        print_table(["case", "default first", "changed first", "mean", "same sign"], rows)
 
 
 if __name__ == "__main__":

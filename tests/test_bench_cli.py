@@ -168,3 +168,23 @@ def test_call_timer_counts_every_call_and_keeps_the_result():
     timer.add("manual", 0.5)
     assert dict(timer.calls) == {"square": 2, "fail": 1, "manual": 1}
     assert timer.seconds["square"] > 0 and timer.seconds["fail"] > 0 and timer.seconds["manual"] == 0.5
+
+
+def test_ab_setting_runs_both_build_orders():
+    """benchmarks/ab_setting.py on the tiny preset (CPU, eager), both build orders with new
+    encoders and the two deltas side by side. The setting changes nothing on the CPU (split-K
+    runs on Hopper only), so both encoders give the same output."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_setting.py"
+    proc = subprocess.run([sys.executable, str(script), "vitgraph.gemm.SPLIT_K=4", "--both-orders", "--preset", "tiny",
+                           "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "vitgraph.gemm.SPLIT_K: default 2, changed 4" in out
+    assert out.index("build order: default, changed") < out.index("build order: changed, default")
+    assert "default built first:" in out and "changed built first:" in out
+    last = out.split("both orders (delta ms = changed - default):")[1].splitlines()
+    assert last[1].split()[:1] == ["case"] and last[2].split()[0] == "1x256" and last[2].split()[-1] in ("yes", "no")
+    assert "0.0e+00" in out  # the same output either way
