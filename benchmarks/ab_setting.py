@@ -26,7 +26,7 @@ import torch
 
 from vitgraph import GraphedVisionEncoder
 from vitgraph.bench.common import alternating_ab, print_table
-from vitgraph.bench.latency import CASES
+from vitgraph.bench.latency import CASES, select_cases
 
 
 def parse_settings(texts: list[str]) -> list[tuple]:
@@ -98,10 +98,7 @@ def main() -> None:
     args = p.parse_args()
     settings = parse_settings(args.settings)
     device = torch.device(args.device)
-    cases = {name: CASES[name] for name in args.cases}
-    for frame in args.frames:
-        h, w = (int(x) for x in frame.split("x"))
-        cases[f"1 frame {h}x{w}"] = [(1, h, w)]
+    cases = select_cases(args.cases, args.frames)
     if args.both_orders:
         orders = [("default", "changed"), ("changed", "default")]
     else:

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from vitgraph import GraphedVisionEncoder
 from vitgraph.bench.common import KERNEL_CLASSES, kernel_class
-from vitgraph.bench.latency import CASES
+from vitgraph.bench.latency import select_cases
 
 
 parser = argparse.ArgumentParser()
@@ -49,10 +49,7 @@ if args.host:
         return out
 
     enc.bank.replay = timed_replay
-cases = {name: CASES[name] for name in args.cases}
-for frame in args.frames:
-    h, w = (int(v) for v in frame.split("x"))
-    cases[f"1 frame {frame}"] = [(1, h, w)]
+cases = select_cases(args.cases, args.frames)
 for case, grids in cases.items():
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), 1176, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():

@@ -178,7 +178,7 @@ def test_ab_setting_runs_both_build_orders():
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_setting.py"
     proc = subprocess.run([sys.executable, str(script), "vitgraph.gemm.SPLIT_K=4", "--both-orders", "--preset", "tiny",
-                           "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256"],
+                           "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256", "--frames", "8x10"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
@@ -187,4 +187,5 @@ def test_ab_setting_runs_both_build_orders():
     assert "default built first:" in out and "changed built first:" in out
     last = out.split("both orders (delta ms = changed - default):")[1].splitlines()
     assert last[1].split()[:1] == ["case"] and last[2].split()[0] == "1x256" and last[2].split()[-1] in ("yes", "no")
+    assert last[3].split()[:3] == ["1", "frame", "8x10"]  # --frames: one frame of 8x10 patches
     assert "0.0e+00" in out  # the same output either way

@@ -37,6 +37,15 @@ SYSTEMS = ("hf_eager", "vitgraph_eager", "vitgraph_graph", "torch_compile")
 CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
+def select_cases(names: list[str], frames: list[str] = ()) -> dict[str, list[tuple[int, int, int]]]:
+    """``CASES`` by name, then one case per ``HxW`` text: one frame of that many patches."""
+    cases = {name: CASES[name] for name in names}
+    for frame in frames:
+        h, w = (int(v) for v in frame.split("x"))
+        cases[f"1 frame {h}x{w}"] = [(1, h, w)]
+    return cases
+
+
 def parse_case(text: str) -> tuple[str, list[tuple[int, int, int]]]:
     """``name=t,h,w+t,h,w`` -> (name, grids)."""
     try:
