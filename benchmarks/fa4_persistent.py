@@ -5,6 +5,7 @@ vitgraph's packed buckets, q/k/v strided views of one qkv tensor as in the tower
     python benchmarks/fa4_persistent.py
     python benchmarks/fa4_persistent.py --batched --exact-slots   # batched long frames, as eager calls
     python benchmarks/fa4_persistent.py --tiles 128x128 128x192 128x256 --layouts 16x256 8x448   # other tiles
+    python benchmarks/fa4_persistent.py --lean --layouts 16x256 4x1024   # LEAN_ADVANCE off vs on
 
 Each layout runs with the tile vitgraph picks for it (128-row tiles up to 2048-token frames,
 FA4's own 192-row tiles above) and, for comparison, persistent with either tile: with O in
@@ -41,6 +42,8 @@ def main() -> None:
                         help="one segment slot per frame (an eager call) instead of 16 (a packed bucket)")
     parser.add_argument("--tiles", nargs="*", default=None, help="MxN query x key tiles to compare, e.g. 128x192")
     parser.add_argument("--layouts", nargs="*", default=None, help=f"a subset of {list(LAYOUTS)}")
+    parser.add_argument("--lean", action="store_true",
+                        help="the persistent kernel (own O) with fa4_persistent.LEAN_ADVANCE off and on")
     args = parser.parse_args()
     layouts = BATCHED if args.batched else LAYOUTS
     if args.layouts:
@@ -53,6 +56,9 @@ def main() -> None:
         cu[len(lens) + 1:] = total
         cu = cu.cuda()
         q, k, v = torch.randn(total, 3, H, D, device="cuda", dtype=torch.bfloat16).unbind(1)
+        if args.lean:
+            compare_lean(name, lens, cu, q, k, v)
+            continue
         if args.tiles:
             compare_tiles(name, lens, cu, q, k, v, [tuple(int(x) for x in t.split("x")) for t in args.tiles])
             continue
@@ -76,6 +82,27 @@ def main() -> None:
             err = max(((o.float() - ref.float()).norm() / ref.float().norm()).item() for o in (out, last))
             row.append(f"{variant} {us:7.1f} ({'bitwise' if same else f'rel err {err:.1e}'})")
         print(f"{name:20s} tile {tile or 'FA4 default'} | " + " | ".join(row), flush=True)
+
+
+def compare_lean(name, lens, cu, q, k, v) -> None:
+    """One row per layout: the persistent kernel (own O, vitgraph's tile) with LEAN_ADVANCE off
+    and on, µs per call; it does not change the math, so the outputs must match bitwise."""
+    fa4_persistent.OWN_O_SMEM = True
+    tile = FA4_SHORT_TILE if max(lens) <= FA4_SHORT_SEQLEN else None
+    row, ref = [], None
+    for lean in (False, True):
+        fa4_persistent.LEAN_ADVANCE = lean
+
+        def run():
+            with fa4_persistent.persistent_tiles():
+                return _flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                                       max_seqlen_k=max(lens), **fa4_tile_kwargs(tile))[0]
+        out = run().clone()
+        ref = out if ref is None else ref
+        us, _ = graph_replay_us(run, inner=8, reps=15)
+        row.append(f"lean advance {'on ' if lean else 'off'} {us:7.1f} ({'bitwise' if torch.equal(out, ref) else 'DIFFERS'})")
+    fa4_persistent.LEAN_ADVANCE = True
+    print(f"{name:20s} tile {tile or 'FA4 default'} | " + " | ".join(row), flush=True)
 
 
 def compare_tiles(name, lens, cu, q, k, v, tiles) -> None:

@@ -54,18 +54,21 @@ def test_routing_ends_when_the_block_raises():
     assert not fa4_persistent._active()
 
 
-def test_each_kernel_variant_has_its_own_cache(monkeypatch):
-    """Kernels with O in its own shared memory and kernels storing O through Q's never share
-    a cache entry, so an A/B of OWN_O_SMEM in one process compiles both."""
+@pytest.mark.parametrize("setting", ["OWN_O_SMEM", "LEAN_ADVANCE"])
+def test_each_kernel_variant_has_its_own_cache(setting, monkeypatch):
+    """Kernels compiled with a setting on and off (O in its own shared memory or through Q's;
+    each tile mapped once or twice) never share a cache entry, so an A/B of either setting in
+    one process compiles both."""
     opened = {}
     cache = fa4_persistent._ThreadRoutedCache(Recorder("stock"), lambda name: opened.setdefault(name, Recorder(name)))
     with fa4_persistent._routed_here():
-        cache["k"] = "own O"
-        monkeypatch.setattr(fa4_persistent, "OWN_O_SMEM", False)
+        monkeypatch.setattr(fa4_persistent, setting, True)
+        cache["k"] = "on"
+        monkeypatch.setattr(fa4_persistent, setting, False)
         assert "k" not in cache
-        cache["k"] = "shared O"
-        monkeypatch.setattr(fa4_persistent, "OWN_O_SMEM", True)
-        assert cache["k"] == "own O"
+        cache["k"] = "off"
+        monkeypatch.setattr(fa4_persistent, setting, True)
+        assert cache["k"] == "on"
     assert len(opened) == 2 and all(name.startswith(fa4_persistent.CACHE_NAME) for name in opened)
 
 

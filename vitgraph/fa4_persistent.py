@@ -35,7 +35,15 @@ TILE_BARRIER = 8  # a named barrier FA4's Hopper forward leaves free (it uses 1-
 # O in shared memory of its own (read when a kernel is compiled): the producer loads the next
 # tile's Q while the consumers store O, instead of waiting at TILE_BARRIER for them.
 OWN_O_SMEM = True
-CACHE_NAME = "vitgraph-persistent-varlen-v2"  # bump when the kernel changes
+# FA4's loops step the scheduler (advance_to_next_work), then ask it for the tile
+# (get_current_work), and ignore what the step returned. Stock, the step maps the new tile
+# index to (block, head, segment) too: warp shuffles over cu_seqlens that the compiler keeps,
+# about 0.3-0.4 µs per tile. True: the step only moves the index, so each tile is mapped once
+# (h200-fa4-stages-lean.log, h200-fa4-lean-again.log, µs per call, bitwise equal: 16x256
+# 25.0 -> 23.6 and 24.9 -> 23.3, 8x448 33.3 -> 31.6 and 33.2 -> 32.0, 4x1024 52.8 -> 52.1 and
+# 53.3 -> 51.7). Read when a kernel is compiled; False for A/Bs.
+LEAN_ADVANCE = True
+CACHE_NAME = "vitgraph-persistent-varlen-v3"  # bump when the kernel changes
 SM90_SMEM_BYTES = 227 * 1024  # an H100's or H200's shared memory per CTA
 
 # .active: this thread is inside persistent_tiles; .own_o: the kernel being traced on this
@@ -64,7 +72,7 @@ def supported() -> bool:
 
 
 def _cache_name() -> str:
-    return CACHE_NAME + ("" if OWN_O_SMEM else "-shared-o")
+    return CACHE_NAME + ("" if OWN_O_SMEM else "-shared-o") + ("" if LEAN_ADVANCE else "-mapping-advance")
 
 
 @contextlib.contextmanager
@@ -145,6 +153,8 @@ def _persistent_scheduler_class(stock):
                 cute.arch.barrier(barrier_id=TILE_BARRIER, number_of_threads=32 + 2 * self.params.tile_shape_mn[0])
             # Stride by the grid; numbers past the last tile map to no segment (invalid).
             self._tile_idx += cute.arch.grid_dim()[0]
+            if LEAN_ADVANCE:  # FA4 asks get_current_work next: map the tile once, there
+                return None
             return self.get_current_work()
 
     return PersistentVarlenScheduler
