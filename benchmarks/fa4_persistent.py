@@ -35,6 +35,18 @@ BATCHED = {"5000+4000+3000": [5000, 4000, 3000], "2x6000": [6000] * 2, "4x3000":
            "6x2500": [2500] * 6, "5000+8x400": [5000] + [400] * 8}
 
 
+def attend(q, k, v, cu, lens, tile, persistent: bool):
+    """FA4's varlen forward over the ``lens`` frames, with ``tile``, persistent or FA4's own."""
+    with fa4_persistent.persistent_tiles() if persistent else contextlib.nullcontext():
+        return _flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                               max_seqlen_k=max(lens), **fa4_tile_kwargs(tile))[0]
+
+
+def vitgraph_tile(lens):
+    """The tile vitgraph takes for these frames: 128-row up to 2048-token frames, else FA4's own."""
+    return FA4_SHORT_TILE if max(lens) <= FA4_SHORT_SEQLEN else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batched", action="store_true", help="batched steps of long frames instead")
@@ -62,16 +74,14 @@ def main() -> None:
         if args.tiles:
             compare_tiles(name, lens, cu, q, k, v, [tuple(int(x) for x in t.split("x")) for t in args.tiles])
             continue
-        tile = FA4_SHORT_TILE if max(lens) <= FA4_SHORT_SEQLEN else None
+        tile = vitgraph_tile(lens)
         row, ref = [], None
         for variant in ("FA4 own", "persistent, O via Q", "persistent, own O"):
             fa4_persistent.OWN_O_SMEM = variant.endswith("own O")
             box = {}
 
             def run(persistent=variant != "FA4 own"):
-                with fa4_persistent.persistent_tiles() if persistent else contextlib.nullcontext():
-                    box["out"] = _flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
-                                                 max_seqlen_k=max(lens), **fa4_tile_kwargs(tile))[0]
+                box["out"] = attend(q, k, v, cu, lens, tile, persistent)
             run()
             out = box["out"]
             torch.cuda.synchronize()
@@ -88,15 +98,13 @@ def compare_lean(name, lens, cu, q, k, v) -> None:
     """One row per layout: the persistent kernel (own O, vitgraph's tile) with LEAN_ADVANCE off
     and on, µs per call; it does not change the math, so the outputs must match bitwise."""
     fa4_persistent.OWN_O_SMEM = True
-    tile = FA4_SHORT_TILE if max(lens) <= FA4_SHORT_SEQLEN else None
+    tile = vitgraph_tile(lens)
     row, ref = [], None
     for lean in (False, True):
         fa4_persistent.LEAN_ADVANCE = lean
 
         def run():
-            with fa4_persistent.persistent_tiles():
-                return _flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
-                                       max_seqlen_k=max(lens), **fa4_tile_kwargs(tile))[0]
+            return attend(q, k, v, cu, lens, tile, persistent=True)
         out = run().clone()
         ref = out if ref is None else ref
         us, _ = graph_replay_us(run, inner=8, reps=15)
@@ -113,9 +121,7 @@ def compare_tiles(name, lens, cu, q, k, v, tiles) -> None:
         row = []
         for persistent in (False, True):
             def run():
-                with fa4_persistent.persistent_tiles() if persistent else contextlib.nullcontext():
-                    return _flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
-                                           max_seqlen_k=max(lens), **fa4_tile_kwargs(tile))[0]
+                return attend(q, k, v, cu, lens, tile, persistent)
             try:
                 out = run().float()
                 ref = out if ref is None else ref
