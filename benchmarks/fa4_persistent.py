@@ -6,6 +6,7 @@ vitgraph's packed buckets, q/k/v strided views of one qkv tensor as in the tower
     python benchmarks/fa4_persistent.py --batched --exact-slots   # batched long frames, as eager calls
     python benchmarks/fa4_persistent.py --tiles 128x128 128x192 128x256 --layouts 16x256 8x448   # other tiles
     python benchmarks/fa4_persistent.py --lean --layouts 16x256 4x1024   # LEAN_ADVANCE off vs on
+    python benchmarks/fa4_persistent.py --setting OWN_O_SMEM=False,True   # any fa4_persistent setting, value by value
 
 Each layout runs with the tile vitgraph picks for it (128-row tiles up to 2048-token frames,
 FA4's own 192-row tiles above) and, for comparison, persistent with either tile: with O in
@@ -18,6 +19,7 @@ in another order, so only within bf16 rounding). Needs flash-attn-4 (the ``fa4``
 and a Hopper GPU.
 """
 import argparse
+import ast
 import contextlib
 
 import torch
@@ -56,7 +58,12 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="*", default=None, help=f"a subset of {list(LAYOUTS)}")
     parser.add_argument("--lean", action="store_true",
                         help="the persistent kernel (own O) with fa4_persistent.LEAN_ADVANCE off and on")
+    parser.add_argument("--setting", default=None,
+                        help="NAME=V1,V2,...: the persistent kernel (own O) with each value of that "
+                             "fa4_persistent setting (Python literals), e.g. OWN_O_SMEM=False,True")
     args = parser.parse_args()
+    if args.lean:
+        args.setting = "LEAN_ADVANCE=False,True"
     layouts = BATCHED if args.batched else LAYOUTS
     if args.layouts:
         layouts = {name: layouts[name] for name in args.layouts}
@@ -68,8 +75,9 @@ def main() -> None:
         cu[len(lens) + 1:] = total
         cu = cu.cuda()
         q, k, v = torch.randn(total, 3, H, D, device="cuda", dtype=torch.bfloat16).unbind(1)
-        if args.lean:
-            compare_lean(name, lens, cu, q, k, v)
+        if args.setting:
+            setting, values = args.setting.split("=")
+            compare_setting(name, lens, cu, q, k, v, setting, [ast.literal_eval(x) for x in values.split(",")])
             continue
         if args.tiles:
             compare_tiles(name, lens, cu, q, k, v, [tuple(int(x) for x in t.split("x")) for t in args.tiles])
@@ -94,22 +102,27 @@ def main() -> None:
         print(f"{name:20s} tile {tile or 'FA4 default'} | " + " | ".join(row), flush=True)
 
 
-def compare_lean(name, lens, cu, q, k, v) -> None:
-    """One row per layout: the persistent kernel (own O, vitgraph's tile) with LEAN_ADVANCE off
-    and on, µs per call; it does not change the math, so the outputs must match bitwise."""
+def compare_setting(name, lens, cu, q, k, v, setting, values) -> None:
+    """One row per layout: the persistent kernel (own O, vitgraph's tile) with each value of a
+    fa4_persistent setting, µs per call. The settings do not change the math, so the outputs
+    must match bitwise, on the timed replays' last output too."""
     fa4_persistent.OWN_O_SMEM = True
+    default = getattr(fa4_persistent, setting)
     tile = vitgraph_tile(lens)
     row, ref = [], None
-    for lean in (False, True):
-        fa4_persistent.LEAN_ADVANCE = lean
+    for value in values:
+        setattr(fa4_persistent, setting, value)
+        box = {}
 
         def run():
-            return attend(q, k, v, cu, lens, tile, persistent=True)
-        out = run().clone()
+            box["out"] = attend(q, k, v, cu, lens, tile, persistent=True)
+        run()
+        out = box["out"].clone()
         ref = out if ref is None else ref
         us, _ = graph_replay_us(run, inner=8, reps=15)
-        row.append(f"lean advance {'on ' if lean else 'off'} {us:7.1f} ({'bitwise' if torch.equal(out, ref) else 'DIFFERS'})")
-    fa4_persistent.LEAN_ADVANCE = True
+        same = torch.equal(out, ref) and torch.equal(box["out"], ref)
+        row.append(f"{setting}={value} {us:7.1f} ({'bitwise' if same else 'DIFFERS'})")
+    setattr(fa4_persistent, setting, default)
     print(f"{name:20s} tile {tile or 'FA4 default'} | " + " | ".join(row), flush=True)
 
 
