@@ -49,20 +49,8 @@ def main() -> None:
                 torch.matmul(a, weights[i % len(weights)], out=out)
         torch.cuda.synchronize()
         time.sleep(2.0)  # start from an idle board
-        windows, start = [], time.time()
-        while time.time() - start < args.seconds:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            w_start, replays = time.time(), 0
-            begin.record()
-            while time.time() - w_start < 0.5:
-                graph.replay()
-                replays += 1
-                if replays % 8 == 0:
-                    torch.cuda.synchronize()  # keep the host within a few replays of the GPU
-            end.record()
-            torch.cuda.synchronize()
-            windows.append((w_start, time.time(), replays * calls * flops / (begin.elapsed_time(end) * 1e9)))
-        held[name] = windows
+        held[name] = [(a, b, replays * calls * flops / (ms * 1e9))
+                      for a, b, ms, replays in common.held_replays(graph, args.seconds)]
     samples = sampler.stop()
 
     print(f"{torch.cuda.get_device_name(device)}, {args.seconds:.0f} s back to back per shape; TFLOP/s")

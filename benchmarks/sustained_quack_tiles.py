@@ -21,7 +21,7 @@ import torch
 
 from gemm_quack_epilogue import LAYERS, SETS, register_quick_gelu
 from vitgraph import kernels
-from vitgraph.bench.common import ClockSampler, graph_per_call_us
+from vitgraph.bench.common import ClockSampler, graph_per_call_us, held_replays
 
 TILES = ["128x160 pp c12", "128x128 pp c12", "256x160 coop c12", "256x128 coop c21", "128x256 coop c12",
          "256x192 coop c12"]
@@ -34,24 +34,6 @@ def config(text: str):  # "128x160 pp c12": tile, ping-pong or cooperative, clus
     tile_m, tile_n = (int(v) for v in shape.split("x"))
     return GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=kind == "pp", cluster_m=int(cluster[1]),
                       cluster_n=int(cluster[2]), swap_ab=False, is_dynamic_persistent=False)
-
-
-def held(graph, calls: int, seconds: float) -> list[tuple[float, float, float]]:
-    """(start, end, µs per call) per half-second window of back-to-back replays."""
-    windows, start = [], time.time()
-    while time.time() - start < seconds:
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        w_start, replays = time.time(), 0
-        begin.record()
-        while time.time() - w_start < 0.5:
-            graph.replay()
-            replays += 1
-            if replays % 8 == 0:
-                torch.cuda.synchronize()
-        end.record()
-        torch.cuda.synchronize()
-        windows.append((w_start, time.time(), begin.elapsed_time(end) * 1e3 / (replays * calls)))
-    return windows
 
 
 def main() -> None:
@@ -103,7 +85,8 @@ def main() -> None:
                 call(i)
         torch.cuda.synchronize()
         time.sleep(2.0)  # start from a rested board
-        results.append((text, burst, held(graph, calls, args.seconds)))
+        windows = [(a, b, ms * 1e3 / (replays * calls)) for a, b, ms, replays in held_replays(graph, args.seconds)]
+        results.append((text, burst, windows))
         print(f"{text}: burst {burst:.1f} us", flush=True)
     samples = sampler.stop()
     print(f"\n{args.layer}{' + QuickGELU' if act else ''}, {m} x {k} @ {k} x {n}, {args.seconds:.0f} s back to back per tile")

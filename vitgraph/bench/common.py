@@ -155,6 +155,26 @@ def graph_per_call_us(calls: list[Callable[[], object]]) -> float:
     return us / len(calls)
 
 
+def held_replays(graph: torch.cuda.CUDAGraph, seconds: float, window_s: float = 0.5) -> list[tuple[float, float, float, int]]:
+    """Replays of ``graph`` back to back for ``seconds`` (the board heats to its power cap), in
+    windows of ``window_s``: (host start, host end, GPU ms by CUDA events, replays) per window.
+    The host stays within 8 replays of the GPU, so a window's host times bound its GPU work."""
+    windows, start = [], time.time()
+    while time.time() - start < seconds:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        w_start, replays = time.time(), 0
+        begin.record()
+        while time.time() - w_start < window_s:
+            graph.replay()
+            replays += 1
+            if replays % 8 == 0:
+                torch.cuda.synchronize()
+        end.record()
+        torch.cuda.synchronize()
+        windows.append((w_start, time.time(), begin.elapsed_time(end), replays))
+    return windows
+
+
 def measure_ceilings(device: torch.device) -> dict[str, float]:
     """Dense bf16 GEMM rate (TFLOP/s) and device copy bandwidth (TB/s, bytes read + written)."""
     if device.type != "cuda":
