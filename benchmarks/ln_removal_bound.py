@@ -1,0 +1,97 @@
+"""How much removing the add+LayerNorm kernels could save at most, end to end (a bound, not a model).
+
+    python benchmarks/ln_removal_bound.py --variant stock   # the defaults
+    python benchmarks/ln_removal_bound.py --variant bound   # no LayerNorm kernels (wrong numbers)
+    python benchmarks/ln_removal_bound.py --variant bound --cases 1x256 1x1024
+
+``bound`` captures a forward that skips every LayerNorm and adds the residual inside proj's
+and fc2's cuBLAS GEMM (``x.addmm_``, beta = 1; their bias is dropped), so each block runs
+four GEMMs and FlashAttention 4 and nothing else, in the layouts where quack runs qkv with
+the rotary and fc1 with QuickGELU (the 256- and 512-row buckets and 576 rows up, packed
+buckets; where the stock forward splits proj's and fc2's K, up to 896 rows, the bound runs
+them whole). Its outputs are meaningless; its time is what those GEMMs and attention take
+with no LayerNorm work at all, which no design that keeps them beats: carrying the LayerNorm
+statistics through the GEMM epilogues costs epilogue work on top. Run the two variants in alternating processes: at the H200's
+700 W cap, two encoders in one process read differently by up to 0.3 ms (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from ab_setting import parse_settings
+
+from vitgraph import GraphedVisionEncoder
+from vitgraph.attention import attend
+from vitgraph.bench.common import median_ms
+from vitgraph.bench.latency import CASES, select_cases
+from vitgraph.gemm import fc1_kernel, linear_qkv_rope, linear_quick_gelu
+from vitgraph.models.qwen2_vl import Qwen2VisionTower
+
+DEFAULT_CASES = ["1x1024", "4x1024", "16x256", "video-8x16x28", "1x4096"]
+
+
+def bound_forward(stock):
+    """``forward_fused`` without LayerNorm kernels where the rotary runs in qkv's epilogue and
+    fc1 on quack; ``stock`` elsewhere."""
+    def forward(tower: Qwen2VisionTower, pixels, batch, blocks=None):
+        paths = tower.fused_paths(batch)
+        rows = pixels.shape[0]
+        fc1 = tower.blocks[0].mlp.fc1.weight
+        if (not paths.rope_epilogue or tower.blocks[0].act_name != "quick_gelu"
+                or fc1_kernel(rows, fc1, tower.gemm_backend) is None):
+            return stock(tower, pixels, batch, blocks)
+        blocks = tower.blocks if blocks is None else blocks
+        freq_h, freq_w = tower.rope_columns()
+        pos_h, pos_w = tower.rope_rows(batch)
+        x = tower.patch_embed(pixels)
+        for block in blocks:
+            attn, mlp = block.attn, block.mlp
+            qkv = linear_qkv_rope(x, attn.qkv.weight, attn.qkv.bias, freq_h, freq_w, pos_h, pos_w)
+            q, k, v = qkv.view(rows, 3, tower.config.num_heads, -1).unbind(1)
+            out = attend(attn.backend, q, k, v, batch, padding_zeroed=True)
+            del q, k, v, qkv
+            x.addmm_(out.reshape(rows, -1), attn.proj.weight.t())
+            del out
+            f = linear_quick_gelu(x, mlp.fc1.weight, mlp.fc1.bias, tower.gemm_backend)
+            x.addmm_(f, mlp.fc2.weight.t())
+            del f
+        return tower.merger.mlp(x.view(-1, tower.merger.merged_dim))
+    return forward
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", choices=("stock", "bound"), required=True)
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="a vitgraph setting for the stock variant (e.g. vitgraph.gemm.RESIDUAL_IN_GEMM=False)")
+    p.add_argument("--cases", nargs="*", default=DEFAULT_CASES, help=f"from {list(CASES)}")
+    p.add_argument("--rounds", type=int, default=3, help="passes over the cases; the median is kept")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--max-budget", type=int, default=4096)
+    args = p.parse_args()
+
+    for module, attr, _, value in parse_settings(args.set):
+        setattr(module, attr, value)
+    if args.variant == "bound":
+        Qwen2VisionTower.forward_fused = bound_forward(Qwen2VisionTower.forward_fused)
+    device = torch.device("cuda")
+    enc = GraphedVisionEncoder.from_config("qwen2-vl-2b", device=device, seed=0, max_budget=args.max_budget,
+                                           progress=False)
+    cases = select_cases(args.cases)
+    gen = torch.Generator().manual_seed(0)
+    inputs = {name: torch.randn(sum(t * h * w for t, h, w in grids), enc.config.patch_width,
+                                generator=gen).to(device, torch.bfloat16) for name, grids in cases.items()}
+    times = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, grids in cases.items():
+            times[name].append(median_ms(lambda: enc.encode(inputs[name], grids), device, args.iters, 5))
+    result = {name: round(statistics.median(t), 3) for name, t in times.items()}
+    print(json.dumps({"variant": args.variant, "set": args.set, "ms": result}))
+
+
+if __name__ == "__main__":
+    main()
