@@ -43,6 +43,25 @@ def test_add_layernorm(dtype, rows, width):
     assert torch.equal(got_x, before) and rel_err(again, expect_h) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layernorm_with_an_offset(dtype):
+    """``offset``: LayerNorm(x + offset) with the offset added in fp32 and x left as it is (a
+    residual stream whose biases are kept aside); a bad offset is refused."""
+    rows, width = 37, 80
+    g = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(rows, width, generator=g)).to(DEVICE, dtype)
+    offset = torch.randn(width, generator=g).to(DEVICE)
+    w, b = (1 + 0.2 * torch.randn(width, generator=g)).to(DEVICE, dtype), (0.1 * torch.randn(width, generator=g)).to(DEVICE, dtype)
+    expect = F.layer_norm(x.float() + offset, (width,), w.float(), b.float(), eps=1e-6)
+    before = x.clone()
+    got = kernels.add_layernorm(x, None, w, b, 1e-6, offset=offset)
+    assert torch.equal(x, before)
+    assert rel_err(got.float(), expect) <= TOL[dtype]
+    assert rel_err(got.float(), F.layer_norm(x.float(), (width,), w.float(), b.float(), eps=1e-6)) > 10 * TOL[dtype]
+    with pytest.raises(ValueError, match="offset"):
+        kernels.add_layernorm(x, None, w, b, 1e-6, offset=offset.to(dtype) if dtype != torch.float32 else offset[:-1])
+
+
 @pytest.mark.parametrize("dtype, partial_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                    (torch.bfloat16, torch.bfloat16)])
 def test_add_layernorm_sums_split_k_partials(dtype, partial_dtype):
@@ -245,11 +264,15 @@ def test_linear_split_k(monkeypatch):
     assert vitgraph.gemm.linear_split_k(x, w, b)[1] is None
 
 
-@pytest.mark.parametrize("padded, split_k", [(False, False), (True, False), (True, True)])
-def test_fused_forward_matches_reference(padded, split_k, monkeypatch):
+@pytest.mark.parametrize("padded, split_k, bias_free", [(False, False, False), (True, False, False),
+                                                        (True, True, False), (False, False, True), (True, False, True)])
+def test_fused_forward_matches_reference(padded, split_k, bias_free, monkeypatch):
     """The whole fused forward (fp32, sdpa attention) against the plain one, unpadded and in a
-    padded packed layout whose padding rows hold NaN; also with proj and fc2 split in K."""
+    padded packed layout whose padding rows hold NaN; also with proj and fc2 split in K, and
+    with their biases kept out of the residual stream (what runs above the split-K rows)."""
     monkeypatch.setattr(vitgraph.gemm, "_split_k_device", lambda device: split_k)
+    if bias_free:
+        monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_MAX_ROWS", 0)
     torch.manual_seed(0)
     tower = Qwen2VisionTower(PRESETS["tiny"]).to(DEVICE).eval()
     with torch.no_grad():
@@ -264,6 +287,7 @@ def test_fused_forward_matches_reference(padded, split_k, monkeypatch):
     with torch.inference_mode():
         expect = tower.forward_reference(pixels, batch)[:real // 4]
         tower.fuse(True)
+        assert tower.fused_paths(batch).bias_free == bias_free
         got = tower(pixels, batch)[:real // 4]
     assert torch.isfinite(got).all()
     assert rel_err(got, expect) <= 1e-5

@@ -102,8 +102,9 @@ def record_triton_calls(monkeypatch) -> set:
     qwen = vitgraph.models.qwen2_vl
     calls = set()
 
-    def add_layernorm(x, y, weight, bias, eps, y_bias=None):
-        calls.add(("add_layernorm", tuple(x.shape), None if y is None else tuple(y.shape), y_bias is not None))
+    def add_layernorm(x, y, weight, bias, eps, y_bias=None, offset=None):
+        calls.add(("add_layernorm", tuple(x.shape), None if y is None else tuple(y.shape), y_bias is not None,
+                   offset is not None))
         return torch.zeros_like(x)
 
     def rotary_(qkv, cos, sin, num_heads, segment_ids=None, lane_dim=None, zero_padding=False):
@@ -164,6 +165,8 @@ def test_run_triton_kernels_compiles_what_the_forward_runs(hopper, monkeypatch, 
     assert {call[0] for call in seen} == {"add_layernorm", "rotary_", "quick_gelu_"} | ({"jit"} if gemm == "quack"
                                                                                           or attention == "fa4" else set())
     assert any(call[0] == "add_layernorm" and call[2] is not None and len(call[2]) == 3 for call in seen)
+    # and above the split-K rows, the stream's biases kept aside, it normalized with an offset
+    assert any(call[0] == "add_layernorm" and call[-1] for call in seen)
 
 
 def test_run_triton_kernels_runs_nothing_for_the_plain_forward(monkeypatch):

@@ -118,6 +118,12 @@ SPLIT_K_LONG_ROWS = (320, 416)
 SPLIT_K_LONG = 4
 SPLIT_K_LONG_MIN_K = 4096
 SPLIT_K_ARCHS = (9,)  # compute capability majors where it was measured (Hopper)
+# Above SPLIT_K_MAX_ROWS rows the fused forward keeps proj's and fc2's biases out of the residual
+# stream: cuBLAS adds each product into the stream itself (addmm_, beta 1), and the LayerNorm
+# after it adds the biases so far (one fp32 vector per LayerNorm) to the rows it normalizes. The
+# add+LayerNorm kernel then reads the stream and writes the normalized rows (21 MB at 4096
+# tokens) instead of reading two tensors and writing two (42 MB). False: the plain adds.
+BIAS_FREE_STREAM = True
 
 
 def quack_available(device: torch.device | str) -> bool:
@@ -250,6 +256,12 @@ def split_k_count(rows: int, k: int) -> int:
     if k >= SPLIT_K_LONG_MIN_K and rows in SPLIT_K_LONG_ROWS:
         return SPLIT_K_LONG
     return SPLIT_K
+
+
+def bias_free_stream(rows: int) -> bool:
+    """Whether the fused forward of ``rows`` rows keeps the biases out of the residual stream
+    (``BIAS_FREE_STREAM``): where proj and fc2 do not split K."""
+    return BIAS_FREE_STREAM and rows > SPLIT_K_MAX_ROWS
 
 
 def linear_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor

@@ -80,9 +80,10 @@ if available():
         return diff * rstd * w + b
 
     @triton.jit
-    def _add_layernorm_kernel(x_ptr, y_ptr, y_bias_ptr, h_ptr, w_ptr, b_ptr, rows, eps,
+    def _add_layernorm_kernel(x_ptr, y_ptr, y_bias_ptr, offset_ptr, h_ptr, w_ptr, b_ptr, rows, eps,
                               N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_Y: tl.constexpr,
-                              SPLITS: tl.constexpr, HAS_Y_BIAS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
+                              SPLITS: tl.constexpr, HAS_Y_BIAS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                              LAUNCH_DEPENDENTS: tl.constexpr):
         if LAUNCH_DEPENDENTS:
             tl.extra.cuda.gdc_launch_dependents()
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -100,7 +101,10 @@ if available():
             # Round the sum to the stream dtype first: the residual stream is stored rounded.
             x = (x.to(tl.float32) + y).to(x.dtype)
             tl.store(x_ptr + offs, x, mask=mask)
-        h = layernorm_rows(x.to(tl.float32), mask, c, w_ptr, b_ptr, N, eps)
+        xf = x.to(tl.float32)
+        if HAS_OFFSET:  # the stream's biases, kept aside in fp32 (see add_layernorm)
+            xf += tl.load(offset_ptr + c, mask=c < N, other=0.0)
+        h = layernorm_rows(xf, mask, c, w_ptr, b_ptr, N, eps)
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -194,10 +198,12 @@ LAYERNORM_ONE_ROW_MAX_ROWS = 512
 
 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
-                  eps: float, y_bias: torch.Tensor | None = None) -> torch.Tensor:
+                  eps: float, y_bias: torch.Tensor | None = None, offset: torch.Tensor | None = None) -> torch.Tensor:
     """``x += y`` in place (when ``y`` is given), then return ``LayerNorm(x)``. ``x``: ``[T, N]``
     contiguous; ``y``: ``[T, N]``, or ``[S, T, N]`` partial products that are summed (in fp32,
-    with ``y_bias [N]`` when given) before the add."""
+    with ``y_bias [N]`` when given) before the add. ``offset``: fp32 ``[N]`` added to every row
+    before the LayerNorm and not stored (``LayerNorm(x + offset)``), for a residual stream that
+    keeps its biases aside (``Qwen2VisionTower.forward_fused``)."""
     rows, n = x.shape
     h = torch.empty_like(x)
     if rows == 0:
@@ -205,12 +211,14 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
     if y is not None and (not y.is_contiguous() or y.shape[-2:] != x.shape or y.dim() not in (2, 3)):
         raise ValueError(f"y must be a contiguous [T, N] or [S, T, N] tensor for x {tuple(x.shape)}, "
                          f"got {tuple(y.shape)}")
+    if offset is not None and (offset.dtype != torch.float32 or offset.shape != (n,) or not offset.is_contiguous()):
+        raise ValueError(f"offset must be a contiguous fp32 [{n}] tensor, got {offset.dtype} {tuple(offset.shape)}")
     per = 1 if rows <= LAYERNORM_ONE_ROW_MAX_ROWS else _rows_per_program(rows, n)
     _add_layernorm_kernel[(triton.cdiv(rows, per),)](
-        x, y if y is not None else x, y_bias if y_bias is not None else x, h, weight, bias, rows, eps,
-        N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=per, HAS_Y=y is not None,
+        x, y if y is not None else x, y_bias if y_bias is not None else x, offset if offset is not None else x, h,
+        weight, bias, rows, eps, N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=per, HAS_Y=y is not None,
         SPLITS=y.shape[0] if y is not None and y.dim() == 3 else 1, HAS_Y_BIAS=y_bias is not None,
-        LAUNCH_DEPENDENTS=_launches_dependents(x), num_warps=8)
+        HAS_OFFSET=offset is not None, LAUNCH_DEPENDENTS=_launches_dependents(x), num_warps=8)
     return h
 
 

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from .. import cudnn_attention, kernels
 from ..attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked, fa4_kernel
 from ..config import VisionConfig
-from ..gemm import (fc1_kernel, linear_qkv, linear_qkv_rope, linear_quick_gelu, linear_split_k, qkv_kernel,
-                    qkv_rope_kernel, rope_in_gemm)
+from ..gemm import (bias_free_stream, fc1_kernel, linear_qkv, linear_qkv_rope, linear_quick_gelu, linear_split_k,
+                    qkv_kernel, qkv_rope_kernel, rope_in_gemm)
 
 Grid = tuple[int, int, int]
 
@@ -72,6 +72,8 @@ class FusedPaths(NamedTuple):
     rope_epilogue: bool  # qkv's quack GEMM rotates q and k and zeroes padding rows
     ragged: bool  # cuDNN ragged attention (the cudnn backend's packed layouts)
     zero_padding: bool  # the rotary kernel zeroes padding rows (FlashAttention 4 reads them)
+    # proj's and fc2's biases kept out of the residual stream, added by each LayerNorm (vitgraph.gemm)
+    bias_free: bool = False
 
 
 JIT_OPS = ("qkv", "qkv_rope", "attention", "fc1")  # ops whose kernels compile on first use
@@ -378,7 +380,8 @@ class Qwen2VisionTower(nn.Module):
             lane=lane,
             rope_epilogue=lane is None and rope_in_gemm(rows, self.blocks[0].attn.qkv.weight, self.gemm_backend),
             ragged=batch.padded and not batch.dense and backend == "cudnn",
-            zero_padding=batch.padded and lane is None and backend == "fa4")
+            zero_padding=batch.padded and lane is None and backend == "fa4",
+            bias_free=bias_free_stream(rows))
 
     def jit_kernels(self, batch: VisionBatch) -> list[tuple[str, tuple]]:
         """The kernels compiled on first use (FlashAttention 4's, quack's) that :meth:`forward`
@@ -439,13 +442,18 @@ class Qwen2VisionTower(nn.Module):
         if not paths.rope_epilogue:
             qkv = torch.zeros(rows, attn.qkv.weight.shape[0], device=device, dtype=dtype)
             self._rotate(qkv, *self.rotary(batch.positions), batch, paths)
-        y, y_bias = linear_split_k(x, attn.proj.weight, attn.proj.bias)
-        kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias)
+        if paths.bias_free:  # every LayerNorm after proj and fc2 is this one (addmm_ adds on cuBLAS)
+            offset = torch.zeros(cfg.embed_dim, device=device)
+            kernels.add_layernorm(x, None, block.norm2.weight, block.norm2.bias, block.norm2.eps, offset=offset)
+        else:
+            y, y_bias = linear_split_k(x, attn.proj.weight, attn.proj.bias)
+            kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias)
         if block.act_name == "quick_gelu" and fc1_kernel(rows, mlp.fc1.weight, self.gemm_backend) is None:
             linear_quick_gelu(x, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)  # cuBLAS, then the Triton pass
-        f = torch.zeros(rows, mlp.fc2.weight.shape[1], device=device, dtype=dtype)
-        z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)
-        kernels.add_layernorm(x, z, self.merger.ln_q.weight, self.merger.ln_q.bias, self.merger.ln_q.eps, z_bias)
+        if not paths.bias_free:
+            f = torch.zeros(rows, mlp.fc2.weight.shape[1], device=device, dtype=dtype)
+            z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)
+            kernels.add_layernorm(x, z, self.merger.ln_q.weight, self.merger.ln_q.bias, self.merger.ln_q.eps, z_bias)
 
     def _rotate(self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, batch: VisionBatch,
                 paths: FusedPaths) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -495,13 +503,16 @@ class Qwen2VisionTower(nn.Module):
         and zeroes the padding rows in its epilogue (:mod:`vitgraph.gemm_rope`) and the rotary
         kernel is skipped. At small row counts proj and fc2 split K (in two, fc2 in four at
         ``SPLIT_K_LONG_ROWS`` rows; :func:`vitgraph.gemm.split_k_count`) and the
-        add+LayerNorm after each sums the partial products.
+        add+LayerNorm after each sums the partial products. Above those (``bias_free``:
+        :func:`vitgraph.gemm.bias_free_stream`) proj and fc2 add their products into the stream
+        themselves (cuBLAS, ``addmm_``) and their biases stay out of it: each LayerNorm adds the
+        fp32 sum of the biases so far to the rows it normalizes.
         ``blocks``: a prefix of the tower's blocks to run instead of all (see :meth:`warm_up`).
         """
         cfg, blocks = self.config, self.blocks if blocks is None else blocks
         rows = pixels.shape[0]
         paths = self.fused_paths(batch)
-        lane, rope_epilogue, ragged_layout, zero_padding = paths
+        lane, rope_epilogue, ragged_layout, zero_padding, bias_free = paths
         # The rotary inputs first: they live through the forward while their temporaries
         # do not, so the holes those leave sit at the start of the graphs' memory pool
         # rather than between the big activations.
@@ -511,6 +522,9 @@ class Qwen2VisionTower(nn.Module):
             cos = sin = None
         else:
             cos, sin = self.rotary(batch.positions)
+        if bias_free:  # the biases the stream would hold after each proj and fc2, in fp32
+            offsets = torch.stack([b for block in blocks for b in (block.attn.proj.bias, block.mlp.fc2.bias)])
+            offsets = offsets.float().cumsum(0)
         x = self.patch_embed(pixels)
         ragged = None
         if ragged_layout:
@@ -536,18 +550,27 @@ class Qwen2VisionTower(nn.Module):
             else:
                 out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding or rope_epilogue)
             del q, k, v, qkv
-            y, y_bias = linear_split_k(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias)
+            if bias_free:
+                x.addmm_(out.reshape(rows, -1), attn.proj.weight.t())
+                h = kernels.add_layernorm(x, None, block.norm2.weight, block.norm2.bias, block.norm2.eps,
+                                          offset=offsets[2 * i])
+            else:
+                y, y_bias = linear_split_k(out.reshape(rows, -1), attn.proj.weight, attn.proj.bias)
+                h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias)
+                del y
             del out
-            h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias)
-            del y
             if block.act_name == "quick_gelu":
                 f = linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)
             else:
                 f = _ACTIVATIONS[block.act_name](F.linear(h, mlp.fc1.weight, mlp.fc1.bias))
             del h
-            z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)
-            del f
             norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else self.merger.ln_q
-            h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps, z_bias)
-            del z
+            if bias_free:
+                x.addmm_(f, mlp.fc2.weight.t())
+                h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps, offset=offsets[2 * i + 1])
+            else:
+                z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)
+                h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps, z_bias)
+                del z
+            del f
         return self.merger.mlp(h.view(-1, self.merger.merged_dim))
