@@ -17,7 +17,8 @@ shape takes the same path, so graph replay stays bitwise equal to eager.
 
 proj and fc2 at small row counts (:func:`linear_split_k`, any backend): K split in two as one
 strided-batched cuBLAS GEMM, for twice the output tiles; the add+LayerNorm kernel after each
-sums the two partial products with the bias.
+sums the two partial products with the bias. Above those (:func:`bias_free_stream`) they add
+into the residual stream inside cuBLAS, their biases kept out of it for the LayerNorms to add.
 """
 
 from __future__ import annotations

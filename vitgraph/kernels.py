@@ -5,7 +5,8 @@ elementwise ops (two LayerNorms, two residual adds, the rotary's half-dozen ops,
 of v, QuickGELU's three ops):
 
 * :func:`add_layernorm`: ``x += y`` (in place), then ``LayerNorm(x)``. It joins each
-  residual add to the LayerNorm after it, across the block boundary too;
+  residual add to the LayerNorm after it, across the block boundary too (or, where the
+  GEMM before it added into ``x`` itself, normalizes ``x`` plus the biases kept aside);
 * :func:`rotary_`: fp32 2-D rotary of q and k inside the packed ``qkv`` rows (each rotated
   pair of dims side by side, the tower's interleaved layout, read as one integer). It either
   rotates in place (packed attention reads q, k, v straight out of ``qkv``; padding rows
