@@ -11,8 +11,9 @@ the rotary and fc1 with QuickGELU (the 256- and 512-row buckets and 576 rows up,
 buckets; where the stock forward splits proj's and fc2's K, up to 896 rows, the bound runs
 them whole). Its outputs are meaningless; its time is what those GEMMs and attention take
 with no LayerNorm work at all, which no design that keeps them beats: carrying the LayerNorm
-statistics through the GEMM epilogues costs epilogue work on top. Run the two variants in alternating processes: at the H200's
-700 W cap, two encoders in one process read differently by up to 0.3 ms (BENCHMARKS.md).
+statistics through the GEMM epilogues costs epilogue work on top. Run the two variants in
+alternating processes: at the H200's 700 W cap, two encoders in one process read
+differently by up to 0.3 ms (BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -69,6 +69,7 @@ def test_fp32_parity_every_backend(weights, hf_gpu, monkeypatch):
     # These grids are small: lower quack's row thresholds so every quack GEMM really runs.
     for threshold in ("QUACK_MIN_ROWS", "QUACK_QKV_MIN_ROWS", "QUACK_ROPE_MIN_ROWS"):
         monkeypatch.setattr(vitgraph.gemm, threshold, 0)
+    split_k_default = vitgraph.gemm.SPLIT_K_MAX_ROWS  # read once: the loop below sets it
     for backend in available_backends("cuda"):
         for dtype in (torch.float32, torch.bfloat16):
             if dtype == torch.float32 and backend != "sdpa":
@@ -78,7 +79,7 @@ def test_fp32_parity_every_backend(weights, hf_gpu, monkeypatch):
                     continue
                 # fused: also with the biases out of the residual stream (above the split-K rows,
                 # which these grids are not: lowered)
-                for split_k_max in ((vitgraph.gemm.SPLIT_K_MAX_ROWS, 0) if fuse else (None,)):
+                for split_k_max in ((split_k_default, 0) if fuse else (None,)):
                     if split_k_max is not None:
                         monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_MAX_ROWS", split_k_max)
                     enc = make(weights, mode="eager", dtype=dtype, attention=backend, fuse=fuse, gemm=gemm)
