@@ -418,6 +418,22 @@ def test_pool_limit(weights):
     assert torch.isfinite(out).all() and enc.stats()["eager_fallbacks"] == {"no_graphs": 1}
 
 
+@pytest.mark.parametrize("bias_free", [True, False], ids=["bias-free", "bias-in-stream"])
+def test_graph_pool_stays_near_one_eager_forward(weights, monkeypatch, bias_free):
+    """Every bucket's graph shares one pool the size of the largest forward's activation peak
+    plus its margin (the 1.2x target): an allocation order that leaves fc1's output no gap
+    to fit in would grow the pool by a segment of that size. Buckets of 4096-16384 rows, so
+    that every activation comes from the caching allocator's large pool, as in the real tower."""
+    from vitgraph.bench.common import eager_peak_bytes
+
+    monkeypatch.setattr(vitgraph.gemm, "BIAS_FREE_STREAM", bias_free)
+    enc = make(weights, mode="graph", budgets=[4096, 8192, 16384], max_items=4)
+    assert vitgraph.gemm.bias_free_stream(4096) == bias_free
+    pool, peak = enc.stats()["pool_bytes"], eager_peak_bytes(enc)
+    print(f"\n[pool] bias_free={bias_free} pool {pool / 2**20:.1f} MiB, eager peak {peak / 2**20:.1f} MiB")
+    assert max(b.tokens for b in enc.buckets) == 16384 and 0 < pool <= 1.2 * peak, (pool, peak)
+
+
 def test_thousand_random_calls(graph_enc, eager_enc):
     rng = random.Random(4)
     mismatches = []
