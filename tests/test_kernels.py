@@ -62,6 +62,20 @@ def test_layernorm_with_an_offset(dtype):
         kernels.add_layernorm(x, None, w, b, 1e-6, offset=offset.to(dtype) if dtype != torch.float32 else offset[:-1])
 
 
+@pytest.mark.parametrize("shape, dtype", [((64, 1280), torch.bfloat16), ((37, 80), torch.float32),
+                                          ((130, 40), torch.bfloat16), ((1, 17), torch.float32)])
+def test_prefix_sums_match_torch_cumsum(shape, dtype):
+    """The running sums of a stream's kept-aside biases: torch.cumsum in fp32 of the same values,
+    for row counts that are not powers of two and column counts that split across programs."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    got = kernels.prefix_sums(x)
+    expect = torch.cumsum(x, 0, dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.prefix_sums(x.t() if shape[0] > 1 else x[0])
+
+
 @pytest.mark.parametrize("dtype, partial_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                    (torch.bfloat16, torch.bfloat16)])
 def test_add_layernorm_sums_split_k_partials(dtype, partial_dtype):

@@ -119,7 +119,12 @@ def record_triton_calls(monkeypatch) -> set:
         calls.add(("quick_gelu_", tuple(x.shape)))
         return x
 
-    for name, fn in [("add_layernorm", add_layernorm), ("rotary_", rotary_), ("quick_gelu_", quick_gelu_)]:
+    def prefix_sums(x):
+        calls.add(("prefix_sums", tuple(x.shape)))
+        return torch.zeros(x.shape)
+
+    for name, fn in [("add_layernorm", add_layernorm), ("rotary_", rotary_), ("quick_gelu_", quick_gelu_),
+                     ("prefix_sums", prefix_sums)]:
         monkeypatch.setattr(vitgraph.kernels, name, fn)
     def jit(name, out):  # a kernel FlashAttention 4 or quack would compile
         calls.add(("jit", name))
@@ -160,10 +165,11 @@ def test_run_triton_kernels_compiles_what_the_forward_runs(hopper, monkeypatch, 
         t.run_triton_kernels(batch)
         assert calls == {call for call in forward if call[0] != "jit"}, bucket
         seen |= forward
-    # Each kind of kernel ran (QuickGELU's pass and the rotary at 384 rows at least), and
+    # Each kind of kernel ran (QuickGELU's pass and the rotary at 384 rows at least; the biases'
+    # running sums above the split-K rows, at one shape whatever the blocks warmed up), and
     # add+LayerNorm summed split-K partials.
-    assert {call[0] for call in seen} == {"add_layernorm", "rotary_", "quick_gelu_"} | ({"jit"} if gemm == "quack"
-                                                                                          or attention == "fa4" else set())
+    kinds = {"add_layernorm", "rotary_", "quick_gelu_", "prefix_sums"}
+    assert {call[0] for call in seen} == kinds | ({"jit"} if gemm == "quack" or attention == "fa4" else set())
     assert any(call[0] == "add_layernorm" and call[2] is not None and len(call[2]) == 3 for call in seen)
     # and above the split-K rows, the stream's biases kept aside, it normalized with an offset
     assert any(call[0] == "add_layernorm" and call[-1] for call in seen)

@@ -13,7 +13,8 @@ of v, QuickGELU's three ops):
   optionally zeroed, for kernels that read past a segment's end), or writes q
   and k into a wider head dim whose extra lane masks padding keys (dense attention over
   a padded bucket, see :mod:`vitgraph.attention`);
-* :func:`quick_gelu_`: ``x * sigmoid(1.702 x)`` in place.
+* :func:`quick_gelu_`: ``x * sigmoid(1.702 x)`` in place;
+* :func:`prefix_sums`: the fp32 running sums of the biases a residual stream keeps aside.
 
 Arithmetic is fp32 inside; results are rounded once to the tensor dtype, where the
 plain forward rounds after every op. Each kernel handles whole rows in one program and
@@ -181,6 +182,14 @@ if available():
         xf = x.to(tl.float32)
         tl.store(x_ptr + i, (xf * tl.sigmoid(1.702 * xf)).to(x.dtype), mask=mask)
 
+    @triton.jit
+    def _prefix_sums_kernel(x_ptr, out_ptr, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        r = tl.arange(0, BLOCK_R)[:, None]
+        c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        mask = (r < R) & (c < N)
+        x = tl.load(x_ptr + r * N + c, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * N + c, tl.cumsum(x, axis=0), mask=mask)
+
 
 def _rows_per_program(rows: int, width: int, per_program: int = 8192) -> int:
     # About 8k elements per program: enough bytes in flight, enough programs to fill the GPU.
@@ -273,3 +282,20 @@ def quick_gelu_(x: torch.Tensor) -> torch.Tensor:
         block = 4096
         _quick_gelu_kernel[(triton.cdiv(n, block),)](x, n, BLOCK=block, num_warps=8)
     return x
+
+
+def prefix_sums(x: torch.Tensor) -> torch.Tensor:
+    """fp32 running sums down the rows of ``x [R, N]`` (contiguous): ``torch.cumsum(x, 0,
+    dtype=torch.float32)`` up to fp32 rounding, in one short kernel. torch's scan walks each
+    column's rows in sequence (14 us for ``[64, 1280]`` on an H200); here each program loads
+    all rows of a column block at once and scans them in registers."""
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous [R, N] tensor, got {tuple(x.shape)}")
+    rows, n = x.shape
+    out = torch.empty(rows, n, device=x.device, dtype=torch.float32)
+    if out.numel():
+        block_r = triton.next_power_of_2(rows)
+        block_n = max(16, min(triton.next_power_of_2(n), 8192 // block_r))  # at most 8k fp32 per program
+        _prefix_sums_kernel[(triton.cdiv(n, block_n),)](x, out, rows, n, BLOCK_R=block_r, BLOCK_N=block_n,
+                                                        num_warps=4)
+    return out

@@ -91,7 +91,7 @@ class CallTimer:
 
 
 KERNEL_CLASSES = [("attention", r"flash|fmha|cudnn|sdpa|attn"), ("gemm", r"gemm|nvjet|xmma|cutlass|sm90_|cublas"),
-                  ("fused", r"triton|_add_layernorm|_rotary|_quick_gelu"), ("other", r".")]
+                  ("fused", r"triton|_add_layernorm|_rotary|_quick_gelu|_prefix_sums"), ("other", r".")]
 
 
 class ClockSampler:

@@ -443,7 +443,7 @@ class Qwen2VisionTower(nn.Module):
             qkv = torch.zeros(rows, attn.qkv.weight.shape[0], device=device, dtype=dtype)
             self._rotate(qkv, *self.rotary(batch.positions), batch, paths)
         if paths.bias_free:  # every LayerNorm after proj and fc2 is this one (addmm_ adds on cuBLAS)
-            offset = torch.zeros(cfg.embed_dim, device=device)
+            offset = kernels.prefix_sums(self.stream_biases())[0]
             kernels.add_layernorm(x, None, block.norm2.weight, block.norm2.bias, block.norm2.eps, offset=offset)
         else:
             y, y_bias = linear_split_k(x, attn.proj.weight, attn.proj.bias)
@@ -454,6 +454,11 @@ class Qwen2VisionTower(nn.Module):
             f = torch.zeros(rows, mlp.fc2.weight.shape[1], device=device, dtype=dtype)
             z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)
             kernels.add_layernorm(x, z, self.merger.ln_q.weight, self.merger.ln_q.bias, self.merger.ln_q.eps, z_bias)
+
+    def stream_biases(self) -> torch.Tensor:
+        """proj's and fc2's biases in the order they join the residual stream, ``[2 * depth, E]``
+        (read at every forward, so the graphs follow weights updated in place)."""
+        return torch.stack([b for block in self.blocks for b in (block.attn.proj.bias, block.mlp.fc2.bias)])
 
     def _rotate(self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, batch: VisionBatch,
                 paths: FusedPaths) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -522,9 +527,8 @@ class Qwen2VisionTower(nn.Module):
             cos = sin = None
         else:
             cos, sin = self.rotary(batch.positions)
-        if bias_free:  # the biases the stream would hold after each proj and fc2, in fp32
-            biases = torch.stack([b for block in blocks for b in (block.attn.proj.bias, block.mlp.fc2.bias)])
-            offsets = torch.cumsum(biases, 0, dtype=torch.float32)  # summed in fp32: no bf16 rounding
+        if bias_free:  # the biases the stream would hold after each proj and fc2, summed in fp32
+            offsets = kernels.prefix_sums(self.stream_biases())  # all blocks': one kernel variant
         x = self.patch_embed(pixels)
         ragged = None
         if ragged_layout:
