@@ -18,7 +18,8 @@ of v, QuickGELU's three ops):
 
 Arithmetic is fp32 inside; results are rounded once to the tensor dtype, where the
 plain forward rounds after every op. Each kernel handles whole rows in one program and
-never reads a row another program writes, so in-place updates are safe. They run on
+never reads a row another program writes, so in-place updates are safe (``prefix_sums``
+handles whole columns and writes a new tensor). They run on
 CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them).
 """
 
