@@ -68,7 +68,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", choices=("stock", "bound"), required=True)
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                   help="a vitgraph setting for the stock variant (e.g. vitgraph.gemm.RESIDUAL_IN_GEMM=False)")
+                   help="a vitgraph setting for the stock variant (e.g. vitgraph.gemm.BIAS_FREE_STREAM=False)")
     p.add_argument("--cases", nargs="*", default=DEFAULT_CASES, help=f"from {list(CASES)}")
     p.add_argument("--rounds", type=int, default=3, help="passes over the cases; the median is kept")
     p.add_argument("--iters", type=int, default=30)
