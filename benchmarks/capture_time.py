@@ -30,5 +30,5 @@ stats = enc.stats()
 print(f"import {t1 - t0:.1f} s | CUDA init {t2 - t1:.1f} s | build {t3 - t2:.1f} s | "
       f"capture {stats['capture_seconds']:.1f} s (of which routing {enc._routing_seconds:.1f} s; wall {t4 - t3:.1f} s) | "
       f"{len(stats['buckets'])} graphs, thresholds {stats['single_frame_packed_below']}, "
-      f"faster next buckets {stats['faster_next_bucket']}")
+      f"faster next buckets {stats['faster_next_bucket']} | torch._dynamo imported: {'torch._dynamo' in sys.modules}")
 print(f"precompile {stats['precompile']}")

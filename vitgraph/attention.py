@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fa4_persistent
+from .lazy_dynamo import import_quack
 
 if TYPE_CHECKING:
     from .models.qwen2_vl import VisionBatch
@@ -98,6 +99,7 @@ def enable_fa4_disk_cache() -> None:
 
 def _fa4_forward():
     enable_fa4_disk_cache()
+    import_quack()  # FA4 imports it: without torch._dynamo
     # The forward the public varlen function wraps (in an autograd Function), which also takes
     # a tile shape; vitgraph never needs FA4's backward.
     from flash_attn.cute.interface import _flash_attn_fwd

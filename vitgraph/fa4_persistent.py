@@ -26,6 +26,8 @@ import importlib.metadata
 import logging
 import threading
 
+from .lazy_dynamo import import_quack
+
 logger = logging.getLogger(__name__)
 
 # The flash-attn-4 release whose internals this module replaces (the ``fa4`` extra's pin);
@@ -215,6 +217,7 @@ def install() -> None:
     with _install_lock:
         if _installed:
             return
+        import_quack()  # FA4 imports it: without torch._dynamo
         import flash_attn.cute.flash_fwd_sm90 as fwd_sm90
         from flash_attn.cute.cache_utils import get_jit_cache
         from flash_attn.cute.interface import _flash_attn_fwd

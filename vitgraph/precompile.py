@@ -24,8 +24,8 @@ as the encoder will, and compiles its share of all of them: cold being certain, 
 compiles none.
 
 Each worker builds a one-block tower of the same shape with random weights and runs each of
-its ops alone on zeros (the model's ``run_jit_kernel``). It keeps quack's import from
-importing ``torch._dynamo`` (seconds; see :func:`_without_dynamo`). While the workers compile,
+its ops alone on zeros (the model's ``run_jit_kernel``). Neither a worker nor this process
+imports ``torch._dynamo`` for quack (seconds; see :mod:`vitgraph.lazy_dynamo`). While the workers compile,
 this process compiles the buckets' Triton kernels (the model's ``run_triton_kernels``), which
 capture would otherwise compile one after another after the wait.
 """
@@ -53,6 +53,7 @@ from .capture.graphs import padded_batch
 from .capture.planner import Bucket
 from .config import VisionConfig
 from .gemm import quack_available
+from .lazy_dynamo import import_quack
 from .models.qwen2_vl import Qwen2VisionTower
 
 logger = logging.getLogger(__name__)
@@ -76,8 +77,6 @@ START_WITH_ENCODER = True  # False: workers start only in precompile, after the 
 # While cold-cache workers compile, this process compiles the buckets' Triton kernels (else
 # capture compiles them, one after another, after the wait). False: for A/Bs.
 TRITON_WHILE_WAITING = True
-# Workers keep quack's import from importing torch._dynamo (see _without_dynamo). False: for A/Bs.
-WORKERS_WITHOUT_DYNAMO = True
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ def _base_spec(config: VisionConfig, device: torch.device, dtype: torch.dtype) -
     """What every worker's spec holds: a one-block tower's shape, where it runs, and when it was started."""
     return {"started": time.time(),  # the worker reports how long its start and imports took
             "config": asdict(replace(config, depth=1)), "dtype": str(dtype).removeprefix("torch."),
-            "device": str(device), "without_dynamo": WORKERS_WITHOUT_DYNAMO}
+            "device": str(device)}
 
 
 def _spec(tower: Qwen2VisionTower, jobs: Sequence[KernelJob], device: torch.device) -> str:
@@ -137,6 +136,10 @@ def _spec(tower: Qwen2VisionTower, jobs: Sequence[KernelJob], device: torch.devi
 def _cache_roots(modules: Sequence[str]) -> dict[str, Path]:
     """The disk-cache directory of each of ``modules`` that loads (see ``_DISK_CACHE``; imports them)."""
     enable_fa4_disk_cache()  # before FA4 is imported here, and inherited by the workers
+    try:
+        import_quack()  # before either library: without torch._dynamo
+    except ImportError:  # not installed: nothing to count there
+        pass
     roots = {}
     for name in modules:
         try:
@@ -362,19 +365,6 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _disable_without_dynamo(fn=None, recursive=True, *, reason=None):
-    """``torch.compiler.disable`` for a process that never runs ``torch.compile``: nothing to disable."""
-    return fn if fn is not None else (lambda f: f)
-
-
-def _without_dynamo() -> None:
-    """Importing quack (FA4 imports it too) runs ``torch.compiler.disable`` as a decorator, which
-    imports ``torch._dynamo``: 1.5 s warm, about 5 s cold on an H200 host, on a worker's path
-    to its first compile. A worker only compiles kernels, so it skips that import."""
-    if "torch._dynamo" not in sys.modules:
-        torch.compiler.disable = _disable_without_dynamo
-
-
 def worker_main(spec_json: str) -> None:
     """A worker: compile (or load) each job's kernel of the spec :func:`precompile` wrote."""
     from .loading import build_tower
@@ -382,8 +372,6 @@ def worker_main(spec_json: str) -> None:
     spec = json.loads(spec_json)
     timings = {"start_s": round(time.time() - spec["started"], 2)}  # Python, torch and vitgraph imports
     lap = time.perf_counter()
-    if spec.get("without_dynamo"):
-        _without_dynamo()
     device = torch.device(spec["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
