@@ -1,8 +1,9 @@
 """Import quack without importing ``torch._dynamo``.
 
 quack's package import decorates a method with ``torch.compiler.disable``, and that call
-imports ``torch._dynamo``: 1.5 s with warm disk caches, about 5 s on a cold host, in every
-process that loads quack (FlashAttention 4 imports quack too). vitgraph never runs
+imports ``torch._dynamo``: 3-5 s of every start on an H200 host (an encoder's build with warm
+kernel caches took 5.3-8.0 s with it, 2.2-2.6 s without), in every process that loads quack
+(FlashAttention 4 imports quack too). vitgraph never runs
 ``torch.compile``, and where nothing has imported dynamo yet no compiled code can be running,
 so there is nothing to disable yet. :func:`import_quack` imports quack with a
 ``torch.compiler.disable`` (:func:`lazy_disable`) that marks the function the way the real
