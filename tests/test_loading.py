@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,3 +188,17 @@ def test_missing_directory_and_files(tmp_path, hf_model):
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ValueError, match="missing"):
         GraphedVisionEncoder.from_pretrained(sharded, device="cpu")
+
+
+def test_loading_a_checkpoint_and_encoding_never_imports_torch_dynamo(checkpoint):
+    """Building the tower on the meta device ran ops through torch._refs, which import
+    torch._dynamo (seconds of every start); the loader and the forward keep clear of it."""
+    code = ("import sys, torch\n"
+            "from vitgraph import GraphedVisionEncoder\n"
+            "enc = GraphedVisionEncoder.from_pretrained(sys.argv[1], device='cpu')\n"
+            "enc.encode(torch.randn(64, enc.config.patch_width), [(1, 8, 8)])\n"
+            "enc.tower.state_dict()\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(checkpoint)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False"]

@@ -480,3 +480,49 @@ def test_cold_caches_are_filled_by_workers_and_capture_compiles_nothing(tmp_path
     assert warm["after_capture"] == cold["compiled"]
     # quack and FA4 loaded, kernels compiled and graphs captured, and torch._dynamo never imported.
     assert not cold["dynamo_imported"] and not warm["dynamo_imported"]
+
+
+class _Sentinel(Exception):
+    pass
+
+
+def test_from_pretrained_starts_the_workers_before_the_weights_load_and_stops_them_on_failure(
+        checkpoint, monkeypatch):
+    """Cold caches: the workers need only the checkpoint's shapes, so they start before its
+    weights load; a load that fails stops them."""
+    events, early = [], EarlyWorkers([], {})
+    monkeypatch.setattr(early, "stop", lambda: events.append("stop"))
+    monkeypatch.setattr(vitgraph.encoder, "_uses_graphs", lambda options, device: True)
+    monkeypatch.setattr(vitgraph.encoder, "start_early",
+                        lambda config, *args: events.append(("start_early", config.depth)) or early)
+
+    def failing_load(files, config, device, dtype):
+        events.append("load_tower")
+        raise _Sentinel
+
+    monkeypatch.setattr(vitgraph.encoder, "load_tower", failing_load)
+    with pytest.raises(_Sentinel):
+        vitgraph.encoder.GraphedVisionEncoder.from_pretrained(checkpoint, device="cpu")
+    assert events == [("start_early", vitgraph.encoder.read_config(vitgraph.encoder.find_checkpoint(checkpoint)).depth),
+                      "load_tower", "stop"]
+
+
+def test_workers_handed_to_an_eager_encoder_are_stopped(checkpoint, monkeypatch):
+    stopped, early = [], EarlyWorkers([], {})
+    monkeypatch.setattr(early, "stop", lambda: stopped.append(True))
+    tower = vitgraph.encoder.GraphedVisionEncoder.from_pretrained(checkpoint, device="cpu").tower
+    enc = vitgraph.encoder.GraphedVisionEncoder(tower, device="cpu", _early_workers=early)
+    assert stopped == [True] and enc._early_workers is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_from_pretrained_hands_its_early_workers_to_precompile(checkpoint, monkeypatch):
+    early, waited_for = EarlyWorkers([], {}), []
+    monkeypatch.setattr(vitgraph.encoder, "start_early", lambda *args: early)
+    precompile_ = vitgraph.encoder.precompile
+    monkeypatch.setattr(vitgraph.encoder, "precompile",
+                        lambda *args, early=None, **kwargs: waited_for.append(early) or precompile_(*args, **kwargs))
+    enc = vitgraph.encoder.GraphedVisionEncoder.from_pretrained(checkpoint, device="cuda", budgets=[64],
+                                                                 progress=False)
+    assert waited_for == [early] and enc._early_workers is None

@@ -166,6 +166,14 @@ def buckets_for(tower: Qwen2VisionTower, options: EngineOptions, attention: str,
                                                  tower.merge_unit))
 
 
+def _uses_graphs(options: EngineOptions, device: torch.device) -> bool:
+    return options.mode == "graph" or (options.mode == "auto" and device.type == "cuda")
+
+
+def _start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype, options: EngineOptions):
+    return start_early(config, device, dtype, asdict(options))
+
+
 def _check_int(name: str, value, *, minimum: int, optional: bool = False) -> None:
     if optional and value is None:
         return
@@ -250,25 +258,31 @@ class GraphedVisionEncoder:
     backend and fusion, and captures graphs that read its weights in place.
     """
 
-    def __init__(self, tower: Qwen2VisionTower, *, device=None, dtype=None, **options: Any) -> None:
-        self.options = EngineOptions(**options)
-        self.device = _resolve_device(device)
-        self.dtype = _resolve_dtype(dtype, self.device)
-        if self.options.mode == "graph" and self.device.type != "cuda":
-            raise ValueError(f"mode='graph' needs a CUDA device, got {self.device}")
-        self.use_graphs = self.options.mode == "graph" or (self.options.mode == "auto" and self.device.type == "cuda")
-        # With no compiled kernel on disk, kernel-compiling workers start now, before this
-        # process loads the kernel libraries, so that their start-up overlaps its own.
-        self._early_workers = (start_early(tower.config, self.device, self.dtype, asdict(self.options))
-                               if self.use_graphs else None)
+    def __init__(self, tower: Qwen2VisionTower, *, device=None, dtype=None, _early_workers=None,
+                 **options: Any) -> None:
         try:
+            self.options = EngineOptions(**options)
+            self.device = _resolve_device(device)
+            self.dtype = _resolve_dtype(dtype, self.device)
+            if self.options.mode == "graph" and self.device.type != "cuda":
+                raise ValueError(f"mode='graph' needs a CUDA device, got {self.device}")
+            self.use_graphs = _uses_graphs(self.options, self.device)
+            # With no compiled kernel on disk, kernel-compiling workers start now (or started
+            # as from_pretrained read the checkpoint's config), before this process loads the
+            # kernel libraries, so that their start-up overlaps its own.
+            if _early_workers is None and self.use_graphs:
+                _early_workers = _start_early(tower.config, self.device, self.dtype, self.options)
+            elif _early_workers is not None and not self.use_graphs:  # nothing will wait for them
+                _early_workers.stop()
+                _early_workers = None
             self.tower = tower.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
             self.attention, self.gemm = configure_tower(self.tower, self.options, self.device, self.dtype)
             self.requested_buckets = buckets_for(self.tower, self.options, self.attention, self.device)
         except BaseException:
-            if self._early_workers is not None:
-                self._early_workers.stop()
+            if _early_workers is not None:
+                _early_workers.stop()
             raise
+        self._early_workers = _early_workers
         self.config: VisionConfig = tower.config
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
@@ -292,13 +306,22 @@ class GraphedVisionEncoder:
     def from_pretrained(cls, source, *, device=None, dtype=None, revision: str | None = None, cache_dir=None,
                         local_files_only: bool = False, token=None, **options: Any) -> "GraphedVisionEncoder":
         """Load from a local checkpoint directory or a Hub repo id (vision shards only)."""
-        EngineOptions(**options)  # refuse bad options before any download or load
+        engine = EngineOptions(**options)  # refuse bad options before any download or load
         device = _resolve_device(device)
         dtype = _resolve_dtype(dtype, device)
         files = find_checkpoint(source, revision=revision, cache_dir=cache_dir,
                                 local_files_only=local_files_only, token=token)
-        tower = load_tower(files, read_config(files), device, dtype)
-        return cls(tower, device=device, dtype=dtype, **options)
+        config = read_config(files)
+        # Cold kernel caches: the workers need only the shapes, so they compile while the
+        # weights load (seconds for a 2B tower's shards).
+        early = _start_early(config, device, dtype, engine) if _uses_graphs(engine, device) else None
+        try:
+            tower = load_tower(files, config, device, dtype)
+        except BaseException:
+            if early is not None:
+                early.stop()
+            raise
+        return cls(tower, device=device, dtype=dtype, _early_workers=early, **options)
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: VisionConfig | Mapping, *,

@@ -100,10 +100,12 @@ def interleave_order(num_heads: int, head_dim: int, device: torch.device | str =
     same way leaves it unchanged; side by side, a pair can rotate inside a GEMM's epilogue
     (:mod:`vitgraph.gemm_rope`)."""
     half = head_dim // 2
-    within = torch.arange(head_dim, device=device)
+    # Built on the CPU: on the meta device (the checkpoint loader's) these ops run through
+    # torch._refs, which imports torch._dynamo (seconds).
+    within = torch.arange(head_dim)
     within = within // 2 + (within % 2) * half
-    qk = (torch.arange(2 * num_heads, device=device)[:, None] * head_dim + within).flatten()
-    return torch.cat([qk, torch.arange(2 * num_heads * head_dim, 3 * num_heads * head_dim, device=device)])
+    qk = (torch.arange(2 * num_heads)[:, None] * head_dim + within).flatten()
+    return torch.cat([qk, torch.arange(2 * num_heads * head_dim, 3 * num_heads * head_dim)]).to(device)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -183,8 +185,8 @@ def _restore_qkv_on_save(attn: VisionAttention, state_dict, prefix, local_metada
     for name in ("qkv.weight", "qkv.bias"):
         value = state_dict.get(prefix + name)
         if value is not None:
-            order = interleave_order(*attn._head_layout, device=value.device)
-            state_dict[prefix + name] = value[torch.argsort(order)]
+            inverse = torch.argsort(interleave_order(*attn._head_layout))
+            state_dict[prefix + name] = value[inverse.to(value.device)]
 
 
 class VisionMlp(nn.Module):
@@ -246,10 +248,12 @@ class Qwen2VisionTower(nn.Module):
         self.fused = False
         self.gemm_backend = "cublas"  # qkv and fc1 + QuickGELU in the fused forward: see vitgraph.gemm
 
-    def _inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
+    def _inv_freq(self) -> torch.Tensor:
         half = self.config.head_dim // 2  # h and w each rotate half of the head
-        exponent = torch.arange(0, half, 2, dtype=torch.float, device=device) / half
-        return 1.0 / (self.config.rope_theta ** exponent)
+        # On the CPU, then to the default device: a meta-device arange (the checkpoint loader
+        # builds the tower on meta) runs through torch._refs, which imports torch._dynamo (seconds).
+        exponent = torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half
+        return (1.0 / (self.config.rope_theta ** exponent)).to(torch.get_default_device())
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (after loading weights with ``assign=True``)."""
