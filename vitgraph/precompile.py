@@ -138,7 +138,7 @@ def _cache_roots(modules: Sequence[str]) -> dict[str, Path]:
     enable_fa4_disk_cache()  # before FA4 is imported here, and inherited by the workers
     try:
         import_quack()  # before either library: without torch._dynamo
-    except ImportError:  # not installed: nothing to count there
+    except Exception:  # not installed, or broken: the loop below skips what does not load
         pass
     roots = {}
     for name in modules:
