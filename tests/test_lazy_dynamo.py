@@ -98,3 +98,14 @@ def test_lazy_disable_takes_the_decorators_arguments(recursive):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["1", "2", "True", str(not recursive)]
+
+
+def test_precompile_skips_a_quack_that_fails_to_import(tmp_path):
+    (tmp_path / "quack").mkdir()
+    (tmp_path / "quack" / "__init__.py").write_text("raise RuntimeError('broken-install')\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "from vitgraph.precompile import _cache_roots\n"
+            "print(_cache_roots(['quack.cache.jit']))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["{}"]
