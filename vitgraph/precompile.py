@@ -18,7 +18,8 @@ to build is compiled by capture, as without it.
 Where the caches hold no kernel file at all, cold is certain before anything is imported, and
 a worker spends most of its time starting Python and importing torch, quack and the CuTe DSL
 (4-9 s on an H200 host) before its compile: so the encoder starts the workers as it is
-constructed (:func:`start_early`), before it loads those libraries itself, and
+constructed (:func:`start_early`; from a checkpoint, as soon as its config is read, before the
+weights load), before it loads those libraries itself, and
 :func:`precompile` then waits for them. Each works out the encoder's kernels from its options,
 as the encoder will, and compiles its share of all of them: cold being certain, this process
 compiles none.
