@@ -8,12 +8,15 @@
 Two graph encoders of the 2B model with the same random weights: ``default`` and
 ``changed``, the second built (captured) and called with the settings changed. Each round
 times every case on both (median wall ms of ``--iters`` synchronised ``encode`` calls, as
-``benchmarks/latency.py``), alternating which goes first; the table shows the median over
+``benchmarks/latency.py``), the two strictly alternating; the table shows the median over
 rounds and the relative difference of the two outputs.
 
-The encoder built second can be faster whatever its settings (0.22 ms at ``4x1024`` in two
-A/Bs of opposite settings on one H200, BENCHMARKS.md): where a difference is that small,
-trust only what holds in both build orders (``--both-orders`` runs both, each with new
+Until 2026-11-30 the rounds mirrored the order (default, changed, changed, default, ...), and
+an A/A of identical encoders then read ``changed`` 0.24-0.27 ms faster at ``4x1024`` and
+0.09-0.12 at ``16x256`` in either build order (``h200-ab-position-check*.log``,
+``benchmarks/ab_sequence.py``): earlier A/Bs' deltas of that size at 3584-4096 tokens are not
+evidence, and the "encoder built second is faster" once blamed for them was this. Where a
+difference is small, still check both build orders (``--both-orders`` runs both, each with new
 encoders, and prints the two deltas side by side; ``--changed-first`` runs the second alone).
 """
 
