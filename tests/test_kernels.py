@@ -43,6 +43,28 @@ def test_add_layernorm(dtype, rows, width):
     assert torch.equal(got_x, before) and rel_err(again, expect_h) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("launch", [(1, 2), (2, 2), (4, 8), (8, 4)])
+def test_add_layernorm_layouts(launch, monkeypatch):
+    """Every layout of rows per program and warps normalizes every row, including a last
+    program that is only partly filled (37 rows); the wide-row setting picks the layout from
+    ``LAYERNORM_WIDE_MIN_ROWS``."""
+    rows, width = 37, 80
+    g = torch.Generator().manual_seed(6)
+    x, y = (torch.randn(rows, width, generator=g).to(DEVICE) for _ in range(2))
+    w, b = (1 + 0.2 * torch.randn(width, generator=g)).to(DEVICE), (0.1 * torch.randn(width, generator=g)).to(DEVICE)
+    got_x = x.clone()
+    got = kernels.add_layernorm(got_x, y, w, b, 1e-6, launch=kernels.LayerNormLaunch(*launch))
+    assert torch.equal(got_x, x + y)
+    assert rel_err(got, F.layer_norm(x + y, (width,), w, b, eps=1e-6)) <= TOL[torch.float32]
+    monkeypatch.setattr(kernels, "LAYERNORM_WIDE_LAYOUT", launch)
+    wide = kernels.LAYERNORM_WIDE_MIN_ROWS
+    assert kernels.layernorm_launch(wide, width) == kernels.LayerNormLaunch(*launch)
+    assert kernels.layernorm_launch(wide - 1, width) == kernels.LayerNormLaunch(kernels._rows_per_program(wide - 1, width), 8)
+    assert kernels.layernorm_launch(kernels.LAYERNORM_ONE_ROW_MAX_ROWS, width) == kernels.LayerNormLaunch(1, 8)
+    monkeypatch.setattr(kernels, "LAYERNORM_WIDE_LAYOUT", None)
+    assert kernels.layernorm_launch(wide, width) == kernels.LayerNormLaunch(kernels._rows_per_program(wide, width), 8)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layernorm_with_an_offset(dtype):
     """``offset``: LayerNorm(x + offset) with the offset added in fp32 and x left as it is (a

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -198,23 +199,47 @@ def _rows_per_program(rows: int, width: int, per_program: int = 8192) -> int:
     return min(per, triton.next_power_of_2(max(rows, 1)))
 
 
-# add_layernorm runs one row per program up to this many rows (else _rows_per_program's ~8k
-# elements: 4 rows of 1280), 8 warps either way. At 1280 wide on an H200
+# add_layernorm runs one row per program up to this many rows, 8 warps (then, up to
+# LAYERNORM_WIDE_MIN_ROWS, _rows_per_program's ~8k elements: 4 rows of 1280, 8 warps). At 1280 wide on an H200
 # (benchmarks/layernorm_programs.py, µs per call in graphs) one row fills more SMs at small row
 # counts: 256 rows 3.18 -> 2.59 (2.92 with two split-K partials, from 3.45), 512 rows 3.18 ->
-# 2.86; end to end 1x256 1.76 -> 1.71 ms. Two rows and 4 warps measured 8.55 -> 7.96 at 4096 rows
-# alone but did not gain in the tower (4x1024 and 16x256 +0.17 and +0.22 ms, within an A/B
-# noise of about 0.16 ms there), so larger inputs keep the width rule.
+# 2.86; end to end 1x256 1.76 -> 1.71 ms.
 LAYERNORM_ONE_ROW_MAX_ROWS = 512
+# From LAYERNORM_WIDE_MIN_ROWS rows: (rows per program, warps) = LAYERNORM_WIDE_LAYOUT (None: the
+# width rule). At 4096 rows on an H200 (the bias-free LayerNorm, benchmarks/layernorm_programs.py)
+# 2 rows and 2 warps took 8.95 µs against 9.51 with the stream read from DRAM, as in the tower
+# (--cold), and 6.06 against 7.37 from L2; end to end (benchmarks/ab_setting.py, both build
+# orders) 4x1024 -0.22/-0.22 ms, 16x256 -0.09/-0.10, 1x4096 -0.08/-0.07, the clip -0.01/-0.07,
+# where an A/A of identical encoders read -0.02 to +0.09. At 1024 rows it is slower alone (4.36
+# against 4.20 µs from DRAM), so smaller inputs keep the width rule.
+LAYERNORM_WIDE_MIN_ROWS = 2049
+LAYERNORM_WIDE_LAYOUT: tuple[int, int] | None = (2, 2)
+
+
+@dataclass(frozen=True)
+class LayerNormLaunch:
+    rows: int  # rows per program
+    warps: int
+
+
+def layernorm_launch(rows: int, width: int) -> LayerNormLaunch:
+    """How :func:`add_layernorm` lays out ``rows`` rows of ``width`` over its programs."""
+    if rows <= LAYERNORM_ONE_ROW_MAX_ROWS:
+        return LayerNormLaunch(1, 8)
+    if rows >= LAYERNORM_WIDE_MIN_ROWS and LAYERNORM_WIDE_LAYOUT is not None:
+        return LayerNormLaunch(*LAYERNORM_WIDE_LAYOUT)
+    return LayerNormLaunch(_rows_per_program(rows, width), 8)
 
 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
-                  eps: float, y_bias: torch.Tensor | None = None, offset: torch.Tensor | None = None) -> torch.Tensor:
+                  eps: float, y_bias: torch.Tensor | None = None, offset: torch.Tensor | None = None,
+                  launch: LayerNormLaunch | None = None) -> torch.Tensor:
     """``x += y`` in place (when ``y`` is given), then return ``LayerNorm(x)``. ``x``: ``[T, N]``
     contiguous; ``y``: ``[T, N]``, or ``[S, T, N]`` partial products that are summed (in fp32,
     with ``y_bias [N]`` when given) before the add. ``offset``: fp32 ``[N]`` added to every row
     before the LayerNorm and not stored (``LayerNorm(x + offset)``), for a residual stream that
-    keeps its biases aside (``Qwen2VisionTower.forward_fused``)."""
+    keeps its biases aside (``Qwen2VisionTower.forward_fused``). ``launch``: a layout other than
+    :func:`layernorm_launch`'s (benchmarks)."""
     rows, n = x.shape
     h = torch.empty_like(x)
     if rows == 0:
@@ -224,12 +249,12 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
                          f"got {tuple(y.shape)}")
     if offset is not None and (offset.dtype != torch.float32 or offset.shape != (n,) or not offset.is_contiguous()):
         raise ValueError(f"offset must be a contiguous fp32 [{n}] tensor, got {offset.dtype} {tuple(offset.shape)}")
-    per = 1 if rows <= LAYERNORM_ONE_ROW_MAX_ROWS else _rows_per_program(rows, n)
-    _add_layernorm_kernel[(triton.cdiv(rows, per),)](
+    launch = launch or layernorm_launch(rows, n)
+    _add_layernorm_kernel[(triton.cdiv(rows, launch.rows),)](
         x, y if y is not None else x, y_bias if y_bias is not None else x, offset if offset is not None else x, h,
-        weight, bias, rows, eps, N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=per, HAS_Y=y is not None,
+        weight, bias, rows, eps, N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=launch.rows, HAS_Y=y is not None,
         SPLITS=y.shape[0] if y is not None and y.dim() == 3 else 1, HAS_Y_BIAS=y_bias is not None,
-        HAS_OFFSET=offset is not None, LAUNCH_DEPENDENTS=_launches_dependents(x), num_warps=8)
+        HAS_OFFSET=offset is not None, LAUNCH_DEPENDENTS=_launches_dependents(x), num_warps=launch.warps)
     return h
 
 
