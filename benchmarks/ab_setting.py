@@ -13,11 +13,15 @@ rounds and the relative difference of the two outputs.
 
 Until 2026-11-30 the rounds mirrored the order (default, changed, changed, default, ...), and
 an A/A of identical encoders then read ``changed`` 0.24-0.27 ms faster at ``4x1024`` and
-0.09-0.12 at ``16x256`` in either build order (``h200-ab-position-check*.log``,
-``benchmarks/ab_sequence.py``): earlier A/Bs' deltas of that size at 3584-4096 tokens are not
-evidence, and the "encoder built second is faster" once blamed for them was this. Where a
-difference is small, still check both build orders (``--both-orders`` runs both, each with new
-encoders, and prints the two deltas side by side; ``--changed-first`` runs the second alone).
+0.09-0.12 at ``16x256`` in either build order (``h200-ab-position-check*.log``): earlier A/Bs'
+deltas of that size at 3584-4096 tokens are not evidence, and the "encoder built second is
+faster" once blamed for them was this. Strictly alternating, A/As read -0.02 to +0.07 ms at
+``16x256``, the clip and ``1x4096``, but +0.08 to +0.29 at ``4x1024``, where identical encoders
+timed in turn differ by up to 0.4 ms (``benchmarks/ab_sequence.py``,
+``h200-ab-sequence-four.log``): run an A/A beside any A/B (a setting set to its own value) and
+read ``4x1024`` deltas under ~0.3 ms as noise. Still check both build orders
+(``--both-orders`` runs both, each with new encoders, and prints the two deltas side by side;
+``--changed-first`` runs the second alone).
 """
 
 import argparse
