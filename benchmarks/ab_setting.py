@@ -4,6 +4,7 @@
     python benchmarks/ab_setting.py vitgraph.gemm.QUACK_MIN_ROWS=256 --cases 1x256 --rounds 7
     python benchmarks/ab_setting.py vitgraph.attention.FA4_SHORT_SEQLEN=0 --cases --frames 40x40 44x46   # single frames
     python benchmarks/ab_setting.py vitgraph.gemm.SPLIT_K=4 --both-orders   # both build orders in one run
+    python benchmarks/ab_setting.py vitgraph.gemm.SPLIT_K=4 --both-orders --control   # and an A/A beside it
 
 Two graph encoders of the 2B model with the same random weights: ``default`` and
 ``changed``, the second built (captured) and called with the settings changed. Each round
@@ -18,8 +19,8 @@ deltas of that size at 3584-4096 tokens are not evidence, and the "encoder built
 faster" once blamed for them was this. Strictly alternating, A/As read -0.02 to +0.07 ms at
 ``16x256``, the clip and ``1x4096``, but +0.08 to +0.29 at ``4x1024``, where identical encoders
 timed in turn differ by up to 0.4 ms (``benchmarks/ab_sequence.py``,
-``h200-ab-sequence-four.log``): run an A/A beside any A/B (a setting set to its own value) and
-read ``4x1024`` deltas under ~0.3 ms as noise. Still check both build orders
+``h200-ab-sequence-four.log``): run an A/A beside any A/B (``--control``) and read ``4x1024``
+deltas under ~0.3 ms as noise. Still check both build orders
 (``--both-orders`` runs both, each with new encoders, and prints the two deltas side by side;
 ``--changed-first`` runs the second alone).
 """
@@ -50,11 +51,13 @@ def parse_settings(texts: list[str]) -> list[tuple]:
     return settings
 
 
-def run_order(args, settings, order: tuple[str, str], cases: dict, device: torch.device) -> list[tuple]:
-    """Build the two encoders in ``order`` and time ``cases`` on both: :func:`alternating_ab`'s rows."""
+def run_order(args, settings, order: tuple[str, ...], cases: dict, device: torch.device) -> list[tuple]:
+    """Build the encoders in ``order`` and time ``cases`` on each: :func:`alternating_ab`'s rows
+    (keys default, changed, then control where ``order`` has it: a second encoder with the
+    default settings)."""
     def apply(key):
         for module, attr, default, changed in settings:
-            setattr(module, attr, default if key == "default" else changed)
+            setattr(module, attr, changed if key == "changed" else default)
 
     encoders = {}
     print("build order:", ", ".join(order))
@@ -65,8 +68,9 @@ def run_order(args, settings, order: tuple[str, str], cases: dict, device: torch
     # change which buckets exist or how routing is timed (then each keeps the routing it measured).
     routing_changed = any(module.__name__ == "vitgraph.capture.routing" for module, *_ in settings)
     if encoders["changed"].buckets == encoders["default"].buckets and not routing_changed:
-        encoders["changed"]._packed_single_below = dict(encoders["default"]._packed_single_below)
-        encoders["changed"]._faster_next = dict(encoders["default"]._faster_next)
+        for key in set(encoders) - {"default"}:
+            encoders[key]._packed_single_below = dict(encoders["default"]._packed_single_below)
+            encoders[key]._faster_next = dict(encoders["default"]._faster_next)
     else:
         print("each encoder keeps its own routing; single-frame thresholds:",
               {key: enc._packed_single_below for key, enc in encoders.items()})
@@ -79,7 +83,8 @@ def run_order(args, settings, order: tuple[str, str], cases: dict, device: torch
         return encoders[key].encode(pixels, grids)
 
     try:
-        return alternating_ab(encode, ("default", "changed"), cases, encoders["default"].config.patch_width, device,
+        keys = ("default", "changed", "control") if "control" in encoders else ("default", "changed")
+        return alternating_ab(encode, keys, cases, encoders["default"].config.patch_width, device,
                               args.rounds, args.iters)
     finally:
         apply("default")
@@ -100,6 +105,9 @@ def main() -> None:
     order.add_argument("--changed-first", action="store_true", help="build the changed encoder first")
     order.add_argument("--both-orders", action="store_true",
                        help="run the A/B twice, each build order with new encoders, and show both deltas")
+    p.add_argument("--control", action="store_true",
+                   help="also build a second default encoder (last) and time it in turn: its delta from the "
+                        "first is an A/A, the noise the A/B's delta must beat")
     p.add_argument("--preset", default="qwen2-vl-2b", help="the model shape (a vitgraph preset; random weights)")
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
@@ -110,21 +118,31 @@ def main() -> None:
         orders = [("default", "changed"), ("changed", "default")]
     else:
         orders = [("changed", "default") if args.changed_first else ("default", "changed")]
+    if args.control:
+        orders = [order + ("control",) for order in orders]
     runs = [run_order(args, settings, order, cases, device) for order in orders]
     for order, results in zip(orders, runs):
         print(f"{order[0]} built first:")
-        rows = [[name, default, changed, changed - default, f"{diff:.1e}"] for name, default, changed, diff in results]
-        print_table(["case", "default ms", "changed ms", "delta ms", "rel diff"], rows)
+        if args.control:
+            rows = [[name, default, changed, control, changed - default, control - default, f"{diff:.1e}"]
+                    for name, default, changed, control, diff in results]
+            print_table(["case", "default ms", "changed ms", "control ms", "delta ms", "A/A ms", "rel diff"], rows)
+        else:
+            rows = [[name, default, changed, changed - default, f"{diff:.1e}"] for name, default, changed, diff in results]
+            print_table(["case", "default ms", "changed ms", "delta ms", "rel diff"], rows)
     if len(runs) == 2:
-        # What to trust: a delta of one sign in both orders (the encoder built second can be
-        # faster whatever its settings).
+        # What to trust: a delta of one sign in both orders, and larger than the A/A's.
         print("both orders (delta ms = changed - default):")
         rows = []
         for first, second in zip(*runs):
             deltas = (first[2] - first[1], second[2] - second[1])
             same = deltas[0] * deltas[1] > 0
-            rows.append([first[0], *deltas, (deltas[0] + deltas[1]) / 2, "yes" if same else "no"])
-        print_table(["case", "default first", "changed first", "mean", "same sign"], rows)
+            row = [first[0], *deltas, (deltas[0] + deltas[1]) / 2, "yes" if same else "no"]
+            if args.control:
+                row.append(max(abs(first[3] - first[1]), abs(second[3] - second[1])))
+            rows.append(row)
+        print_table(["case", "default first", "changed first", "mean", "same sign"]
+                    + (["largest |A/A|"] if args.control else []), rows)
 
 
 if __name__ == "__main__":

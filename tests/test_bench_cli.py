@@ -189,3 +189,23 @@ def test_ab_setting_runs_both_build_orders():
     assert last[1].split()[:1] == ["case"] and last[2].split()[0] == "1x256" and last[2].split()[-1] in ("yes", "no")
     assert last[3].split()[:3] == ["1", "frame", "8x10"]  # --frames: one frame of 8x10 patches
     assert "0.0e+00" in out  # the same output either way
+
+
+def test_ab_setting_control_encoder_reports_an_a_a():
+    """``--control``: a third encoder with the default settings, built last and timed in turn
+    with the other two; each table gains its time and its delta from ``default`` (an A/A)."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_setting.py"
+    proc = subprocess.run([sys.executable, str(script), "vitgraph.gemm.SPLIT_K=4", "--both-orders", "--control",
+                           "--preset", "tiny", "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "build order: default, changed, control" in out and "build order: changed, default, control" in out
+    table = out.split("default built first:")[1].splitlines()
+    assert table[1].split() == ["case", "default", "ms", "changed", "ms", "control", "ms", "delta", "ms", "A/A", "ms",
+                                "rel", "diff"]
+    assert table[2].split()[0] == "1x256" and len(table[2].split()) == 7
+    summary = out.split("both orders (delta ms = changed - default):")[1].splitlines()
+    assert summary[1].split()[-2:] == ["largest", "|A/A|"] and float(summary[2].split()[-1]) >= 0

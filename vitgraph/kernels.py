@@ -209,10 +209,10 @@ LAYERNORM_ONE_ROW_MAX_ROWS = 512
 # width rule). At 4096 rows on an H200 (the bias-free LayerNorm, benchmarks/layernorm_programs.py)
 # 2 rows and 2 warps took 8.95 µs against 9.51 with the stream read from DRAM, as in the tower
 # (--cold), and 6.06 against 7.37 from L2: -0.04 to -0.09 ms per 4096-token call. End to end
-# (benchmarks/ab_setting.py, both build orders) 16x256 -0.09/-0.10 ms, 1x4096 -0.08/-0.07, the
-# clip -0.01/-0.07 (A/As there: -0.02 to +0.07), 4x1024 -0.22/-0.22 (A/As there: +0.08 to +0.29,
-# so unsettled). At 1024 rows it is slower alone (4.36 against 4.20 µs from DRAM), so smaller
-# inputs keep the width rule.
+# (benchmarks/ab_setting.py, both build orders, two leases) 16x256 -0.09/-0.10 and -0.05/-0.10
+# ms, beyond the A/As beside them; 1x4096, the clip and 4x1024 moved within their A/As (up to
+# 0.29 ms). At 1024 rows it is slower alone (4.36 against 4.20 µs from DRAM), so smaller inputs
+# keep the width rule.
 LAYERNORM_WIDE_MIN_ROWS = 2049
 LAYERNORM_WIDE_LAYOUT: tuple[int, int] | None = (2, 2)
 
