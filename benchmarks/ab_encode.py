@@ -6,9 +6,9 @@ another version of ``vitgraph/encoder.py``, end to end, on one encoder, in one p
 
 The ``before`` file's ``encode``, ``_run_graph`` and ``_run_eager`` are swapped onto the one
 encoder (same graphs, same buffers) for its turns. Each round times every case both ways
-(median wall ms of ``--iters`` synchronised calls, as ``benchmarks/latency.py``), the
-two strictly alternating (:func:`vitgraph.bench.common.alternating_ab`); the table shows the median over rounds and the relative
-difference of the two outputs (0: the same kernels ran).
+(median wall ms of ``--iters`` synchronised calls, as ``benchmarks/latency.py``), the two
+strictly alternating (:func:`vitgraph.bench.common.alternating_ab`); the table shows the
+median over rounds and the relative difference of the two outputs (0: the same kernels ran).
 """
 
 import argparse

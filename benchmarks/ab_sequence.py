@@ -3,9 +3,9 @@
     python benchmarks/ab_sequence.py --cases 4x1024 16x256 --orders ABBAABBA AABBAABB ABABABAB
     python benchmarks/ab_sequence.py --cases 4x1024 --orders ABCDABCDABCD   # four encoders
 
-Encoders with the same settings and weights, one per letter (``A``, ``B``, ...); each order letter is one
-block (the median wall ms of ``--iters`` synchronised ``encode`` calls after 3 warm-up calls,
-as ``benchmarks/ab_setting.py`` times). Any difference between the encoders' medians is the
+Encoders with the same settings and weights, one per letter (``A``, ``B``, ...); each letter
+of an order is one block (the median wall ms of ``--iters`` synchronised ``encode`` calls
+after 3 warm-up calls, as ``benchmarks/ab_setting.py`` times). Any difference between the encoders' medians is the
 order's or the instance's, not the code's. On an H200 (``h200-aa-raw.log``) ABBA gave A 0.18
 ms more than B at ``4x1024`` (every A after two B's slow), ABAB and AABB 0.00-0.02, which is
 why ``vitgraph.bench.common.alternating_ab`` alternates strictly; with four encoders
