@@ -36,7 +36,7 @@ def main() -> None:
     keys = sorted(set("".join(args.orders)))
     encoders = {key: GraphedVisionEncoder.from_config(args.preset, device=device, seed=0, progress=False)
                 for key in keys}
-    width = encoders["A"].config.patch_width
+    width = encoders[keys[0]].config.patch_width
     for name, grids in select_cases(args.cases, []).items():
         pixels = torch.randn(sum(t * h * w for t, h, w in grids), width).to(device, torch.bfloat16)
         for order in args.orders:

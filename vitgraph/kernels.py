@@ -199,10 +199,10 @@ def _rows_per_program(rows: int, width: int, per_program: int = 8192) -> int:
     return min(per, triton.next_power_of_2(max(rows, 1)))
 
 
-# add_layernorm runs one row per program up to this many rows, 8 warps (then, up to
-# LAYERNORM_WIDE_MIN_ROWS, _rows_per_program's ~8k elements: 4 rows of 1280, 8 warps). At 1280 wide on an H200
-# (benchmarks/layernorm_programs.py, µs per call in graphs) one row fills more SMs at small row
-# counts: 256 rows 3.18 -> 2.59 (2.92 with two split-K partials, from 3.45), 512 rows 3.18 ->
+# add_layernorm runs one row per program up to this many rows, 8 warps (then, below
+# LAYERNORM_WIDE_MIN_ROWS, _rows_per_program's ~8k elements: 4 rows of 1280, 8 warps). At 1280
+# wide on an H200 (benchmarks/layernorm_programs.py, µs per call in graphs) one row fills more
+# SMs at small row counts: 256 rows 3.18 -> 2.59 (2.92 with two split-K partials, from 3.45), 512 rows 3.18 ->
 # 2.86; end to end 1x256 1.76 -> 1.71 ms.
 LAYERNORM_ONE_ROW_MAX_ROWS = 512
 # From LAYERNORM_WIDE_MIN_ROWS rows: (rows per program, warps) = LAYERNORM_WIDE_LAYOUT (None: the

@@ -57,11 +57,9 @@ def alternating_ab(run: Callable[[str, torch.Tensor, list], torch.Tensor], keys:
     first two keys' outputs)``, medians over rounds.
 
     Not the mirrored order (ABBA, which once swapped the first key every round): in A/As of
-    identical encoders on an H200 it read the first key 0.24-0.27 ms slower at ``4x1024`` and
-    0.09-0.12 at ``16x256``, whichever encoder was built first. Strict alternation removed
-    that at ``16x256`` (-0.02 to +0.07) but not the noise at ``4x1024``: its A/As there read
-    +0.08, +0.09 and +0.29 ms, and four identical encoders timed in turn differed by up to
-    0.4 ms (``benchmarks/ab_sequence.py``). Read deltas under ~0.3 ms at ``4x1024`` as noise."""
+    identical encoders on an H200 it favoured the second key by up to 0.27 ms at 4096 tokens
+    (``benchmarks/ab_setting.py``'s doc has the numbers, and the noise strict alternation
+    leaves at ``4x1024``)."""
     gen = torch.Generator().manual_seed(0)
     results = []
     for name, grids in cases.items():
