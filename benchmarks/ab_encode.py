@@ -18,7 +18,7 @@ import sys
 import torch
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.bench.common import alternating_ab, print_table
+from vitgraph.bench.common import PREHEAT_SECONDS, alternating_ab, print_table
 from vitgraph.bench.latency import CASES
 
 SWAPPED = ("encode", "_run_graph", "_run_eager")
@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--cases", nargs="*", default=list(CASES))
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--preheat", type=float, default=PREHEAT_SECONDS, help="seconds of calls before each case's rounds")
     args = p.parse_args()
     spec = importlib.util.spec_from_file_location("vitgraph.encoder_before", args.before)
     before = importlib.util.module_from_spec(spec)
@@ -48,7 +49,8 @@ def main() -> None:
         return enc.encode(pixels, grids)
 
     cases = {name: CASES[name] for name in args.cases}
-    results = alternating_ab(encode, ("before", "after"), cases, cfg.patch_width, device, args.rounds, args.iters)
+    results = alternating_ab(encode, ("before", "after"), cases, cfg.patch_width, device, args.rounds, args.iters,
+                             args.preheat)
     rows = [[name, f"{b:.3f}", f"{a:.3f}", f"{a - b:+.3f}", f"{diff:.1e}"] for name, b, a, diff in results]
     print_table(["case", "before ms", "after ms", "delta ms", "rel diff"], rows)
 

@@ -16,11 +16,12 @@ isolated: at ``4x1024`` deltas under ~0.3 ms between two encoders are noise.
 
 import argparse
 import statistics
+import time
 
 import torch
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.bench.common import median_ms
+from vitgraph.bench.common import ClockSampler, median_ms
 from vitgraph.bench.latency import select_cases
 
 
@@ -31,17 +32,42 @@ def main() -> None:
                    help="block orders; each letter names an encoder (A, B, C, ...: as many as the letters used)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--preset", default="qwen2-vl-2b")
+    p.add_argument("--settle", type=float, default=0.0, help="seconds to wait after the last build before timing")
+    p.add_argument("--preheat", type=float, default=0.0,
+                   help="seconds of back-to-back calls of the first encoder before each order is timed")
+    p.add_argument("--clocks", action="store_true", help="each block's median SM clock (MHz) and board power (W), "
+                                                         "from nvidia-smi every 50 ms")
     args = p.parse_args()
     device = torch.device("cuda")
     keys = sorted(set("".join(args.orders)))
     encoders = {key: GraphedVisionEncoder.from_config(args.preset, device=device, seed=0, progress=False)
                 for key in keys}
     width = encoders[keys[0]].config.patch_width
+    if args.settle:
+        print(f"encoders built in order {''.join(keys)}; waiting {args.settle:g} s", flush=True)
+        time.sleep(args.settle)
     for name, grids in select_cases(args.cases, []).items():
         pixels = torch.randn(sum(t * h * w for t, h, w in grids), width).to(device, torch.bfloat16)
         for order in args.orders:
-            times = [median_ms(lambda: encoders[key].encode(pixels, grids), device, args.iters, 3) for key in order]
+            if args.preheat:
+                start = time.perf_counter()
+                while time.perf_counter() - start < args.preheat:
+                    encoders[keys[0]].encode(pixels, grids)
+            sampler = ClockSampler(period_ms=50) if args.clocks else None
+            times, windows = [], []
+            for key in order:
+                begin = time.time()
+                times.append(median_ms(lambda: encoders[key].encode(pixels, grids), device, args.iters, 3))
+                windows.append((begin, time.time()))
             print(name, order[:8] + ("..." if len(order) > 8 else ""), " ".join(f"{k}{t:.2f}" for k, t in zip(order, times)))
+            if sampler:
+                samples = sampler.stop()
+                cells = []
+                for key, (begin, end) in zip(order, windows):
+                    inside = [(mhz, watts) for stamp, mhz, watts in samples if begin <= stamp <= end] or [(0.0, 0.0)]
+                    cells.append(f"{key}{statistics.median(m for m, _ in inside):.0f}MHz/"
+                                 f"{statistics.median(w for _, w in inside):.0f}W")
+                print("    clocks " + " ".join(cells))
             medians = {key: statistics.median(t for k, t in zip(order, times) if k == key) for key in keys if key in order}
             print("    median " + "  ".join(f"{key} {ms:.3f}" for key, ms in medians.items()) + " ms", flush=True)
 

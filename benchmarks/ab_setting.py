@@ -33,7 +33,7 @@ import importlib
 import torch
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.bench.common import alternating_ab, print_table
+from vitgraph.bench.common import PREHEAT_SECONDS, alternating_ab, print_table
 from vitgraph.bench.latency import CASES, select_cases
 
 
@@ -85,7 +85,7 @@ def run_order(args, settings, order: tuple[str, ...], cases: dict, device: torch
     try:
         keys = ("default", "changed", "control") if "control" in encoders else ("default", "changed")
         return alternating_ab(encode, keys, cases, encoders["default"].config.patch_width, device,
-                              args.rounds, args.iters)
+                              args.rounds, args.iters, args.preheat)
     finally:
         apply("default")
         encoders.clear()  # free the graphs and their pool before the next order builds its own
@@ -108,6 +108,8 @@ def main() -> None:
     p.add_argument("--control", action="store_true",
                    help="also build a second default encoder (last) and time it in turn: its delta from the "
                         "first is an A/A, the noise the A/B's delta must beat")
+    p.add_argument("--preheat", type=float, default=PREHEAT_SECONDS,
+                   help="seconds of calls before each case's rounds, so that the board holds its loaded clock")
     p.add_argument("--preset", default="qwen2-vl-2b", help="the model shape (a vitgraph preset; random weights)")
     p.add_argument("--device", default="cuda")
     args = p.parse_args()

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -178,7 +179,8 @@ def test_ab_setting_runs_both_build_orders():
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_setting.py"
     proc = subprocess.run([sys.executable, str(script), "vitgraph.gemm.SPLIT_K=4", "--both-orders", "--preset", "tiny",
-                           "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256", "--frames", "8x10"],
+                           "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256", "--frames", "8x10",
+                           "--preheat", "0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
@@ -191,6 +193,31 @@ def test_ab_setting_runs_both_build_orders():
     assert "0.0e+00" in out  # the same output either way
 
 
+def test_alternating_ab_preheats_then_alternates_strictly():
+    """Each case: the outputs' first calls, then ``preheat_s`` of calls of the first key alone,
+    then rounds in which the keys strictly alternate (``iters`` timed calls after 3 warm-ups)."""
+    from vitgraph.bench.common import alternating_ab
+
+    calls = []
+
+    def run(key, pixels, grids):
+        calls.append(key)
+        time.sleep(0.002)
+        return pixels * (2 if key == "b" else 1)
+
+    rows = alternating_ab(run, ("a", "b"), {"one": [(1, 2, 2)]}, 4, torch.device("cpu"), rounds=2, iters=1,
+                          preheat_s=0.05)
+    assert calls[:2] == ["a", "b"]  # the outputs compared
+    heat = len(calls) - 2 - 2 * 2 * 4  # 2 rounds x 2 keys x (3 warm-ups + 1 timed)
+    assert heat >= 5 and calls[2:2 + heat] == ["a"] * heat
+    assert calls[2 + heat:] == ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["b"] * 4
+    (name, a_ms, b_ms, diff), = rows
+    assert name == "one" and a_ms > 0 and b_ms > 0 and diff == pytest.approx(1.0)
+    calls.clear()
+    alternating_ab(run, ("a", "b"), {"one": [(1, 2, 2)]}, 4, torch.device("cpu"), rounds=1, iters=1, preheat_s=0)
+    assert calls == ["a", "b"] + ["a"] * 4 + ["b"] * 4
+
+
 def test_ab_setting_control_encoder_reports_an_a_a():
     """``--control``: a third encoder with the default settings, built last and timed in turn
     with the other two; each table gains its time and its delta from ``default`` (an A/A)."""
@@ -198,7 +225,8 @@ def test_ab_setting_control_encoder_reports_an_a_a():
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_setting.py"
     proc = subprocess.run([sys.executable, str(script), "vitgraph.gemm.SPLIT_K=4", "--both-orders", "--control",
-                           "--preset", "tiny", "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256"],
+                           "--preset", "tiny", "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256",
+                           "--preheat", "0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout

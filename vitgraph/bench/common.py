@@ -47,14 +47,23 @@ def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup
     return statistics.median(call_times_ms(fn, device, iters, warmup))
 
 
+# Seconds of back-to-back calls before an A/B's rounds. A board that starts cool boosts, then
+# reaches its power cap about 1 s in, and its clock dips below the level it then holds for a
+# second or two: on an H200 at 4x1024 the block timed in that dip read 0.3-0.8 ms slow, whichever
+# encoder it was, and after 5 s of load identical encoders agreed within 0.08 ms
+# (benchmarks/ab_sequence.py --clocks, h200-ab-sequence-clocks.log).
+PREHEAT_SECONDS = 5.0
+
+
 def alternating_ab(run: Callable[[str, torch.Tensor, list], torch.Tensor], keys: tuple[str, ...],
-                   cases: dict[str, list], width: int, device: torch.device, rounds: int, iters: int
-                   ) -> list[tuple]:
+                   cases: dict[str, list], width: int, device: torch.device, rounds: int, iters: int,
+                   preheat_s: float = PREHEAT_SECONDS) -> list[tuple]:
     """Same-process A/B of two (or more) ways to ``run(key, pixels, grids)`` an encode. Per case
     (random bf16 pixels on ``device``): each round times each key (median wall ms of ``iters``
     synchronised calls, as :func:`median_ms`), in the same order every round, so that the
     blocks strictly alternate. Returns ``(case, ms of each key..., relative difference of the
-    first two keys' outputs)``, medians over rounds.
+    first two keys' outputs)``, medians over rounds. Before each case's rounds, ``preheat_s``
+    seconds of calls of the first key bring the board to the clock it holds under load.
 
     Not the mirrored order (ABBA, which once swapped the first key every round): in A/As of
     identical encoders on an H200 it favoured the second key by up to 0.27 ms at 4096 tokens
@@ -69,6 +78,10 @@ def alternating_ab(run: Callable[[str, torch.Tensor, list], torch.Tensor], keys:
             run(key, pixels, grids)  # the same first call as the others had
         diff = ((a - b).norm() / a.norm()).item()
         times = {key: [] for key in keys}
+        start = time.perf_counter()
+        while time.perf_counter() - start < preheat_s:
+            run(keys[0], pixels, grids)
+        sync(device)
         for _ in range(rounds):
             for key in keys:
                 times[key].append(median_ms(lambda: run(key, pixels, grids), device, iters, 3))
