@@ -2,16 +2,20 @@
 
     python benchmarks/ab_sequence.py --cases 4x1024 16x256 --orders ABBAABBA AABBAABB ABABABAB
     python benchmarks/ab_sequence.py --cases 4x1024 --orders ABCDABCDABCD   # four encoders
+    python benchmarks/ab_sequence.py --cases 4x1024 --orders ABCD ABCD --preheat 5 --clocks
 
 Encoders with the same settings and weights, one per letter (``A``, ``B``, ...); each letter
 of an order is one block (the median wall ms of ``--iters`` synchronised ``encode`` calls
-after 3 warm-up calls, as ``benchmarks/ab_setting.py`` times). Any difference between the encoders' medians is the
-order's or the instance's, not the code's. On an H200 (``h200-aa-raw.log``) ABBA gave A 0.18
-ms more than B at ``4x1024`` (every A after two B's slow), ABAB and AABB 0.00-0.02, which is
-why ``vitgraph.bench.common.alternating_ab`` alternates strictly; with four encoders
-(``h200-ab-sequence-four.log``) one read 10.89 ms in ABCD order and 10.63 in DCBA against
-10.45-10.54 and 10.48-10.61 for the others. Whether place or instance sets that was not
-isolated: at ``4x1024`` deltas under ~0.3 ms between two encoders are noise.
+after 3 warm-up calls, as ``benchmarks/ab_setting.py`` times). Any difference between the
+encoders' medians is the order's, the time's or the instance's, not the code's. ``--clocks``
+adds each block's median SM clock and board power (``nvidia-smi`` every 50 ms).
+
+On an H200 (``h200-ab-sequence-*.log``) the block that ran about 1 s after a cool start read
+0.3-0.9 ms slow at ``4x1024``, whichever encoder it was: the board's power first reached
+its cap there and the clock dipped below the level it then held. Rotating the order moved
+the slow block with the position, waiting 15 s after the builds (``--settle``) did not
+remove it, and 5 s of calls first (``--preheat``) did: identical encoders then agreed within
+0.08 ms. That is why ``vitgraph.bench.common.alternating_ab`` preheats.
 """
 
 import argparse

@@ -12,17 +12,16 @@ times every case on both (median wall ms of ``--iters`` synchronised ``encode`` 
 ``benchmarks/latency.py``), the two strictly alternating; the table shows the median over
 rounds and the relative difference of the two outputs.
 
-Until 2026-11-30 the rounds mirrored the order (default, changed, changed, default, ...), and
-an A/A of identical encoders then read ``changed`` 0.24-0.27 ms faster at ``4x1024`` and
-0.09-0.12 at ``16x256`` in either build order (``h200-ab-position-check*.log``): earlier A/Bs'
-deltas of that size at 3584-4096 tokens are not evidence, and the "encoder built second is
-faster" once blamed for them was this. Strictly alternating, A/As read -0.02 to +0.07 ms at
-``16x256``, the clip and ``1x4096``, but +0.08 to +0.29 at ``4x1024``, where identical encoders
-timed in turn differ by up to 0.4 ms (``benchmarks/ab_sequence.py``,
-``h200-ab-sequence-four.log``): run an A/A beside any A/B (``--control``) and read ``4x1024``
-deltas under ~0.3 ms as noise. Still check both build orders
-(``--both-orders`` runs both, each with new encoders, and prints the two deltas side by side;
-``--changed-first`` runs the second alone).
+Each case's rounds follow ``--preheat`` seconds (default 5) of calls, so that every block
+runs on a board that holds its loaded clock: from a cool start the block timed about 1 s in,
+as the board first reaches its power cap, read 0.3-0.9 ms slow at ``4x1024`` on an H200
+whichever encoder it was (``ab_sequence.py --clocks``). Before that preheat, and before strict
+alternation replaced a mirrored order (ABBA), A/As at 4096 tokens read up to 0.29 ms: older
+deltas of that size are not evidence. With it, A/As read within 0.05 ms at ``4x1024``,
+``16x256`` and the clip and 0.12 at ``1x4096`` (``h200-ab-layernorm-wide-preheat.log``). Still
+run an A/A beside an A/B (``--control``) and check both build orders (``--both-orders`` runs
+both, each with new encoders, and prints the two deltas side by side; ``--changed-first``
+runs the second alone).
 """
 
 import argparse
