@@ -25,7 +25,7 @@ import time
 import torch
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.bench.common import ClockSampler, median_ms
+from vitgraph.bench.common import ClockSampler, median_ms, preheat
 from vitgraph.bench.latency import select_cases
 
 
@@ -53,10 +53,7 @@ def main() -> None:
     for name, grids in select_cases(args.cases, []).items():
         pixels = torch.randn(sum(t * h * w for t, h, w in grids), width).to(device, torch.bfloat16)
         for order in args.orders:
-            if args.preheat:
-                start = time.perf_counter()
-                while time.perf_counter() - start < args.preheat:
-                    encoders[keys[0]].encode(pixels, grids)
+            preheat(lambda: encoders[keys[0]].encode(pixels, grids), device, args.preheat)
             sampler = ClockSampler(period_ms=50) if args.clocks else None
             times, windows = [], []
             for key in order:

@@ -19,10 +19,11 @@ from vitgraph.cli import main as cli_main
 def test_latency_json_schema(tmp_path, capsys):
     out = tmp_path / "lat.json"
     result = latency.main(["--preset", "tiny", "--device", "cpu", "--iters", "2", "--warmup", "1",
-                           "--cases", "1x256", "16x256", "--case", "mine=1,4,6+2,2,2", "--json", str(out)])
+                           "--cases", "1x256", "16x256", "--case", "mine=1,4,6+2,2,2", "--json", str(out),
+                           "--preheat", "0.01"])
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last_line) == json.loads(out.read_text()) == json.loads(json.dumps(result))
-    assert {"machine", "torch", "date", "ceilings", "cases"} <= set(result)
+    assert {"machine", "torch", "date", "ceilings", "cases"} <= set(result) and result["preheat_s"] == 0.01
     assert result["ceilings"]["gemm_tflops"] > 0 and result["ceilings"]["copy_tbps"] > 0
     assert [c["case"] for c in result["cases"]] == ["1x256", "16x256", "mine"]
     for case in result["cases"]:

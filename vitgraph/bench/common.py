@@ -55,6 +55,15 @@ def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup
 PREHEAT_SECONDS = 5.0
 
 
+def preheat(fn: Callable[[], object], device: torch.device, seconds: float) -> None:
+    """Call ``fn`` back to back for ``seconds`` (then synchronise), so that timing starts on a
+    board at the clock it holds under this load (:data:`PREHEAT_SECONDS`)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+    sync(device)
+
+
 def alternating_ab(run: Callable[[str, torch.Tensor, list], torch.Tensor], keys: tuple[str, ...],
                    cases: dict[str, list], width: int, device: torch.device, rounds: int, iters: int,
                    preheat_s: float = PREHEAT_SECONDS) -> list[tuple]:
@@ -78,10 +87,7 @@ def alternating_ab(run: Callable[[str, torch.Tensor, list], torch.Tensor], keys:
             run(key, pixels, grids)  # the same first call as the others had
         diff = ((a - b).norm() / a.norm()).item()
         times = {key: [] for key in keys}
-        start = time.perf_counter()
-        while time.perf_counter() - start < preheat_s:
-            run(keys[0], pixels, grids)
-        sync(device)
+        preheat(lambda: run(keys[0], pixels, grids), device, preheat_s)
         for _ in range(rounds):
             for key in keys:
                 times[key].append(median_ms(lambda: run(key, pixels, grids), device, iters, 3))
