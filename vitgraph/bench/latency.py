@@ -4,6 +4,7 @@
     vitgraph bench --model Qwen/Qwen2-VL-2B-Instruct
     vitgraph bench --preset tiny --device cpu --iters 5
     vitgraph bench --case mine=1,32,48+2,16,16         (or: python benchmarks/latency.py ...)
+    vitgraph bench --preheat 3                         # each system timed after 3 s of its own load
 
 Every system's output is checked against ``vitgraph_eager`` before it is timed. The
 timed region is the whole call as a user makes it (planning, metadata, copies).
