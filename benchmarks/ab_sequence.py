@@ -25,7 +25,7 @@ import time
 import torch
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.bench.common import ClockSampler, median_ms, preheat
+from vitgraph.bench.common import ClockSampler, median_ms, preheat, window_medians
 from vitgraph.bench.latency import select_cases
 
 
@@ -65,9 +65,8 @@ def main() -> None:
                 samples = sampler.stop()
                 cells = []
                 for key, (begin, end) in zip(order, windows):
-                    inside = [(mhz, watts) for stamp, mhz, watts in samples if begin <= stamp <= end] or [(0.0, 0.0)]
-                    cells.append(f"{key}{statistics.median(m for m, _ in inside):.0f}MHz/"
-                                 f"{statistics.median(w for _, w in inside):.0f}W")
+                    mhz, watts = window_medians(samples, begin, end)
+                    cells.append(f"{key}{mhz or 0:.0f}MHz/{watts or 0:.0f}W")
                 print("    clocks " + " ".join(cells))
             medians = {key: statistics.median(t for k, t in zip(order, times) if k == key) for key in keys if key in order}
             print("    median " + "  ".join(f"{key} {ms:.3f}" for key, ms in medians.items()) + " ms", flush=True)

@@ -58,10 +58,7 @@ def main() -> None:
         rows = []
         first = windows[0][0]
         for a, b, rate in windows:
-            clocks = [c for t, c, _ in samples if a <= t <= b]
-            watts = [w for t, _, w in samples if a <= t <= b]
-            rows.append([f"{a - first:.1f}-{b - first:.1f} s", rate,
-                         statistics.median(clocks) if clocks else None, statistics.median(watts) if watts else None])
+            rows.append([f"{a - first:.1f}-{b - first:.1f} s", rate, *common.window_medians(samples, a, b)])
         if name == CEILING:
             print(f"\n{name}: burst (common.measure_ceilings, as latency.py) {burst:.0f} TFLOP/s")
         else:

@@ -21,7 +21,7 @@ import torch
 
 from gemm_quack_epilogue import LAYERS, SETS, register_quick_gelu
 from vitgraph import kernels
-from vitgraph.bench.common import ClockSampler, graph_per_call_us, held_replays
+from vitgraph.bench.common import ClockSampler, graph_per_call_us, held_replays, window_medians
 
 TILES = ["128x160 pp c12", "128x128 pp c12", "256x160 coop c12", "256x128 coop c21", "128x256 coop c12",
          "256x192 coop c12"]
@@ -94,11 +94,9 @@ def main() -> None:
     for text, burst, windows in results:
         late = windows[len(windows) // 2:]
         us = statistics.median(w[2] for w in late)
-        clocks = [c for t, c, _ in samples if late[0][0] <= t <= late[-1][1]]
-        watts = [p for t, _, p in samples if late[0][0] <= t <= late[-1][1]]
+        mhz, watts = window_medians(samples, late[0][0], late[-1][1])
         print(f"{text:20s} {burst:9.1f} {us:8.1f} {flops / us / 1e6:13.0f} "
-              f"{statistics.median(clocks) if clocks else float('nan'):7.0f} "
-              f"{statistics.median(watts) if watts else float('nan'):5.0f}")
+              f"{mhz if mhz is not None else float('nan'):7.0f} {watts if watts is not None else float('nan'):5.0f}")
 
 
 if __name__ == "__main__":

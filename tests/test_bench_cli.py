@@ -194,6 +194,15 @@ def test_ab_setting_runs_both_build_orders():
     assert "0.0e+00" in out  # the same output either way
 
 
+def test_window_medians_take_the_samples_inside_the_window():
+    from vitgraph.bench.common import window_medians
+
+    samples = [(0.0, 1980.0, 200.0), (1.0, 1700.0, 690.0), (1.5, 1600.0, 700.0), (2.0, 1650.0, 680.0), (3.0, 1.0, 1.0)]
+    assert window_medians(samples, 1.0, 2.0) == (1650.0, 690.0)  # both ends included
+    assert window_medians(samples, 1.2, 1.8) == (1600.0, 700.0)
+    assert window_medians(samples, 2.1, 2.9) == (None, None)
+
+
 def test_alternating_ab_preheats_then_alternates_strictly():
     """Each case: the outputs' first calls, then ``preheat_s`` of calls of the first key alone,
     then rounds in which the keys strictly alternate (``iters`` timed calls after 3 warm-ups)."""

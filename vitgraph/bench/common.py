@@ -144,6 +144,16 @@ class ClockSampler:
         return rows
 
 
+def window_medians(samples: list[tuple[float, float, float]], begin: float, end: float
+                   ) -> tuple[float | None, float | None]:
+    """Median SM MHz and board W of the :class:`ClockSampler` samples taken from ``begin`` to
+    ``end`` (host times); ``None`` for each where no sample falls there."""
+    inside = [(mhz, watts) for stamp, mhz, watts in samples if begin <= stamp <= end]
+    if not inside:
+        return None, None
+    return statistics.median(m for m, _ in inside), statistics.median(w for _, w in inside)
+
+
 def kernel_class(name: str) -> str:
     """attention (flash/cuDNN), gemm (cuBLAS/cuBLASLt/CUTLASS), fused (vitgraph's Triton kernels), or other."""
     return next(c for c, pattern in KERNEL_CLASSES if re.search(pattern, name, re.I))
