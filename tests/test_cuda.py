@@ -17,7 +17,7 @@ import vitgraph.gemm
 from vitgraph import GraphedVisionEncoder, kernels
 from vitgraph.attention import available_backends
 from vitgraph.capture.planner import Bucket
-from vitgraph.gemm import linear_add_, linear_qkv, linear_quick_gelu, quack_available
+from vitgraph.gemm import linear_qkv, linear_quick_gelu, quack_available
 
 pytestmark = pytest.mark.cuda
 
@@ -67,7 +67,7 @@ def test_fp32_parity_every_backend(weights, hf_gpu, monkeypatch):
     pixels = random_pixels(grids, seed=1)
     ref = hf_forward(hf_gpu, pixels, grids)  # fp32 on CPU
     # These grids are small: lower quack's row thresholds so every quack GEMM really runs.
-    for threshold in ("QUACK_MIN_ROWS", "QUACK_QKV_MIN_ROWS", "QUACK_ROPE_MIN_ROWS", "QUACK_RESIDUAL_MIN_ROWS"):
+    for threshold in ("QUACK_MIN_ROWS", "QUACK_QKV_MIN_ROWS", "QUACK_ROPE_MIN_ROWS"):
         monkeypatch.setattr(vitgraph.gemm, threshold, 0)
     split_k_default = vitgraph.gemm.SPLIT_K_MAX_ROWS  # read once: the loop below sets it
     for backend in available_backends("cuda"):
@@ -512,61 +512,6 @@ def test_quack_gemm_against_cublas_in_and_out_of_a_graph(layer):
         assert torch.equal(replayed, fn(x, weight, bias, "quack"))
     small = torch.randn(threshold - 1, 1280, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(fn(small, weight, bias, "quack"), cublas(small, weight, bias))
-
-
-@pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")
-@pytest.mark.parametrize("layer,k", [("proj", 1280), ("fc2", 5120)])
-def test_stream_add_through_quack_against_cublas_addmm(layer, k, monkeypatch):
-    """proj and fc2 adding into the bias-free stream through quack (``x`` read as C and written
-    in place) against cuBLAS's ``addmm_``, at the real widths, eagerly and replayed on new
-    inputs; below the row threshold ``linear_add_`` is ``addmm_``, bit for bit."""
-    monkeypatch.setattr(vitgraph.gemm, "QUACK_RESIDUAL_MIN_ROWS", 2048)
-    torch.manual_seed(0)
-    weight = torch.randn(1280, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
-    for rows in (2048, 4096, 9604):
-        inp = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(rows, 1280, device="cuda", dtype=torch.bfloat16) * 4
-        ref, got = x.clone().addmm_(inp, weight.t()), linear_add_(x.clone(), inp, weight, "quack")
-        print(f"\n[stream add {layer}] rows={rows}: bitwise={torch.equal(got, ref)} "
-              f"{diff_report(got.float(), ref.float())}")
-        assert rel_err(got.float(), ref.float()) <= 1e-2
-        start = torch.randn_like(x)
-        x.copy_(start)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            linear_add_(x, inp, weight, "quack")
-        x.copy_(start)
-        inp.copy_(torch.randn_like(inp))  # new input: the replay must really run the GEMM
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(x, linear_add_(start.clone(), inp, weight, "quack"))
-    small = torch.randn(2047, k, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(2047, 1280, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(linear_add_(x.clone(), small, weight, "quack"), x.clone().addmm_(small, weight.t()))
-
-
-@pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")
-def test_stream_add_through_quack_replays_bitwise_in_the_tower(weights, monkeypatch):
-    """With proj and fc2 on quack in every bias-free bucket, each bucket's replay equals an
-    eager run on the same buffers, and outputs stay within bf16 noise of the cuBLAS path."""
-    grids = [(1, 16, 16), (1, 8, 12)]
-    pixels = random_pixels(grids, seed=3).cuda().bfloat16()
-    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_MAX_ROWS", 0)  # these small buckets: bias-free
-    ref = make(weights, mode="eager").encode(pixels, grids)  # cuBLAS addmm_
-    monkeypatch.setattr(vitgraph.gemm, "QUACK_RESIDUAL_MIN_ROWS", 0)
-    enc = make(weights, mode="graph", budgets=[256, 512])
-    bank = enc.bank
-    for bucket in bank.buckets:  # both layers really run through quack
-        assert {"proj", "fc2"} <= {op for op, _ in enc.tower.jit_kernels(bank.batch_view(bucket))}
-    rng = random.Random(2)
-    for bucket in bank.buckets:
-        _, tokens = load_random_frames(bank, bucket, rng)
-        replayed = bank.replay(bucket)[:tokens // 4].clone()
-        eager = bank.run_eager(bucket)[:tokens // 4]
-        assert torch.equal(replayed, eager), f"bucket {bucket.name}: {diff_report(replayed, eager)}"
-    got = enc.encode(pixels, grids)
-    print(f"\n[stream add in the tower] quack vs cuBLAS: {diff_report(got.float(), ref.float())}")
-    assert rel_err(got.float(), ref.float()) <= 2e-2
 
 
 @pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")

@@ -96,28 +96,6 @@ def test_jit_kernels_follow_the_forward_paths(hopper):
     assert ops(tower(), Bucket(288, 16)) == ["attention"]  # below quack's row thresholds: cuBLAS
 
 
-def test_stream_gemms_through_quack_are_jit_kernels_from_their_row_threshold(hopper, monkeypatch):
-    """proj and fc2 of the bias-free stream (``QUACK_RESIDUAL_MIN_ROWS``) are kernels to
-    compile from their threshold on: one job where their tiles agree, two where they differ."""
-    g = vitgraph.gemm
-    monkeypatch.setattr(g, "QUACK_RESIDUAL_MIN_ROWS", 2048)
-    ops = lambda t, bucket: [op for op, _ in t.jit_kernels(layout(t, bucket))]
-    assert ops(tower(), Bucket(2048, 16)) == ["qkv_rope", "attention", "fc1", "proj", "fc2"]
-    assert ops(tower(), Bucket(1536, 16)) == ["qkv_rope", "attention", "fc1"]
-    assert ops(tower(gemm="cublas"), Bucket(2048, 16)) == ["attention"]
-    monkeypatch.setattr(g, "BIAS_FREE_STREAM", False)  # proj and fc2 then never add into the stream
-    assert ops(tower(), Bucket(4096, 16)) == ["qkv_rope", "attention", "fc1"]
-    monkeypatch.setattr(g, "BIAS_FREE_STREAM", True)
-    t = tower()
-    jobs = [j for j in kernel_jobs(t, [Bucket(2048, 16), Bucket(4096, 16)]) if j.op in ("proj", "fc2")]
-    assert len(jobs) == (1 if g.QUACK_RESIDUAL_TILE == g.QUACK_RESIDUAL_LONG_K_TILE else 2)
-    assert all(j.bucket == Bucket(2048, 16) for j in jobs)
-    monkeypatch.setattr(g, "QUACK_RESIDUAL_LONG_K_TILE", dict(g.QUACK_RESIDUAL_TILE, tile_m=256, pingpong=False))
-    assert [j.op for j in kernel_jobs(t, [Bucket(4096, 16)]) if j.op in ("proj", "fc2")] == ["proj", "fc2"]
-    monkeypatch.setattr(g, "QUACK_RESIDUAL_LONG_K_TILE", dict(g.QUACK_RESIDUAL_TILE))
-    assert [j.op for j in kernel_jobs(t, [Bucket(4096, 16)]) if j.op in ("proj", "fc2")] == ["proj"]
-
-
 def record_triton_calls(monkeypatch) -> set:
     """Stand-ins for the Triton kernels (and for the attention and GEMM kernels around them),
     shaped as the real ones, that record each call's variant: what decides a compile."""
@@ -322,10 +300,10 @@ def test_a_worker_runs_its_jobs_and_reports_what_failed():
                              torch.device("cpu")))
     assert proc.wait(timeout=120) == 0, _tail(log)
     assert json.loads(_tail(log))["dynamo_imported"] is False
-    proc, log = _spawn(_spec(t, [KernelJob("attention", (), Bucket(64, 4)), KernelJob("merger", (), Bucket(64, 4))],
+    proc, log = _spawn(_spec(t, [KernelJob("attention", (), Bucket(64, 4)), KernelJob("fc2", (), Bucket(64, 4))],
                              torch.device("cpu")))
     assert proc.wait(timeout=120) == 1
-    assert "op must be one of" in _tail(log) and "'merger'" in _tail(log)
+    assert "op must be one of" in _tail(log) and "'fc2'" in _tail(log)
 
 
 @pytest.mark.parametrize("value", [-1, True, 1.5, "4"])

@@ -126,13 +126,6 @@ SPLIT_K_ARCHS = (9,)  # compute capability majors where it was measured (Hopper)
 # add+LayerNorm kernel then reads the stream and writes the normalized rows (21 MB at 4096
 # tokens) instead of reading two tensors and writing two (42 MB). False: the plain adds.
 BIAS_FREE_STREAM = True
-# proj and fc2 of the bias-free stream (``x += inp @ weight.T``) through quack's GEMM from this
-# many rows, the stream read as C by the epilogue and added in fp32 (the add cuBLAS's addmm_
-# makes); None: cuBLAS at every row count. The tile by K: proj (K = 1280) and fc2 (K = 5120,
-# from SPLIT_K_LONG_MIN_K) each take their own.
-QUACK_RESIDUAL_MIN_ROWS = None
-QUACK_RESIDUAL_TILE = dict(tile_m=128, tile_n=160, pingpong=True, cluster_m=1, cluster_n=2)
-QUACK_RESIDUAL_LONG_K_TILE = dict(tile_m=128, tile_n=160, pingpong=True, cluster_m=1, cluster_n=2)
 
 
 def quack_available(device: torch.device | str) -> bool:
@@ -289,35 +282,6 @@ def linear_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     xs = x.view(rows, splits, k // splits).transpose(0, 1)  # [S, T, K/S]
     ws = weight.view(weight.shape[0], splits, k // splits).permute(1, 2, 0)  # [S, K/S, N]
     return torch.bmm(xs, ws), bias
-
-
-def _residual_tile(k: int) -> dict:
-    return QUACK_RESIDUAL_LONG_K_TILE if k >= SPLIT_K_LONG_MIN_K else QUACK_RESIDUAL_TILE
-
-
-def residual_in_quack(rows: int, weight: torch.Tensor, backend: str) -> bool:
-    """Whether :func:`linear_add_` runs ``rows`` rows through quack (``QUACK_RESIDUAL_MIN_ROWS``)."""
-    return (backend == "quack" and QUACK_RESIDUAL_MIN_ROWS is not None
-            and _quack_rows(rows, weight, QUACK_RESIDUAL_MIN_ROWS))
-
-
-def linear_add_(x: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor, backend: str) -> torch.Tensor:
-    """``x += inp @ weight.T`` in place (proj and fc2 of the bias-free stream): quack's GEMM
-    where :func:`residual_in_quack` holds, cuBLAS's ``addmm_`` otherwise."""
-    if (residual_in_quack(x.shape[0], weight, backend) and x.is_contiguous()
-            and _quack_fits(inp, weight, QUACK_RESIDUAL_MIN_ROWS)):
-        _, gemm, _ = _quack()
-        # Each output tile reads its own rows of x as C before it writes them: in place is safe.
-        gemm(inp, weight.t(), x, C=x, config=_gemm_config(tuple(_residual_tile(weight.shape[1]).items())))
-        return x
-    return x.addmm_(inp, weight.t())
-
-
-def residual_kernel(rows: int, weight: torch.Tensor, backend: str) -> tuple | None:
-    """The compiled kernel :func:`linear_add_` runs for ``rows`` rows (None: cuBLAS)."""
-    if not residual_in_quack(rows, weight, backend):
-        return None
-    return "residual", str(weight.dtype), tuple(_residual_tile(weight.shape[1]).items())
 
 
 def rope_in_gemm(rows: int, weight: torch.Tensor, backend: str) -> bool:

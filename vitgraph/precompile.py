@@ -65,8 +65,7 @@ WORKER_TIMEOUT_S = 600.0
 # compile only helps where the kernel persists.
 _FA4_CACHE = ("flash_attn.cute.cache_utils", FA4_CACHE_SWITCH)
 _QUACK_CACHE = ("quack.cache.jit", "QUACK_CACHE_ENABLED")
-_DISK_CACHE = {"attention": _FA4_CACHE, "qkv": _QUACK_CACHE, "qkv_rope": _QUACK_CACHE, "fc1": _QUACK_CACHE,
-               "proj": _QUACK_CACHE, "fc2": _QUACK_CACHE}
+_DISK_CACHE = {"attention": _FA4_CACHE, "qkv": _QUACK_CACHE, "qkv_rope": _QUACK_CACHE, "fc1": _QUACK_CACHE}
 # Where each library puts its disk cache (its variable, else <tempdir>/<user>/<name>), known
 # without importing it: start_early looks there before anything is imported, and precompile
 # adopts the early workers only where the imported libraries name the same directories.

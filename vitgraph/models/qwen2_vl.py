@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from .. import cudnn_attention, kernels
 from ..attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked, fa4_kernel
 from ..config import VisionConfig
-from ..gemm import (bias_free_stream, fc1_kernel, linear_add_, linear_qkv, linear_qkv_rope, linear_quick_gelu,
-                    linear_split_k, qkv_kernel, qkv_rope_kernel, residual_kernel, rope_in_gemm)
+from ..gemm import (bias_free_stream, fc1_kernel, linear_qkv, linear_qkv_rope, linear_quick_gelu, linear_split_k,
+                    qkv_kernel, qkv_rope_kernel, rope_in_gemm)
 
 Grid = tuple[int, int, int]
 
@@ -76,7 +76,7 @@ class FusedPaths(NamedTuple):
     bias_free: bool = False
 
 
-JIT_OPS = ("qkv", "qkv_rope", "attention", "fc1", "proj", "fc2")  # ops whose kernels compile on first use
+JIT_OPS = ("qkv", "qkv_rope", "attention", "fc1")  # ops whose kernels compile on first use
 
 
 @lru_cache(maxsize=1024)
@@ -406,10 +406,6 @@ class Qwen2VisionTower(nn.Module):
         if self.fused and block.act_name == "quick_gelu":
             if (key := fc1_kernel(rows, block.mlp.fc1.weight, self.gemm_backend)) is not None:
                 found.append(("fc1", key))
-        if self.fused and paths.bias_free:  # equal keys where proj's and fc2's tiles agree
-            for op, layer in (("proj", attn.proj), ("fc2", block.mlp.fc2)):
-                if (key := residual_kernel(rows, layer.weight, self.gemm_backend)) is not None:
-                    found.append((op, key))
         return found
 
     def run_jit_kernel(self, op: str, batch: VisionBatch) -> None:
@@ -430,10 +426,6 @@ class Qwen2VisionTower(nn.Module):
             attend(attn.backend, q, k, v, batch, padding_zeroed=True)
         elif op == "fc1":
             linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)
-        elif op in ("proj", "fc2"):
-            weight = attn.proj.weight if op == "proj" else mlp.fc2.weight
-            linear_add_(h, torch.zeros(rows, weight.shape[1], device=h.device, dtype=h.dtype), weight,
-                        self.gemm_backend)
         else:
             raise ValueError(f"op must be one of {JIT_OPS}, got {op!r}")
 
@@ -567,7 +559,7 @@ class Qwen2VisionTower(nn.Module):
                 out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding or rope_epilogue)
             del q, k, v, qkv
             if bias_free:
-                linear_add_(x, out.reshape(rows, -1), attn.proj.weight, self.gemm_backend)
+                x.addmm_(out.reshape(rows, -1), attn.proj.weight.t())
                 # out goes back before h is allocated, so h takes out's block and not the
                 # start of qkv's: there it would split the space fc1's output needs next, and
                 # the graphs' pool would grow a segment of that size (1.7x the peak, not 1.1x).
@@ -586,7 +578,7 @@ class Qwen2VisionTower(nn.Module):
             del h
             norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else self.merger.ln_q
             if bias_free:
-                linear_add_(x, f, mlp.fc2.weight, self.gemm_backend)
+                x.addmm_(f, mlp.fc2.weight.t())
                 del f  # as out above
                 h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps, offset=offsets[2 * i + 1])
             else:
