@@ -9,7 +9,12 @@ a later GEMM's weights into L2 while the current GEMM runs.
 
 Prefetch kernels: ``load`` reads the weights (evict-last) and keeps a per-program sum;
 ``hint`` issues PTX ``prefetch.global.L2::evict_last`` per 128-byte line (nothing waits).
-Usage: l2_prefetch.py [M ...]
+``--copies``: instead of kernels (which take SMs from the GEMMs), device-to-device copies
+(``cudaMemcpyAsync``, memcpy nodes in the graph, run by the copy engines) of the later GEMM's
+weights, whole into a scratch as large (``copy``) or in chunks of ``p`` MiB into one scratch
+chunk (``chunks``), so that the written bytes hold little of L2. ``resident``: every block
+runs the first block's weights, which stay in L2 (the bound a prefetch could reach).
+Usage: l2_prefetch.py [M ...] [--copies]
 """
 import itertools
 import sys
@@ -50,7 +55,14 @@ def _hint_kernel(w_ptr, sink_ptr, lines, BLOCK: tl.constexpr):
 
 
 def prefetch(kind: str, w: torch.Tensor, sink: torch.Tensor, programs: int) -> None:
-    if kind == "load":
+    if kind == "copy":
+        sink[:w.numel()].copy_(w.view(-1))
+    elif kind == "chunks":
+        flat, chunk = w.view(-1), programs << 19  # p MiB of bf16
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start:start + chunk]
+            sink[:part.numel()].copy_(part)
+    elif kind == "load":
         _load_kernel[(programs,)](w, sink, w.numel(), BLOCK=4096, num_warps=8)
     else:
         _hint_kernel[(programs,)](w, sink, triton.cdiv(w.numel(), 64), BLOCK=1024, num_warps=4)
@@ -61,18 +73,21 @@ def replay_us(forward) -> float:
     return graph_replay_us(forward, inner=1, reps=30)[0] / BLOCKS
 
 
-def main(ms: list[int]) -> None:
+def main(ms: list[int], copies: bool) -> None:
     torch.manual_seed(0)
     dev = torch.device("cuda")
     weights = [(name, torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02,
                 torch.randn(n, device=dev, dtype=torch.bfloat16))
                for _ in range(BLOCKS) for name, (k, n) in LAYERS.items()]
-    sink = torch.zeros(1024, device=dev)
+    resident = weights[:len(LAYERS)] * BLOCKS
+    # the copies' destination: as large as the largest weight (bf16); the kernels' per-program sums
+    sink = torch.zeros(max(w.numel() for _, w, _ in weights), device=dev, dtype=torch.bfloat16) if copies else \
+        torch.zeros(1024, device=dev)
     print(f"{torch.cuda.get_device_name()}, {BLOCKS} blocks, µs per block (4 GEMMs)")
     for m in ms:
         inputs = {k: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for k in (1280, 5120)}
 
-        def forward(kind=None, distance=1, programs=16):
+        def forward(kind=None, distance=1, programs=16, weights=weights):
             main_stream = torch.cuda.current_stream()
             helper = torch.cuda.Stream() if kind else None
             for j, (_, w, b) in enumerate(weights):
@@ -86,14 +101,20 @@ def main(ms: list[int]) -> None:
 
         base = replay_us(forward)
         results = []
-        for kind, distance, programs in itertools.product(("load", "hint"), (1, 2), (8, 16, 32, 64)):
+        if copies:
+            print(f"M={m:5d} weights resident in L2 {replay_us(lambda: forward(weights=resident)):6.1f}", flush=True)
+            variants = [("copy", d, 0) for d in (1, 2)] + list(itertools.product(("chunks",), (1, 2), (1, 2, 4)))
+        else:
+            variants = itertools.product(("load", "hint"), (1, 2), (8, 16, 32, 64))
+        for kind, distance, programs in variants:
             results.append((replay_us(lambda: forward(kind, distance, programs)), kind, distance, programs))
         results.sort()
-        best = ", ".join(f"{us:.1f} ({kind} d={d} p={p})" for us, kind, d, p in results[:4])
+        best = ", ".join(f"{us:.1f} ({kind} d={d} p={p})" for us, kind, d, p in (results if copies else results[:4]))
         worst = results[-1]
         print(f"M={m:5d} no prefetch {base:6.1f} | best: {best} | worst {worst[0]:.1f} ({worst[1]} d={worst[2]} p={worst[3]})",
               flush=True)
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [256, 512, 1024, 2048])
+    args = [a for a in sys.argv[1:] if a != "--copies"]
+    main([int(a) for a in args] or [256, 512, 1024, 2048], "--copies" in sys.argv[1:])
