@@ -6,8 +6,9 @@ reads the stream. Per layer and row count, µs per GEMM + that LayerNorm, in CUD
 weight sets rotated so weights stream from DRAM as in the tower:
 
 - ``cublas``: ``x.addmm_(inp, weight.t())`` (what the tower runs by default);
-- ``quack C <tile>``: quack's GEMM reading ``x`` as C and writing ``x`` in place (the add in
-  fp32 in the epilogue; the form tried in the tower at commit e6a651b, benchmarks/HISTORY.md);
+- ``quack C <tile>``: quack's GEMM reading ``x`` as C and writing ``x`` in place (the product
+  added in fp32 in the epilogue, one rounding; the form tried in the tower at commit e6a651b,
+  benchmarks/HISTORY.md);
 - ``quack reduce <tile>``: quack's ``add_to_output`` (the product rounded to bf16, then added
   into ``x`` by a TMA reduce-add store: two roundings).
 
