@@ -6,7 +6,11 @@ next level: bytes delivered from L2 into the SMs per second, by a Triton kernel 
 programs each sum one slice of a buffer that stays in L2, ``reuse`` programs per slice (as
 the row tiles of a GEMM each read the same weight columns). Then it times fc1 at 256 rows
 (cuBLAS, and quack's 64-row tile with QuickGELU where the ``fa4`` extra is installed) with
-its weight resident in L2 too, so their operand traffic can be set against that ceiling.
+its weight resident in L2 too. TMA-fed GEMMs take bytes in faster than plain loads, so it also
+times quack's fc1 tiles at 4096 rows (many waves) and counts the operand bytes each SM took
+in per second. Last, the block's four GEMMs at 256 rows: each CTA's operand intake (its input
+rows and weight rows over all of K; TMA multicast saves L2 reads, not what each SM receives)
+at the best rate per SM measured, the time no schedule of those tiles can beat.
 
 Usage: l2_bandwidth.py
 """
@@ -61,32 +65,75 @@ def main() -> None:
         print(f"  block {block} warps {warps}: {us:.1f} µs, {rate:.2f} TB/s")
     print(f"best L2 rate: {best:.2f} TB/s")
 
+    intake = quack_intake_gb_per_sm(props.multi_processor_count)
+    fc1_at_256_rows()
+    per_sm = max([best * 1e3 / props.multi_processor_count] + list(intake.values()))
+    print(f"256-row bucket: each CTA's operand intake (input rows + weight rows, all of K; multicast "
+          f"does not reduce it) at the best rate per SM measured above, {per_sm:.1f} GB/s:")
+    total = 0.0
+    for name, (tile_m, tile_n, k, splits) in BLOCK_TILES_256.items():
+        kib = (tile_m + tile_n) * (k // splits) * 2 / 1024
+        us = kib * 1024 / (per_sm * 1e9) * 1e6
+        total += us
+        print(f"  {name:5s} {tile_m}x{tile_n} tile, K {k}/{splits}: {kib:6.1f} KiB per CTA, {us:5.2f} µs")
+    print(f"  the block's four GEMMs: {total:.1f} µs")
+
+
+# The 256-row bucket's GEMM tiles (rows x columns of the output, K, K's splits): quack's for qkv and
+# fc1 (vitgraph.gemm), cuBLAS's for proj and fc2 as its kernel name gives them
+# (nvjet_sm90_tst_80x64_...: 80 output features x 64 tokens), on K's halves (vitgraph.gemm.SPLIT_K).
+BLOCK_TILES_256 = {"qkv": (64, 128, 1280, 1), "proj": (64, 80, 1280, 2), "fc1": (64, 160, 1280, 1),
+                   "fc2": (64, 80, 5120, 2)}
+
+
+def _quack_fc1(x, w, b, tile: dict):
+    from vitgraph import gemm
+
+    gemm_act, _, name = gemm._quack()
+    out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+    config = gemm._gemm_config(tuple(tile.items()))
+    return lambda: gemm_act(x, w.t(), None, out, None, b, name, config=config)
+
+
+def quack_intake_gb_per_sm(sms: int) -> dict:
+    """GB/s per SM of operand bytes that quack's TMA-fed fc1 tiles take in at 4096 rows
+    (many waves; weight and input held in L2); {} without quack."""
+    from vitgraph import gemm
+
+    if not gemm.quack_available("cuda"):
+        print("quack unavailable: no TMA-fed rate measured")
+        return {}
+    rows, k, n = 4096, 1280, 5120
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+    print(f"quack fc1 + QuickGELU at {rows} rows: operand bytes taken in per SM")
+    rates = {}
+    for tile_m, tile_n in [(128, 128), (128, 160)]:
+        tile = dict(tile_m=tile_m, tile_n=tile_n, pingpong=True, cluster_m=1, cluster_n=2)
+        us, _ = graph_replay_us(_quack_fc1(x, w, b, tile), inner=20, reps=15)
+        tiles = -(-rows // tile_m) * -(-n // tile_n)
+        moved = tiles * (tile_m + tile_n) * k * 2
+        rates[f"{tile_m}x{tile_n}"] = moved / (us * 1e-6) / sms / 1e9
+        print(f"  {tile_m}x{tile_n}: {us:.1f} µs, {tiles} tiles, {moved / (us * 1e-6) / 1e12:.2f} TB/s, "
+              f"{rates[f'{tile_m}x{tile_n}']:.1f} GB/s per SM")
+    return rates
+
+
+def fc1_at_256_rows() -> None:
     rows, k, n = 256, 1280, 5120
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     b = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
     gemms = {"cuBLAS fc1 (no QuickGELU)": lambda: F.linear(x, w, b)}
-    try:
-        from vitgraph import gemm
+    from vitgraph import gemm
 
-        if gemm.quack_available(x.device):
-            gemms["quack fc1 + QuickGELU, 64x160 2x1"] = lambda: gemm.linear_quick_gelu(x, w, b, "quack")
-    except Exception as err:  # noqa: BLE001 - report and time cuBLAS alone
-        print(f"quack unavailable: {err}")
+    if gemm.quack_available(x.device):
+        gemms["quack fc1 + QuickGELU, 64x160 2x1"] = _quack_fc1(x, w, b, gemm.QUACK_FC1_SMALL_TILE)
     print(f"fc1 at {rows} rows, weight ({n * k * 2 / 2**20:.1f} MiB) resident in L2:")
     for name, fn in gemms.items():
         us, _ = graph_replay_us(fn, inner=20, reps=15)
-        tflops = 2 * rows * k * n / (us * 1e-6) / 1e12
-        print(f"  {name}: {us:.2f} µs, {tflops:.0f} TFLOP/s")
-    # quack's 64x160 tile in 2x1 clusters: 4 row tiles x 32 column tiles; each cluster of two
-    # row tiles loads a weight tile once (multicast), every CTA loads its 64 input rows.
-    weight_mib = n * k * 2 / 2**20
-    input_mib = rows * k * 2 / 2**20
-    traffic = weight_mib * (rows // 64) / 2 + input_mib * (n // 160)
-    print(f"  quack tile's operand traffic from L2: {traffic:.1f} MiB "
-          f"(weights {weight_mib:.1f} MiB x 2 cluster loads, input {input_mib:.2f} MiB x {n // 160} column tiles)")
-    if len(gemms) > 1:
-        print(f"  at the best L2 rate that traffic takes {traffic * 2**20 / (best * 1e12) * 1e6:.2f} µs")
+        print(f"  {name}: {us:.2f} µs, {2 * rows * k * n / (us * 1e-6) / 1e12:.0f} TFLOP/s")
 
 
 if __name__ == "__main__":
