@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from vitgraph import gemm
 from vitgraph.bench.common import graph_replay_us
 
 
@@ -86,9 +87,17 @@ BLOCK_TILES_256 = {"qkv": (64, 128, 1280, 1), "proj": (64, 80, 1280, 2), "fc1": 
                    "fc2": (64, 80, 5120, 2)}
 
 
-def _quack_fc1(x, w, b, tile: dict):
-    from vitgraph import gemm
+def _fc1_operands(rows: int):
+    """fc1's input, weight and bias (bf16) for ``rows`` rows."""
+    k, n = 1280, 5120
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    return x, w, torch.zeros(n, device="cuda", dtype=torch.bfloat16)
 
+
+def _quack_fc1_tile(x, w, b, tile: dict):
+    """fc1 + QuickGELU through quack's GEMM in ``tile`` (as :func:`vitgraph.gemm.linear_quick_gelu`
+    calls it, with the tile given instead of picked)."""
     gemm_act, _, name = gemm._quack()
     out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
     config = gemm._gemm_config(tuple(tile.items()))
@@ -98,20 +107,17 @@ def _quack_fc1(x, w, b, tile: dict):
 def quack_intake_gb_per_sm(sms: int) -> dict:
     """GB/s per SM of operand bytes that quack's TMA-fed fc1 tiles take in at 4096 rows
     (many waves; weight and input held in L2); {} without quack."""
-    from vitgraph import gemm
-
     if not gemm.quack_available("cuda"):
         print("quack unavailable: no TMA-fed rate measured")
         return {}
-    rows, k, n = 4096, 1280, 5120
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    b = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+    x, w, b = _fc1_operands(4096)
+    rows, k = x.shape
+    n = w.shape[0]
     print(f"quack fc1 + QuickGELU at {rows} rows: operand bytes taken in per SM")
     rates = {}
     for tile_m, tile_n in [(128, 128), (128, 160)]:
         tile = dict(tile_m=tile_m, tile_n=tile_n, pingpong=True, cluster_m=1, cluster_n=2)
-        us, _ = graph_replay_us(_quack_fc1(x, w, b, tile), inner=20, reps=15)
+        us, _ = graph_replay_us(_quack_fc1_tile(x, w, b, tile), inner=20, reps=15)
         tiles = -(-rows // tile_m) * -(-n // tile_n)
         moved = tiles * (tile_m + tile_n) * k * 2
         rates[f"{tile_m}x{tile_n}"] = moved / (us * 1e-6) / sms / 1e9
@@ -121,15 +127,12 @@ def quack_intake_gb_per_sm(sms: int) -> dict:
 
 
 def fc1_at_256_rows() -> None:
-    rows, k, n = 256, 1280, 5120
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    b = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+    x, w, b = _fc1_operands(256)
+    rows, k = x.shape
+    n = w.shape[0]
     gemms = {"cuBLAS fc1 (no QuickGELU)": lambda: F.linear(x, w, b)}
-    from vitgraph import gemm
-
-    if gemm.quack_available(x.device):
-        gemms["quack fc1 + QuickGELU, 64x160 2x1"] = _quack_fc1(x, w, b, gemm.QUACK_FC1_SMALL_TILE)
+    if gemm.quack_available(x.device):  # the tower's call: quack's 64x160 tile in 2x1 clusters at 256 rows
+        gemms["quack fc1 + QuickGELU, 64x160 2x1"] = lambda: gemm.linear_quick_gelu(x, w, b, "quack")
     print(f"fc1 at {rows} rows, weight ({n * k * 2 / 2**20:.1f} MiB) resident in L2:")
     for name, fn in gemms.items():
         us, _ = graph_replay_us(fn, inner=20, reps=15)
