@@ -1,8 +1,11 @@
-"""How much removing the add+LayerNorm kernels could save at most, end to end (a bound, not a model).
+"""How much removing the add+LayerNorm kernels, or attention time, could save at most, end to end
+(bounds, not models).
 
     python benchmarks/ln_removal_bound.py --variant stock   # the defaults
     python benchmarks/ln_removal_bound.py --variant bound   # no LayerNorm kernels (wrong numbers)
     python benchmarks/ln_removal_bound.py --variant bound --cases 1x256 1x1024
+    python benchmarks/ln_removal_bound.py --variant stock --attention-share 0.75   # attention in 24 of 32 blocks
+    python benchmarks/ln_removal_bound.py --variant bound --attention-share 0      # the GEMMs alone
 
 ``bound`` captures a forward that skips every LayerNorm and adds the residual inside proj's
 and fc2's cuBLAS GEMM (``x.addmm_``, beta = 1; their bias is dropped), so each block runs
@@ -14,11 +17,19 @@ with no LayerNorm work at all, which no design that keeps them beats: carrying t
 statistics through the GEMM epilogues costs epilogue work on top. Run the two variants in
 alternating processes: at the H200's 700 W cap, two encoders in one process read
 differently by up to 0.3 ms (BENCHMARKS.md).
+
+``--attention-share F`` (either variant) runs attention in that share of the blocks, spread
+evenly, and leaves the others' attention output unwritten (wrong numbers): 0.75 stands for an
+attention kernel a third faster than FlashAttention 4 (its every call, launch and per-tile
+costs included, a quarter cheaper), 0 for free attention. Like ``bound``, it keeps whatever the
+board does at its power cap with the work that is left, which a kernel-level estimate cannot.
+Each process prints how many attention calls it skipped, so a share that never engaged shows.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 
@@ -26,10 +37,10 @@ import torch
 from ab_setting import parse_settings
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.attention import attend
-from vitgraph.bench.common import median_ms
+from vitgraph.bench.common import median_ms, preheat
 from vitgraph.bench.latency import CASES, select_cases
 from vitgraph.gemm import fc1_kernel, linear_qkv_rope, linear_quick_gelu
+from vitgraph.models import qwen2_vl
 from vitgraph.models.qwen2_vl import Qwen2VisionTower
 
 DEFAULT_CASES = ["1x1024", "4x1024", "16x256", "video-8x16x28", "1x4096"]
@@ -53,7 +64,7 @@ def bound_forward(stock):
             attn, mlp = block.attn, block.mlp
             qkv = linear_qkv_rope(x, attn.qkv.weight, attn.qkv.bias, freq_h, freq_w, pos_h, pos_w)
             q, k, v = qkv.view(rows, 3, tower.config.num_heads, -1).unbind(1)
-            out = attend(attn.backend, q, k, v, batch, padding_zeroed=True)
+            out = qwen2_vl.attend(attn.backend, q, k, v, batch, padding_zeroed=True)
             del q, k, v, qkv
             x.addmm_(out.reshape(rows, -1), attn.proj.weight.t())
             del out
@@ -62,6 +73,23 @@ def bound_forward(stock):
             del f
         return tower.merger.mlp(x.view(-1, tower.merger.merged_dim))
     return forward
+
+
+def attend_share(attend, share: float, calls: dict):
+    """``attend`` run in ``share`` of its calls, spread evenly (call ``c`` runs when
+    ``floor((c + 1) * share)`` steps up): the forward calls it once per block, so every 32 blocks'
+    worth of calls skip the same number whatever block a warm-up started at, for shares in
+    steps of 1/32. Skipped calls return unwritten memory of the output's shape."""
+    counter = itertools.count()
+
+    def wrapped(backend, q, k, v, batch, padding_zeroed=False):
+        c = next(counter)
+        calls["all"] += 1
+        if int((c + 1) * share) > int(c * share):
+            return attend(backend, q, k, v, batch, padding_zeroed)
+        calls["skipped"] += 1
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return wrapped
 
 
 def main() -> None:
@@ -73,12 +101,21 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="passes over the cases; the median is kept")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--max-budget", type=int, default=4096)
+    p.add_argument("--attention-share", type=float, default=1.0,
+                   help="share of the blocks that run attention, in steps of 1/32 (default 1: all)")
+    p.add_argument("--preheat", type=float, default=0.0,
+                   help="seconds of calls before each case's first round (the A/B harness uses 5)")
     args = p.parse_args()
+    if not 0.0 <= args.attention_share <= 1.0 or (args.attention_share * 32) % 1:
+        p.error("--attention-share must be k/32 for k in 0..32")
 
     for module, attr, _, value in parse_settings(args.set):
         setattr(module, attr, value)
     if args.variant == "bound":
         Qwen2VisionTower.forward_fused = bound_forward(Qwen2VisionTower.forward_fused)
+    calls = {"all": 0, "skipped": 0}
+    if args.attention_share < 1.0:
+        qwen2_vl.attend = attend_share(qwen2_vl.attend, args.attention_share, calls)
     device = torch.device("cuda")
     enc = GraphedVisionEncoder.from_config("qwen2-vl-2b", device=device, seed=0, max_budget=args.max_budget,
                                            progress=False)
@@ -87,11 +124,14 @@ def main() -> None:
     inputs = {name: torch.randn(sum(t * h * w for t, h, w in grids), enc.config.patch_width,
                                 generator=gen).to(device, torch.bfloat16) for name, grids in cases.items()}
     times = {name: [] for name in cases}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for name, grids in cases.items():
+            if r == 0 and args.preheat:
+                preheat(lambda: enc.encode(inputs[name], grids), device, args.preheat)
             times[name].append(median_ms(lambda: enc.encode(inputs[name], grids), device, args.iters, 5))
     result = {name: round(statistics.median(t), 3) for name, t in times.items()}
-    print(json.dumps({"variant": args.variant, "set": args.set, "ms": result}))
+    print(json.dumps({"variant": args.variant, "attention_share": args.attention_share, "set": args.set,
+                      "attention_calls_at_capture": calls, "ms": result}))
 
 
 if __name__ == "__main__":
