@@ -6,6 +6,7 @@
     python benchmarks/ln_removal_bound.py --variant bound --cases 1x256 1x1024
     python benchmarks/ln_removal_bound.py --variant stock --attention-share 0.75   # attention in 24 of 32 blocks
     python benchmarks/ln_removal_bound.py --variant bound --attention-share 0      # the GEMMs alone
+    python benchmarks/ln_removal_bound.py --variant bound --split-as-stock --cases 1x256   # proj, fc2 split as stock
 
 ``bound`` captures a forward that skips every LayerNorm and adds the residual inside proj's
 and fc2's cuBLAS GEMM (``x.addmm_``, beta = 1; their bias is dropped), so each block runs
@@ -24,6 +25,11 @@ attention kernel a third faster than FlashAttention 4 (its every call, launch an
 costs included, a quarter cheaper), 0 for free attention. Like ``bound``, it keeps whatever the
 board does at its power cap with the work that is left, which a kernel-level estimate cannot.
 Each process prints how many attention calls it skipped, so a share that never engaged shows.
+
+``--split-as-stock`` (with ``bound``) runs proj and fc2 as the stock forward does where it
+splits their K (:func:`vitgraph.gemm.linear_split_k`, up to 896 rows) and leaves the partial
+products unsummed and the stream unchanged: the GEMMs as the defaults run them, with no
+LayerNorm and no reduction at all.
 """
 
 from __future__ import annotations
@@ -39,16 +45,17 @@ from ab_setting import parse_settings
 from vitgraph import GraphedVisionEncoder
 from vitgraph.bench.common import median_ms, preheat
 from vitgraph.bench.latency import CASES, select_cases
-from vitgraph.gemm import fc1_kernel, linear_qkv_rope, linear_quick_gelu
+from vitgraph.gemm import fc1_kernel, linear_qkv_rope, linear_quick_gelu, linear_split_k
 from vitgraph.models import qwen2_vl
 from vitgraph.models.qwen2_vl import Qwen2VisionTower
 
 DEFAULT_CASES = ["1x1024", "4x1024", "16x256", "video-8x16x28", "1x4096"]
 
 
-def bound_forward(stock):
+def bound_forward(stock, split_as_stock: bool = False):
     """``forward_fused`` without LayerNorm kernels where the rotary runs in qkv's epilogue and
-    fc1 on quack; ``stock`` elsewhere."""
+    fc1 on quack; ``stock`` elsewhere. ``split_as_stock``: proj and fc2 through
+    ``linear_split_k`` where the stock forward does, their products dropped."""
     def forward(tower: Qwen2VisionTower, pixels, batch, blocks=None):
         paths = tower.fused_paths(batch)
         rows = pixels.shape[0]
@@ -60,16 +67,23 @@ def bound_forward(stock):
         freq_h, freq_w = tower.rope_columns()
         pos_h, pos_w = tower.rope_rows(batch)
         x = tower.patch_embed(pixels)
+        split = split_as_stock and not paths.bias_free  # the stock forward's split-K steps
         for block in blocks:
             attn, mlp = block.attn, block.mlp
             qkv = linear_qkv_rope(x, attn.qkv.weight, attn.qkv.bias, freq_h, freq_w, pos_h, pos_w)
             q, k, v = qkv.view(rows, 3, tower.config.num_heads, -1).unbind(1)
             out = qwen2_vl.attend(attn.backend, q, k, v, batch, padding_zeroed=True)
             del q, k, v, qkv
-            x.addmm_(out.reshape(rows, -1), attn.proj.weight.t())
+            if split:
+                del linear_split_k(out.reshape(rows, -1), attn.proj.weight, attn.proj.bias)[0]
+            else:
+                x.addmm_(out.reshape(rows, -1), attn.proj.weight.t())
             del out
             f = linear_quick_gelu(x, mlp.fc1.weight, mlp.fc1.bias, tower.gemm_backend)
-            x.addmm_(f, mlp.fc2.weight.t())
+            if split:
+                del linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)[0]
+            else:
+                x.addmm_(f, mlp.fc2.weight.t())
             del f
         return tower.merger.mlp(x.view(-1, tower.merger.merged_dim))
     return forward
@@ -103,6 +117,8 @@ def main() -> None:
     p.add_argument("--max-budget", type=int, default=4096)
     p.add_argument("--attention-share", type=float, default=1.0,
                    help="share of the blocks that run attention, in steps of 1/32 (default 1: all)")
+    p.add_argument("--split-as-stock", action="store_true",
+                   help="bound: proj and fc2 split as the stock forward splits them, products unsummed")
     p.add_argument("--preheat", type=float, default=0.0,
                    help="seconds of calls before each case's first round (the A/B harness uses 5)")
     args = p.parse_args()
@@ -112,7 +128,9 @@ def main() -> None:
     for module, attr, _, value in parse_settings(args.set):
         setattr(module, attr, value)
     if args.variant == "bound":
-        Qwen2VisionTower.forward_fused = bound_forward(Qwen2VisionTower.forward_fused)
+        Qwen2VisionTower.forward_fused = bound_forward(Qwen2VisionTower.forward_fused, args.split_as_stock)
+    elif args.split_as_stock:
+        p.error("--split-as-stock needs --variant bound")
     calls = {"all": 0, "skipped": 0}
     if args.attention_share < 1.0:
         qwen2_vl.attend = attend_share(qwen2_vl.attend, args.attention_share, calls)
@@ -130,7 +148,8 @@ def main() -> None:
                 preheat(lambda: enc.encode(inputs[name], grids), device, args.preheat)
             times[name].append(median_ms(lambda: enc.encode(inputs[name], grids), device, args.iters, 5))
     result = {name: round(statistics.median(t), 3) for name, t in times.items()}
-    print(json.dumps({"variant": args.variant, "attention_share": args.attention_share, "set": args.set,
+    print(json.dumps({"variant": args.variant, "attention_share": args.attention_share,
+                      "split_as_stock": args.split_as_stock, "set": args.set,
                       "attention_calls_at_capture": calls, "ms": result}))
 
 
