@@ -75,13 +75,13 @@ def bound_forward(stock, split_as_stock: bool = False):
             out = qwen2_vl.attend(attn.backend, q, k, v, batch, padding_zeroed=True)
             del q, k, v, qkv
             if split:
-                del linear_split_k(out.reshape(rows, -1), attn.proj.weight, attn.proj.bias)[0]
+                linear_split_k(out.reshape(rows, -1), attn.proj.weight, attn.proj.bias)  # dropped
             else:
                 x.addmm_(out.reshape(rows, -1), attn.proj.weight.t())
             del out
             f = linear_quick_gelu(x, mlp.fc1.weight, mlp.fc1.bias, tower.gemm_backend)
             if split:
-                del linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)[0]
+                linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)  # dropped
             else:
                 x.addmm_(f, mlp.fc2.weight.t())
             del f
