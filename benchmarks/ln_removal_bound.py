@@ -35,7 +35,6 @@ LayerNorm and no reduction at all.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 
@@ -93,11 +92,11 @@ def attend_share(attend, share: float, calls: dict):
     """``attend`` run in ``share`` of its calls, spread evenly (call ``c`` runs when
     ``floor((c + 1) * share)`` steps up): the forward calls it once per block, so every 32 blocks'
     worth of calls skip the same number whatever block a warm-up started at, for shares in
-    steps of 1/32. Skipped calls return unwritten memory of the output's shape."""
-    counter = itertools.count()
+    steps of 1/32. Skipped calls return unwritten memory of the output's shape. ``calls``
+    counts them: ``all`` (the next call's index) and ``skipped``."""
 
     def wrapped(backend, q, k, v, batch, padding_zeroed=False):
-        c = next(counter)
+        c = calls["all"]
         calls["all"] += 1
         if int((c + 1) * share) > int(c * share):
             return attend(backend, q, k, v, batch, padding_zeroed)
