@@ -505,7 +505,8 @@ class GraphedVisionEncoder:
 
     def stats(self) -> dict[str, Any]:
         """Replays and padding per bucket, eager fallbacks by reason, capture seconds (the kernel
-        precompile included, whose report is under ``"precompile"``) and pool bytes."""
+        precompile included, whose report is under ``"precompile"``) and pool bytes (library
+        workspaces included, also given alone)."""
         with self._lock:
             buckets = {
                 b.name: {"tokens": b.tokens, "max_segments": b.max_segments, "max_seqlen": b.max_seqlen,
@@ -529,4 +530,6 @@ class GraphedVisionEncoder:
                 "single_frame_packed_below": dict(self._packed_single_below),
                 "faster_next_bucket": {small.name: large.name for small, large in self._faster_next.items()},
                 "pool_bytes": self.bank.pool_bytes if self.bank else 0,
+                # of which cuBLAS's workspaces for the capture stream (not activations)
+                "pool_workspace_bytes": self.bank.workspace_bytes if self.bank else 0,
             }

@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
               "ceilings": ceilings, "weight_bytes": weight_bytes, "capture_s": capture_s, "preheat_s": args.preheat,
               "buckets": [b.name for b in graph_enc.buckets] if graph_enc else [],
               "pool_bytes": graph_enc.stats()["pool_bytes"] if graph_enc else None,
+              "pool_workspace_bytes": graph_enc.stats()["pool_workspace_bytes"] if graph_enc else None,
               "eager_peak_bytes": common.eager_peak_bytes(graph_enc) if graph_enc else None, "cases": []}
     gen = torch.Generator(device="cpu").manual_seed(0)
     for name, grids in cases.items():
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"GEMM {ceilings['gemm_tflops']:.3g} TFLOP/s, copy {ceilings['copy_tbps']:.3g} TB/s")
     if graph_enc is not None:
         print(f"captured {len(result['buckets'])} buckets in {capture_s:.1f} s, pool {result['pool_bytes'] / 2**20:.0f} MiB"
+              f" ({result['pool_workspace_bytes'] / 2**20:.0f} MiB of it cuBLAS workspaces)"
               f" (eager activation peak of the largest bucket {result['eager_peak_bytes'] / 2**20:.0f} MiB)")
     shown = [s for s in systems if s in runners]
     common.print_table(["case", "tokens", "floor"] + shown + (["compile_s"] if compile_seconds else []),

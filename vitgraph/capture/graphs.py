@@ -11,6 +11,15 @@ buffer, which each graph makes itself as its first node. All graphs share one me
 pool, captured largest first; the first capture reserves one segment the size of a
 forward's activation peak, so the pool stays near that peak instead of keeping a
 segment per tensor size.
+
+Every address a graph bakes in is memory the bank owns: its static buffers, its pool,
+and the workspaces cuBLAS keeps per (handle, stream). The last are torch's, and torch
+frees them process-wide (``torch._C._cuda_clearCublasWorkspaces``, which torch.compile's
+CUDA-graph trees call around every recording); a workspace outside the pool would then be
+handed to other tensors while the graphs still write to it. So warm-ups run on the
+caller's stream, and the bank's capture stream is used by captures alone: its workspaces
+are allocated inside the pool (first by a small primer graph, before the arena), where
+freeing them returns them to memory only this bank's captures draw from.
 """
 
 from __future__ import annotations
@@ -112,9 +121,11 @@ class GraphBank:
         # tensors on every call is measurable host time.
         self._meta_copy = {b: (self.static_meta[:n], self._staging[:n], self._staging_np[:n])
                            for b, n in sizes.items()}
-        # One stream warms up and captures every bucket: libraries keep per-stream workspaces
-        # (cuBLAS), so warming up elsewhere would allocate the capture stream's inside the pool.
-        self._stream = torch.cuda.Stream(device)
+        # Used by captures alone, so that the workspaces cuBLAS keeps for it live in the pool
+        # (see the module doc). Warm-ups run on the caller's stream.
+        self._capture_stream = torch.cuda.Stream(device)
+        self._primer: tuple | None = None  # (graph, its tensors): owns the pool before any bucket
+        self.workspace_bytes = 0  # the pool's bytes that hold library workspaces, not activations
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -191,43 +202,66 @@ class GraphBank:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # cached free blocks would hide the pool's growth from the limit check
         reserved_before = torch.cuda.memory_reserved(self.device)
-        todo = self.uncaptured
-        pool = next(iter(self.graphs.values())).graph.pool() if self.graphs else None
-        for bucket in tqdm(todo, desc="capturing CUDA graphs", unit="graph", disable=not progress):
+        for bucket in tqdm(self.uncaptured, desc="capturing CUDA graphs", unit="graph", disable=not progress):
+            pool = self._pool()
             # Valid (empty) metadata for warm-up and capture; kernels read the real one at replay.
             self.load(bucket, self.static_pixels[:0], self.stage(self._layouts[bucket]))
             try:
-                captured = self._capture_one(bucket, pool)
+                captured = self._capture_one(bucket, pool, first=not self.graphs)
             except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
                 if not _is_oom(err):
                     raise
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
-                self.dropped[bucket] = "out of memory"
+                self._drop(bucket, "out of memory")
                 logger.warning("vitgraph: out of memory capturing bucket %s; it is skipped", bucket.name)
                 continue
             torch.cuda.empty_cache()  # release the warm-up's blocks: what stays reserved is the pool
             used = torch.cuda.memory_reserved(self.device) - reserved_before
             if pool_limit_bytes is not None and used > pool_limit_bytes:
                 del captured
-                self.dropped[bucket] = f"pool would use {used} bytes > limit {pool_limit_bytes}"
+                self._drop(bucket, f"pool would use {used} bytes > limit {pool_limit_bytes}")
                 logger.warning("vitgraph: bucket %s would grow the pool to %d bytes (limit %d); skipped",
                                bucket.name, used, pool_limit_bytes)
-                if not self.graphs:
-                    pool = None
-                torch.cuda.empty_cache()
                 continue
             self.graphs[bucket] = captured
-            if pool is None:
-                pool = captured.graph.pool()
         torch.cuda.synchronize(self.device)
+        pool = self._primer[0].pool() if self._primer is not None else None
         self.pool_bytes = self._pool_segment_bytes(pool)
         if self.pool_bytes is None:
             self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         self.capture_seconds += time.perf_counter() - start
-        logger.info("vitgraph: captured %d CUDA graph(s) (%s, tokens x segments), pool %.1f MiB, %.2f s",
-                    len(self.graphs), ",".join(b.name for b in self.buckets),
-                    self.pool_bytes / 2**20, self.capture_seconds)
+        logger.info("vitgraph: captured %d CUDA graph(s) (%s, tokens x segments), pool %.1f MiB "
+                    "(%.1f MiB of it library workspaces), %.2f s", len(self.graphs),
+                    ",".join(b.name for b in self.buckets), self.pool_bytes / 2**20, self.workspace_bytes / 2**20,
+                    self.capture_seconds)
+
+    def _drop(self, bucket: Bucket, why: str) -> None:
+        self.dropped[bucket] = why
+        if not self.graphs:  # a fresh pool for the next try: the first capture reserves the arena in it
+            self._primer = None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    def _pool(self):
+        """The graphs' pool, made by a primer graph whose GEMMs allocate the capture stream's
+        cuBLAS and cuBLASLt workspaces inside it, ahead of the arena (module doc)."""
+        if self._primer is None:
+            a = torch.zeros(64, 64, device=self.device, dtype=self.dtype)
+            bias, out = torch.zeros(64, device=self.device, dtype=self.dtype), torch.empty_like(a)
+            graph = torch.cuda.CUDAGraph()
+            stream = self._capture_stream
+
+            def gemms():
+                torch.mm(a, a, out=out)
+                torch.addmm(bias, a, a, out=out)  # a bias epilogue: cuBLASLt's path
+
+            with torch.inference_mode():
+                gemms()  # on the caller's stream: the handles exist before the capture
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.graph(graph, stream=stream):
+                    gemms()
+            self._primer = (graph, a, bias, out)
+            self.workspace_bytes = self._pool_segment_bytes(graph.pool()) or 0
+        return self._primer[0].pool()
 
     def _pool_segment_bytes(self, pool) -> int | None:
         """Bytes of the device segments that belong to the graphs' private pool (None if unknown)."""
@@ -241,20 +275,19 @@ class GraphBank:
             return None
         return total or None
 
-    def _capture_one(self, bucket: Bucket, pool) -> CapturedGraph:
+    def _capture_one(self, bucket: Bucket, pool, first: bool) -> CapturedGraph:
         pixels, batch = self.pixels_view(bucket), self.batch_view(bucket)
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream = self._capture_stream
         with torch.inference_mode():
-            with torch.cuda.stream(stream):  # warm-up: kernel selection, JIT and workspaces, off the capture
-                if pool is None and _arena_usable():
-                    peak = self.activation_peak(bucket)  # warms up too
-                    # A margin for the holes short-lived temporaries leave between long-lived tensors.
-                    arena = _round_up(peak + peak // ARENA_MARGIN, ARENA_ALIGN)
-                else:
-                    self._warm_up(pixels, batch)
-                    arena = 0
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            # Warm-up on the caller's stream: kernel selection, JIT and library plans, off the capture.
+            if first and _arena_usable():
+                peak = self.activation_peak(bucket)  # warms up too
+                # A margin for the holes short-lived temporaries leave between long-lived tensors.
+                arena = _round_up(peak + peak // ARENA_MARGIN, ARENA_ALIGN)
+            else:
+                self._warm_up(pixels, batch)
+                arena = 0
+            stream.wait_stream(torch.cuda.current_stream(self.device))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 if arena:
