@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import logging
 import math
 import os
 from typing import TYPE_CHECKING
@@ -30,6 +31,8 @@ from .lazy_dynamo import import_quack
 
 if TYPE_CHECKING:
     from .models.qwen2_vl import VisionBatch
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("fa4", "cudnn", "varlen", "flash", "sdpa")
 FLASH_BACKENDS = ("fa4", "cudnn", "varlen", "flash")  # fp16/bf16 only
@@ -81,10 +84,25 @@ def _has_flash_attn() -> bool:
 def _has_fa4(device: torch.device) -> bool:
     if torch.cuda.get_device_capability(device)[0] not in FA4_ARCHS:
         return False
+    return fa4_importable()
+
+
+@functools.lru_cache(maxsize=None)
+def fa4_importable() -> bool:
+    """FlashAttention 4 imports, with what it needs (quack, the CuTe DSL): tried for real, once.
+    Installed but broken is a warning, and "auto" then picks another backend."""
     try:
-        return importlib.util.find_spec("flash_attn.cute") is not None
+        if importlib.util.find_spec("flash_attn.cute") is None:
+            return False
     except ImportError:
         return False
+    try:
+        _fa4_forward()
+    except Exception as err:  # a broken or incompatible install
+        logger.warning("vitgraph: flash-attn-4 is installed but failed to import (%s: %s); not using it",
+                       type(err).__name__, err)
+        return False
+    return True
 
 
 FA4_CACHE_SWITCH = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"  # FA4 reads it once, at import
@@ -253,7 +271,8 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype = 
         raise ValueError(f"attention must be 'auto' or one of {BACKENDS}, got {name!r}")
     if name not in available:
         raise ValueError(
-            f"attention backend {name!r} is not available on {device} for {dtype}; available: {available}")
+            f"attention backend {name!r} is not available on {device} for {dtype} (not installed, failed to "
+            f"import, or not for this GPU); available: {available}")
     return name
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -37,37 +39,70 @@ def cmd_demo(args) -> None:
               f"pool {stats['pool_bytes'] / 2**20:.0f} MiB; replays per bucket {used}")
 
 
+def _check_out(out: str, inputs: list[Path], force: bool) -> Path:
+    """The output path, checked before anything is loaded: not an input, in a writable folder,
+    and not overwriting a file unless ``force``."""
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise ValueError(f"--out {out}: is a directory; give a file path")
+    resolved = path.resolve()
+    for source in inputs:
+        if resolved == source.resolve() or (path.exists() and path.samefile(source)):
+            raise ValueError(f"--out {out}: is one of the input images; it would be overwritten")
+    folder = resolved.parent
+    if not folder.is_dir():
+        raise ValueError(f"--out {out}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--out {out}: folder {folder} is not writable")
+    if path.exists() and not force:
+        raise ValueError(f"--out {out}: exists; pass --force to overwrite it")
+    return path
+
+
 def cmd_encode(args) -> None:
-    """Encode image files; write one tensor per file, keyed by file name, to a safetensors file."""
+    """Encode image files; write one tensor per file, keyed by file name, to a safetensors file
+    whose metadata records the model source and each file's grid_thw."""
     from PIL import Image, UnidentifiedImageError
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
+    paths = [Path(name) for name in args.files]
+    keys = [p.name for p in paths]
+    if len(set(keys)) != len(keys):
+        raise ValueError("two inputs share a file name; rename one so each output key is unique")
+    out = _check_out(args.out, paths, args.force)
     images = []
-    for name in args.files:
-        path = Path(name)
+    for path in paths:
         if not path.is_file():
-            raise ValueError(f"{name}: no such file")
+            raise ValueError(f"{path}: no such file")
         try:
             with Image.open(path) as img:
                 images.append(img.convert("RGB"))
-        except (UnidentifiedImageError, OSError) as err:
-            raise ValueError(f"{name}: not a readable image ({err})") from None
-    keys = [Path(n).name for n in args.files]
-    if len(set(keys)) != len(keys):
-        raise ValueError("two inputs share a file name; rename one so each output key is unique")
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
+            raise ValueError(f"{path}: not a readable image ({err})") from None
     enc = _load(args, progress=False)
-    tensors = {}
+    if not args.model:
+        print(f"vitgraph encode: no --model given: random weights of the {args.preset} preset; "
+              "the embeddings mean nothing", file=sys.stderr)
+    source = args.model or f"random weights, preset {args.preset}"
+    tensors, grids = {}, {}
     chunk = 16  # images per encode call
     with tqdm(total=len(images), desc="encoding", unit="image", disable=len(images) <= chunk) as bar:
         for start in range(0, len(images), chunk):
-            embeddings = enc.encode_images(images[start:start + chunk], min_pixels=args.min_pixels,
-                                           max_pixels=args.max_pixels)
-            for key, embedding in zip(keys[start:start + chunk], embeddings):
+            batch_keys = keys[start:start + chunk]
+            from .preprocess import MAX_PIXELS, MIN_PIXELS, preprocess_images
+
+            pixels, grid = preprocess_images(images[start:start + chunk],
+                                             min_pixels=MIN_PIXELS if args.min_pixels is None else args.min_pixels,
+                                             max_pixels=MAX_PIXELS if args.max_pixels is None else args.max_pixels)
+            merged = enc.encode(pixels, grid)
+            rows = [int(t * h * w) // enc.tower.merge_unit for t, h, w in grid.tolist()]
+            for key, embedding, thw in zip(batch_keys, merged.split(rows), grid.tolist()):
                 tensors[key] = embedding.to("cpu").contiguous()
-            bar.update(len(embeddings))
-    save_file(tensors, args.out)
-    print(f"wrote {len(tensors)} embedding(s) to {args.out}: " +
+                grids[key] = thw
+            bar.update(len(batch_keys))
+    save_file(tensors, str(out), metadata={"vitgraph_model": source, "grid_thw": json.dumps(grids)})
+    print(f"wrote {len(tensors)} embedding(s) to {out}: " +
           ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items()))
 
 
@@ -101,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("encode", help="encode image files to a safetensors file")
     p.add_argument("files", nargs="+", help="image files (PNG, JPEG, ...)")
-    p.add_argument("--out", required=True, help="output .safetensors path")
+    p.add_argument("--out", required=True, help="output .safetensors path (never one of the inputs)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--min-pixels", type=int, default=None)
     p.add_argument("--max-pixels", type=int, default=None)
     common.add_model_args(p)
@@ -120,18 +156,33 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("bench", "bench-serving"):  # the benchmarks own their arguments
         from .bench import latency, serving
-        (latency if argv[0] == "bench" else serving).main(argv[1:])
-        return 0
+
+        _quiet_libraries(verbose=False)
+        return _run(argv[0], lambda: (latency if argv[0] == "bench" else serving).main(argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    _quiet_libraries(args.verbose)
+    return _run(args.command, lambda: args.func(args))
+
+
+def _quiet_libraries(verbose: bool) -> None:
+    # huggingface_hub logs every retry of an unreachable Hub; the one error that follows says it all.
+    if not verbose:
+        from huggingface_hub.utils import logging as hub_logging
+
+        hub_logging.set_verbosity_error()
+
+
+def _run(command: str, fn) -> int:
+    """Run a command: bad input or a missing file is one line on stderr and exit code 2."""
     try:
-        args.func(args)
+        fn()
     except (ValueError, TypeError, OSError) as err:
-        print(f"vitgraph {args.command}: error: {err}".splitlines()[0], file=sys.stderr)
+        print(f"vitgraph {command}: error: {err}".splitlines()[0], file=sys.stderr)
         return 2
-    except Exception as err:  # e.g. huggingface_hub's not-found errors
+    except Exception as err:  # e.g. huggingface_hub's not-found and offline errors
         if type(err).__module__.startswith("huggingface_hub"):
-            print(f"vitgraph {args.command}: error: {type(err).__name__}: {err}".splitlines()[0], file=sys.stderr)
+            print(f"vitgraph {command}: error: {type(err).__name__}: {err}".splitlines()[0], file=sys.stderr)
             return 2
         raise
     return 0

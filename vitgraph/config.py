@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,11 @@ from typing import Any
 # Hub configs and transformers' own config spell two fields differently; accept both.
 _ALIASES = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
 _SUPPORTED_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "silu")
+# Ceilings far above every released tower (depth 24-32, widths 1024-1280), so that a broken
+# or hostile config fails here and not deep inside torch (or after minutes of building).
+_CEILINGS = {"depth": 1024, "embed_dim": 65536, "num_heads": 1024, "hidden_size": 65536, "patch_size": 64,
+             "temporal_patch_size": 16, "spatial_merge_size": 8, "in_channels": 16}
+MAX_MLP_DIM = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -29,13 +35,17 @@ class VisionConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
-        for name in ("depth", "embed_dim", "num_heads", "hidden_size", "patch_size",
-                     "temporal_patch_size", "spatial_merge_size", "in_channels"):
+        for name, ceiling in _CEILINGS.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"vision_config.{name} must be a positive int, got {value!r}")
-        if not (isinstance(self.mlp_ratio, (int, float)) and self.mlp_ratio > 0):
-            raise ValueError(f"vision_config.mlp_ratio must be a positive number, got {self.mlp_ratio!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= ceiling:
+                raise ValueError(f"vision_config.{name} must be an int in [1, {ceiling}], got {value!r}")
+        for name in ("mlp_ratio", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"vision_config.{name} must be a positive finite number, got {value!r}")
+        if not 0 < self.mlp_dim <= MAX_MLP_DIM:
+            raise ValueError(f"vision_config: embed_dim * mlp_ratio (the MLP width) must be in [1, {MAX_MLP_DIM}], "
+                             f"got {self.embed_dim} * {self.mlp_ratio}")
         if self.embed_dim % self.num_heads:
             raise ValueError(
                 f"vision_config.embed_dim ({self.embed_dim}) must be divisible by "
@@ -43,7 +53,7 @@ class VisionConfig:
         if self.head_dim % 4:
             # 2-D rotary splits each head into h and w halves, each rotated in pairs.
             raise ValueError(f"vision_config head_dim (embed_dim/num_heads = {self.head_dim}) must be divisible by 4")
-        if self.hidden_act not in _SUPPORTED_ACTIVATIONS:
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in _SUPPORTED_ACTIVATIONS:
             raise ValueError(
                 f"vision_config.hidden_act must be one of {_SUPPORTED_ACTIVATIONS}, got {self.hidden_act!r}")
 
@@ -69,12 +79,14 @@ class VisionConfig:
     def from_dict(cls, raw: dict[str, Any]) -> "VisionConfig":
         """Build from a ``vision_config`` dict, or a whole ``config.json`` dict that holds one."""
         if not isinstance(raw, dict):
-            raise TypeError(f"config must be a dict, got {type(raw).__name__}")
+            raise TypeError(f"config must be a dict (a config.json object), got {type(raw).__name__}")
         block = raw.get("vision_config", raw)
         if not isinstance(block, dict):
             raise ValueError(f"config.vision_config must be a JSON object, got {type(block).__name__}")
         values: dict[str, Any] = {}
         for key, value in block.items():
+            if not isinstance(key, str):
+                raise ValueError(f"vision_config keys must be strings, got {key!r}")
             name = _ALIASES.get(key, key)
             if name in values and values[name] != value:
                 raise ValueError(f"vision_config sets both {key!r} and {name!r} with different values")
@@ -93,10 +105,13 @@ class VisionConfig:
     def from_json_file(cls, path: str | Path) -> "VisionConfig":
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} is not valid JSON: {err}") from None
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: {err}") from None
 
 
 # The real Qwen2-VL-2B tower, for random-weight demos and benchmarks.

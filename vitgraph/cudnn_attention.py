@@ -11,19 +11,32 @@ boundaries come from device tensors, so a captured graph follows new ``cu_seqlen
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 import threading
 
 import torch
 
+logger = logging.getLogger(__name__)
 _INT_MAX = 2 ** 31 - 1  # batch stride of a ragged tensor: unused, offsets say where each segment starts
 _lock = threading.Lock()
 _handles: dict[int, object] = {}
 _graphs: dict[tuple, "_RaggedGraph"] = {}
 
 
+@functools.lru_cache(maxsize=None)
 def available() -> bool:
-    return importlib.util.find_spec("cudnn") is not None
+    """nvidia-cudnn-frontend imports (tried for real, once; installed but broken is a warning)."""
+    if importlib.util.find_spec("cudnn") is None:
+        return False
+    try:
+        import cudnn  # noqa: F401
+    except Exception as err:  # a broken or incompatible install
+        logger.warning("vitgraph: nvidia-cudnn-frontend is installed but failed to import (%s: %s); not using it",
+                       type(err).__name__, err)
+        return False
+    return True
 
 
 def _handle(device: torch.device):

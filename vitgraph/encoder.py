@@ -328,6 +328,9 @@ class GraphedVisionEncoder:
                         device=None, dtype=None, **options: Any) -> "GraphedVisionEncoder":
         """Build from weights already in memory (``visual.``-prefixed, ``model.visual.``-prefixed or bare)."""
         EngineOptions(**options)
+        if not isinstance(config, (VisionConfig, Mapping)):
+            raise TypeError(f"config must be a VisionConfig or a mapping (a config.json object), "
+                            f"got {type(config).__name__}")
         config = config if isinstance(config, VisionConfig) else VisionConfig.from_dict(dict(config))
         device = _resolve_device(device)
         dtype = _resolve_dtype(dtype, device)
@@ -465,12 +468,17 @@ class GraphedVisionEncoder:
         (images first, then videos, each in the order given)."""
         from . import preprocess
 
-        sizes = {"min_pixels": min_pixels or preprocess.MIN_PIXELS, "max_pixels": max_pixels or preprocess.MAX_PIXELS}
+        sizes = {"min_pixels": preprocess.MIN_PIXELS if min_pixels is None else min_pixels,
+                 "max_pixels": preprocess.MAX_PIXELS if max_pixels is None else max_pixels}
+        preprocess.check_pixel_limits(**sizes)
         parts = []
-        if images:
+        if images is not None:
             parts.append(preprocess.preprocess_images(images, **sizes))
-        for video in videos or []:
-            parts.append(preprocess.preprocess_video(video, **sizes))
+        if videos is not None:
+            preprocess.check_list(videos, "videos", "videos (each a list of frames)")
+            for i, video in enumerate(videos):
+                parts.append(preprocess.preprocess_video(video, **sizes, name=f"videos[{i}]"))
+        parts = [(p, g) for p, g in parts if g.shape[0]]
         if not parts:
             return []
         pixels = torch.cat([p for p, _ in parts])

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .config import VisionConfig
-from .models.qwen2_vl import Qwen2VisionTower
+from .models.qwen2_vl import Qwen2VisionTower, expected_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ VISION_PREFIXES = ("model.visual.", "visual.")  # longest first
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names; anything else is refused, not cast
 
 
 @dataclass
@@ -43,21 +44,58 @@ def _vision_name(key: str) -> str | None:
 
 
 def _shards_from_index(index_path: Path) -> dict[str, list[str]]:
+    """``shard name -> vision keys`` from a safetensors index, every name checked (see :func:`_shard_name`)."""
     try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"{index_path} is not a valid safetensors index (needs a 'weight_map'): {err}") from None
+        raw = json.loads(index_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{index_path} is not valid JSON: {err}") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index_path} is not a valid safetensors index: 'weight_map' must be a JSON object "
+                         f"of key -> shard file, got {type(weight_map).__name__}")
     shards: dict[str, list[str]] = {}
     for key, shard in weight_map.items():
         if _vision_name(key) is not None:
-            shards.setdefault(shard, []).append(key)
+            shards.setdefault(_shard_name(index_path, key, shard), []).append(key)
     if not shards:
         raise ValueError(f"{index_path} lists no vision keys (expected names starting with {VISION_PREFIXES})")
     return shards
 
 
+def _shard_name(index_path: Path, key: str, shard) -> str:
+    """A shard name from an index: a relative path that stays inside the checkpoint folder."""
+    if not isinstance(shard, str) or not shard:
+        raise ValueError(f"{index_path}: weight_map[{key!r}] must be a shard file name, got {shard!r}")
+    parts = Path(shard).parts
+    if Path(shard).is_absolute() or "\\" in shard or any(part == ".." for part in parts):
+        raise ValueError(f"{index_path}: weight_map[{key!r}] = {shard!r} points outside the checkpoint folder")
+    return shard
+
+
+def _inside_checkpoint(path: Path, directory: Path) -> Path:
+    """``path`` with symlinks resolved, refused unless it lies in ``directory`` (also resolved),
+    or, for a Hugging Face cache snapshot (``<repo>/snapshots/<revision>``), in that repo's
+    ``blobs`` folder, where the cache keeps the files its snapshot links point to."""
+    root = directory.resolve()
+    target = path.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":
+        allowed.append(root.parent.parent / "blobs")
+    if not any(target == base or base in target.parents for base in allowed):
+        raise ValueError(f"{path} resolves to {target}, outside the checkpoint folder {root}")
+    return target
+
+
+def _open(path: Path, device: str = "cpu"):
+    """``safe_open``, with a broken file reported as a ValueError that names it."""
+    try:
+        return safe_open(str(path), framework="pt", device=device)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+
+
 def _keys_in_file(path: Path) -> list[str]:
-    with safe_open(str(path), framework="pt") as f:
+    with _open(path) as f:
         return [k for k in f.keys() if _vision_name(k) is not None]
 
 
@@ -66,18 +104,25 @@ def _offline() -> bool:
 
 
 def find_local(directory: Path) -> CheckpointFiles:
+    """The files of a local checkpoint. Every path is checked to lie inside ``directory``
+    after symlinks are resolved (:func:`_inside_checkpoint`): nothing outside it is opened."""
     config = directory / "config.json"
     if not config.is_file():
         raise ValueError(f"checkpoint directory {directory} has no config.json")
+    config = _inside_checkpoint(config, directory)
     index = directory / INDEX_FILE
     if index.is_file():
-        shards = {directory / name: keys for name, keys in _shards_from_index(index).items()}
-        for shard in shards:
+        index = _inside_checkpoint(index, directory)
+        shards = {}
+        for name, keys in _shards_from_index(index).items():
+            shard = directory / name
             if not shard.is_file():
-                raise ValueError(f"{index} names shard {shard.name}, which is missing from {directory}")
+                raise ValueError(f"{index} names shard {name}, which is missing from {directory}")
+            shards[_inside_checkpoint(shard, directory)] = keys
         return CheckpointFiles(config, shards)
     single = directory / SINGLE_FILE
     if single.is_file():
+        single = _inside_checkpoint(single, directory)
         return CheckpointFiles(config, {single: _keys_in_file(single)})
     raise ValueError(f"checkpoint directory {directory} has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
@@ -120,8 +165,9 @@ def read_config(files: CheckpointFiles) -> VisionConfig:
     return VisionConfig.from_json_file(files.config)
 
 
-def _check_names_and_shapes(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> None:
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+def _check_names_and_shapes(config: VisionConfig, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Refuse a checkpoint whose vision keys or shapes differ from ``config``'s, before any module is built."""
+    expected = expected_shapes(config)
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected))
     wrong = sorted(f"{n}: expected {list(expected[n])}, got {list(shapes[n])}"
@@ -161,30 +207,49 @@ def build_tower(config: VisionConfig, device: torch.device, dtype: torch.dtype) 
 
 def load_tower(files: CheckpointFiles, config: VisionConfig, device: torch.device,
                dtype: torch.dtype) -> Qwen2VisionTower:
-    with torch.device("meta"):
-        tower = Qwen2VisionTower(config)
     all_keys = [k for keys in files.shards.values() for k in keys]
     names = _strip_prefixes(all_keys)
     shapes: dict[str, tuple[int, ...]] = {}
     for shard, keys in files.shards.items():
-        with safe_open(str(shard), framework="pt") as f:
+        with _open(shard) as f:
+            present = set(f.keys())
             for key in keys:
-                shapes[names[key]] = tuple(f.get_slice(key).get_shape())
-    _check_names_and_shapes(tower, shapes)
+                if key not in present:
+                    raise ValueError(f"{shard}: has no tensor {key!r}, which the checkpoint's index places there")
+                try:
+                    view = f.get_slice(key)
+                    kind, shape = view.get_dtype(), tuple(view.get_shape())
+                except (SafetensorError, RuntimeError, ValueError) as err:
+                    raise ValueError(f"{shard}: tensor {key!r} cannot be read ({err})") from None
+                if kind not in FLOAT_DTYPES:
+                    raise ValueError(f"{shard}: tensor {key!r} is {kind}; vision weights must be floating point "
+                                     f"({', '.join(FLOAT_DTYPES)})")
+                shapes[names[key]] = shape
+    _check_names_and_shapes(config, shapes)
 
     # safe_open(device=...) places each tensor directly on the target device.
     open_device = "cpu" if device.type == "cpu" else str(device)
     state: dict[str, torch.Tensor] = {}
     for shard, keys in files.shards.items():
-        with safe_open(str(shard), framework="pt", device=open_device) as f:
+        with _open(shard, open_device) as f:
             for key in keys:
-                state[names[key]] = f.get_tensor(key).to(dtype)
+                try:
+                    state[names[key]] = f.get_tensor(key).to(dtype)
+                except (SafetensorError, RuntimeError, OSError) as err:  # e.g. a file truncated mid-tensor
+                    raise ValueError(f"{shard}: tensor {key!r} cannot be read ({err})") from None
+    with torch.device("meta"):
+        tower = Qwen2VisionTower(config)
     return _assign(tower, state)
 
 
 def tower_from_state_dict(state_dict: Mapping[str, torch.Tensor], config: VisionConfig, device: torch.device,
                           dtype: torch.dtype) -> Qwen2VisionTower:
     """Build from tensors already in memory; keys may carry ``visual.`` / ``model.visual.`` or no prefix."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}")
+    for key in state_dict:
+        if not isinstance(key, str):
+            raise TypeError(f"state_dict keys must be strings, got {key!r}")
     prefixed = _strip_prefixes(state_dict.keys())
     if prefixed:
         state = {name: state_dict[key] for key, name in prefixed.items()}
@@ -193,9 +258,13 @@ def tower_from_state_dict(state_dict: Mapping[str, torch.Tensor], config: Vision
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] must be a torch.Tensor, got {type(value).__name__}")
+        if value.is_meta:
+            raise ValueError(f"state_dict[{name!r}] is a meta tensor (no data)")
+        if not value.is_floating_point():
+            raise ValueError(f"state_dict[{name!r}] is {value.dtype}; vision weights must be floating point")
+    _check_names_and_shapes(config, {n: tuple(t.shape) for n, t in state.items()})
     with torch.device("meta"):
         tower = Qwen2VisionTower(config)
-    _check_names_and_shapes(tower, {n: tuple(t.shape) for n, t in state.items()})
     return _assign(tower, {n: t.to(device=device, dtype=dtype) for n, t in state.items()})
 
 

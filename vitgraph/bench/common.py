@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import platform
@@ -240,6 +241,39 @@ def case_flops(cfg: VisionConfig, grids: list[Grid]) -> float:
 
 def floor_ms(flops: float, weight_bytes: int, ceilings: dict[str, float]) -> float:
     return max(flops / (ceilings["gemm_tflops"] * 1e9), weight_bytes / (ceilings["copy_tbps"] * 1e9))
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+GPU_SYSTEMS = ("vitgraph_graph", "torch_compile")  # systems that need CUDA
+
+
+def check_systems(parser, systems, on_gpu: bool) -> None:
+    """Refuse, as a usage error, an empty --systems list or GPU-only systems on a CPU."""
+    if systems is not None and not systems:
+        parser.error("--systems needs at least one system")
+    if not on_gpu and systems and set(systems) & set(GPU_SYSTEMS):
+        parser.error(f"--systems {' '.join(sorted(set(systems) & set(GPU_SYSTEMS)))} needs a CUDA device")
 
 
 def add_model_args(parser) -> None:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ..attention import BACKENDS
+from ..gemm import GEMM_BACKENDS
 from ..models.qwen2_vl import VisionBatch
 from . import common
 
@@ -60,20 +62,24 @@ def parse_case(text: str) -> tuple[str, list[tuple[int, int, int]]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="vitgraph bench", description=__doc__.split("\n\n")[0])
     common.add_model_args(p)
-    p.add_argument("--cases", nargs="*", default=None, help=f"case names from {list(CASES)}")
+    p.add_argument("--cases", nargs="*", default=None, choices=list(CASES), metavar="CASE",
+                   help=f"case names from {list(CASES)}")
     p.add_argument("--case", action="append", type=parse_case, default=[], help="an extra case: name=t,h,w+t,h,w")
-    p.add_argument("--systems", nargs="*", default=None, help=f"subset of {SYSTEMS}")
-    p.add_argument("--attention", default="auto", help="the encoders' attention backend (EngineOptions.attention)")
-    p.add_argument("--gemm", default="auto", help="the encoders' fc1/qkv GEMM backend (EngineOptions.gemm)")
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--systems", nargs="*", default=None, choices=SYSTEMS, metavar="SYSTEM",
+                   help=f"subset of {SYSTEMS}")
+    p.add_argument("--attention", default="auto", choices=("auto",) + BACKENDS,
+                   help="the encoders' attention backend (EngineOptions.attention)")
+    p.add_argument("--gemm", default="auto", choices=("auto",) + GEMM_BACKENDS,
+                   help="the encoders' fc1/qkv GEMM backend (EngineOptions.gemm)")
+    p.add_argument("--iters", type=common.positive_int, default=30)
+    p.add_argument("--warmup", type=common.non_negative_int, default=5)
     p.add_argument("--preheat", type=float, default=0.0,
                    help="seconds of back-to-back calls before each system is timed on each case, so that it "
                         "is timed at the clock a GPU holds under sustained load (default 0: timed in whatever "
                         "state the system before it left)")
-    p.add_argument("--max-budget", type=int, default=16384)
+    p.add_argument("--max-budget", type=common.positive_int, default=16384)
     p.add_argument("--json", help="write the full result here")
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     return p
@@ -147,11 +153,12 @@ def plot(result: dict, path: str, systems: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     on_gpu = common.resolve_model_args(args)
-    unknown = set(args.cases or []) - set(CASES)
-    if unknown:
-        raise SystemExit(f"unknown case(s) {sorted(unknown)}; known: {list(CASES)}")
+    common.check_systems(parser, args.systems, on_gpu)
+    if args.preheat < 0:
+        parser.error(f"--preheat must be >= 0, got {args.preheat}")
     cases = {name: CASES[name] for name in (args.cases if args.cases is not None else CASES)}
     cases.update(dict(args.case))
     systems = args.systems or [s for s in SYSTEMS if on_gpu or s in ("hf_eager", "vitgraph_eager")]

@@ -105,18 +105,20 @@ def medians_across_seeds(runs: list[dict]) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="vitgraph bench-serving", description=__doc__.split("\n\n")[0])
     common.add_model_args(p)
-    p.add_argument("--loads", type=float, nargs="*", default=None, help="offered loads, requests per second")
-    p.add_argument("--requests", type=int, default=None, help="requests per load")
-    p.add_argument("--systems", nargs="*", default=None, help="subset of hf_eager vitgraph_eager vitgraph_graph")
-    p.add_argument("--max-pixels", type=int, default=MAX_PIXELS)
+    p.add_argument("--loads", type=common.positive_float, nargs="*", default=None,
+                   help="offered loads, requests per second")
+    p.add_argument("--requests", type=common.positive_int, default=None, help="requests per load")
+    p.add_argument("--systems", nargs="*", default=None, choices=("hf_eager", "vitgraph_eager", "vitgraph_graph"),
+                   metavar="SYSTEM", help="subset of hf_eager vitgraph_eager vitgraph_graph")
+    p.add_argument("--max-pixels", type=common.positive_int, default=MAX_PIXELS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
                    help="run each load on several request streams (instead of --seed) and also report, per "
                         "system and load, the median of each percentile across them: one stream's p99 is set "
                         "by a handful of calls, so A/Bs should compare several")
-    p.add_argument("--fit-budgets", type=int, metavar="N",
+    p.add_argument("--fit-budgets", type=common.positive_int, metavar="N",
                    help="give the graph system at most N budgets fitted (vitgraph.capture.fit_budgets) to "
                         "another sample of the mix, one request per step, instead of the default ladder")
     p.add_argument("--json", help="write the full result here")
@@ -124,8 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     on_gpu = common.resolve_model_args(args)
+    common.check_systems(parser, args.systems, on_gpu)
     loads = args.loads or ([5.0, 10.0, 20.0] if on_gpu else [0.5, 1.0])
     n = args.requests or (300 if on_gpu else 8)
     systems = args.systems or (["hf_eager", "vitgraph_eager", "vitgraph_graph"] if on_gpu

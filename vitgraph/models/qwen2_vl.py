@@ -226,6 +226,24 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
 
 
+def expected_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """The tower's state-dict names and shapes for ``cfg``, without building it: a checkpoint
+    is checked against these before any module exists."""
+    e, m, merged = cfg.embed_dim, cfg.mlp_dim, cfg.embed_dim * cfg.merge_unit
+    shapes = {"patch_embed.proj.weight": (e, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
+                                          cfg.patch_size)}
+    block = {"norm1.weight": (e,), "norm1.bias": (e,), "norm2.weight": (e,), "norm2.bias": (e,),
+             "attn.qkv.weight": (3 * e, e), "attn.qkv.bias": (3 * e,), "attn.proj.weight": (e, e),
+             "attn.proj.bias": (e,), "mlp.fc1.weight": (m, e), "mlp.fc1.bias": (m,), "mlp.fc2.weight": (e, m),
+             "mlp.fc2.bias": (e,)}
+    for i in range(cfg.depth):
+        shapes.update({f"blocks.{i}.{name}": shape for name, shape in block.items()})
+    shapes.update({"merger.ln_q.weight": (e,), "merger.ln_q.bias": (e,), "merger.mlp.0.weight": (merged, merged),
+                   "merger.mlp.0.bias": (merged,), "merger.mlp.2.weight": (cfg.hidden_size, merged),
+                   "merger.mlp.2.bias": (cfg.hidden_size,)})
+    return shapes
+
+
 class Qwen2VisionTower(nn.Module):
     """Qwen2-VL ViT plus patch merger. Knows nothing of CUDA graphs.
 

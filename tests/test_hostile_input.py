@@ -1,0 +1,411 @@
+"""Bad and hostile input outside ``encode``: checkpoints, configs, preprocessing, the CLI and
+broken optional extras. Each case asserts the exception type and that the message names the
+file, key or field; the encoder and the CLI keep working afterwards."""
+
+import json
+import shutil
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY_VISION, hf_forward, random_pixels, rel_err, vision_state, write_checkpoint
+from PIL import Image
+from safetensors.torch import save_file
+
+import vitgraph.loading
+from vitgraph import GraphedVisionEncoder, preprocess_images, preprocess_video
+from vitgraph.cli import main as cli_main
+
+INDEX = "model.safetensors.index.json"
+GRID = [(1, 4, 6)]
+
+
+def good_encoder_still_works(checkpoint, hf_model):
+    enc = GraphedVisionEncoder.from_pretrained(checkpoint, device="cpu")
+    pixels = random_pixels(GRID, seed=5)
+    assert rel_err(enc.encode(pixels, GRID), hf_forward(hf_model, pixels, GRID)) <= 1e-5
+
+
+@pytest.fixture
+def ckpt(tmp_path, hf_model):
+    """A fresh two-shard checkpoint in tmp_path/ckpt, plus another model's in tmp_path/other."""
+    write_checkpoint(tmp_path / "other", hf_model, shards=1)
+    return write_checkpoint(tmp_path / "ckpt", hf_model, shards=2)
+
+
+def edit_index(ckpt, edit):
+    index = json.loads((ckpt / INDEX).read_text())
+    edit(index)
+    (ckpt / INDEX).write_text(json.dumps(index))
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """Every path the loader hands to safe_open."""
+    paths = []
+    real = vitgraph.loading.safe_open
+
+    def recording(path, *args, **kwargs):
+        paths.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(vitgraph.loading, "safe_open", recording)
+    return paths
+
+
+# -- loading: the checkpoint folder is a boundary ---------------------------------------
+
+@pytest.mark.parametrize("shard", ["../other/model.safetensors", "ABSOLUTE", "sub/../../other/model.safetensors"])
+def test_index_shards_outside_the_folder_are_refused(ckpt, hf_model, opened, shard):
+    target = str((ckpt.parent / "other" / "model.safetensors").resolve()) if shard == "ABSOLUTE" else shard
+    edit_index(ckpt, lambda ix: ix["weight_map"].update({k: target for k in ix["weight_map"]}))
+    with pytest.raises(ValueError, match="outside the checkpoint folder") as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert INDEX in str(err.value) and not any("other" in p for p in opened)
+    shutil.rmtree(ckpt)
+    good_encoder_still_works(write_checkpoint(ckpt, hf_model, shards=2), hf_model)
+
+
+def test_a_shard_symlinked_outside_the_folder_is_refused(ckpt, opened):
+    shard = sorted(ckpt.glob("model-0000*.safetensors"))[0]
+    shard.unlink()
+    shard.symlink_to(ckpt.parent / "other" / "model.safetensors")
+    with pytest.raises(ValueError, match="outside the checkpoint folder") as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert shard.name in str(err.value) and not opened
+
+
+def test_a_hub_cache_snapshot_folder_loads(tmp_path, hf_model):
+    """The Hub cache's snapshot files are links into the repo's blobs folder: allowed."""
+    flat = write_checkpoint(tmp_path / "flat", hf_model, shards=2)
+    repo = tmp_path / "models--org--name"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(flat.iterdir())):
+        blob = repo / "blobs" / f"blob{i}"
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(f"../../blobs/blob{i}")
+    good_encoder_still_works(snapshot, hf_model)
+
+
+@pytest.mark.parametrize("weight_map", [["a"], "shard.safetensors", None, 7])
+def test_an_index_of_the_wrong_shape(ckpt, weight_map):
+    edit_index(ckpt, lambda ix: ix.update(weight_map=weight_map))
+    with pytest.raises(ValueError, match="weight_map") as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert INDEX in str(err.value)
+
+
+@pytest.mark.parametrize("shard", [3, ["a.safetensors"], "", None])
+def test_a_shard_name_that_is_no_file_name(ckpt, shard):
+    edit_index(ckpt, lambda ix: ix["weight_map"].update({"visual.merger.ln_q.bias": shard}))
+    with pytest.raises(ValueError, match=r"weight_map\['visual.merger.ln_q.bias'\]") as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert INDEX in str(err.value)
+
+
+def test_an_index_that_is_not_json(ckpt):
+    (ckpt / INDEX).write_bytes(b"\xff\xfe{not json")
+    with pytest.raises(ValueError, match="not valid JSON") as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert INDEX in str(err.value)
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def _header_claims_huge_size(path):
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["data_offsets"][1] = 1 << 50
+    raw = json.dumps(header).encode().ljust(n)
+    path.write_bytes(data[:8] + raw[:n] + data[8 + n:]) if len(raw) == n else path.write_bytes(
+        len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+
+
+@pytest.mark.parametrize("damage", [
+    _truncate,
+    lambda p: p.write_bytes(b""),
+    lambda p: p.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage-header!!" + b"\0" * 64),
+    lambda p: p.write_bytes((1 << 60).to_bytes(8, "little") + b"{}"),
+    _header_claims_huge_size,
+], ids=["truncated", "empty", "garbage-header", "absurd-header-length", "absurd-tensor-size"])
+def test_a_broken_shard_names_the_file(ckpt, hf_model, damage):
+    shard = sorted(ckpt.glob("model-0000*.safetensors"))[0]
+    damage(shard)
+    with pytest.raises(ValueError) as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert shard.name in str(err.value)
+    shutil.rmtree(ckpt)
+    good_encoder_still_works(write_checkpoint(ckpt, hf_model, shards=2), hf_model)
+
+
+def test_a_key_in_the_wrong_shard(ckpt):
+    index = json.loads((ckpt / INDEX).read_text())
+    key = next(k for k, v in index["weight_map"].items() if k.startswith("visual.") and v.startswith("model-00001"))
+    edit_index(ckpt, lambda ix: ix["weight_map"].update({key: "model-00002-of-00002.safetensors"}))
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors") as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert key in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.int64])
+def test_non_float_weights_are_refused(tmp_path, hf_model, dtype):
+    state = vision_state(hf_model)
+    state["visual.blocks.0.norm1.weight"] = state["visual.blocks.0.norm1.weight"].to(dtype)
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
+    save_file(state, str(ckpt / "model.safetensors"))
+    with pytest.raises(ValueError, match="visual.blocks.0.norm1.weight") as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert "floating point" in str(err.value)
+    with pytest.raises(ValueError, match="blocks.0.norm1.weight"):
+        GraphedVisionEncoder.from_state_dict(state, {"vision_config": TINY_VISION}, device="cpu")
+
+
+# -- loading: config values -------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("rope_theta", 0), ("rope_theta", -1.0), ("rope_theta", float("nan")), ("rope_theta", float("inf")),
+    ("rope_theta", "10000"), ("mlp_ratio", float("inf")), ("mlp_ratio", 1e30), ("mlp_ratio", True),
+    ("embed_dim", 1 << 40), ("depth", 100_000), ("depth", 2.0), ("num_heads", "4"), ("hidden_act", 3),
+])
+def test_config_values_are_checked_before_anything_is_built(tmp_path, hf_model, field, value):
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["vision_config"][field] = value
+    (ckpt / "config.json").write_text(json.dumps(config))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=field) as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert "config.json" in str(err.value) and time.perf_counter() - start < 5
+
+
+def test_a_deep_config_fails_on_the_keys_before_building(tmp_path, hf_model):
+    """depth 1024 (the ceiling) against a 2-block checkpoint: the key check comes first, so no
+    1024-block tower is ever built."""
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["vision_config"]["depth"] = 1024
+    (ckpt / "config.json").write_text(json.dumps(config))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="missing vision key"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert time.perf_counter() - start < 5
+
+
+def test_expected_shapes_are_the_towers_own():
+    from vitgraph import VisionConfig
+    from vitgraph.models.qwen2_vl import Qwen2VisionTower, expected_shapes
+
+    cfg = VisionConfig(**{k: v for k, v in TINY_VISION.items()})
+    with torch.device("meta"):
+        tower = Qwen2VisionTower(cfg)
+    assert expected_shapes(cfg) == {n: tuple(t.shape) for n, t in tower.state_dict().items()}
+
+
+@pytest.mark.parametrize("state,config,error,words", [
+    ([("a", 1)], {"vision_config": TINY_VISION}, TypeError, "state_dict must be a mapping"),
+    ({1: torch.zeros(1)}, {"vision_config": TINY_VISION}, TypeError, "keys must be strings"),
+    ({"visual.blocks.0.norm1.weight": torch.zeros(64, device="meta")}, {"vision_config": TINY_VISION},
+     ValueError, "blocks.0.norm1.weight"),
+    ({}, [("depth", 2)], TypeError, "config must be a VisionConfig or a mapping"),
+])
+def test_from_state_dict_refuses_bad_containers(state, config, error, words):
+    with pytest.raises(error, match=words):
+        GraphedVisionEncoder.from_state_dict(state, config, device="cpu")
+
+
+# -- preprocessing ----------------------------------------------------------------------
+
+IMAGE = Image.new("RGB", (60, 40), "blue")
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    ({"min_pixels": 10 ** 12}, ValueError, "min_pixels"),
+    ({"min_pixels": 4000, "max_pixels": 3000}, ValueError, "must not exceed max_pixels"),
+    ({"max_pixels": 0}, ValueError, "max_pixels"),
+    ({"max_pixels": -5}, ValueError, "max_pixels"),
+    ({"max_pixels": "big"}, TypeError, "max_pixels"),
+    ({"min_pixels": 3.5}, TypeError, "min_pixels"),
+    ({"max_pixels": 1 << 29}, ValueError, "max_pixels"),
+])
+def test_pixel_limits_are_bounded(kwargs, error, words):
+    start = time.perf_counter()
+    for call in (lambda: preprocess_images([IMAGE], **kwargs), lambda: preprocess_video([IMAGE], **kwargs)):
+        with pytest.raises(error, match=words):
+            call()
+    assert time.perf_counter() - start < 2
+
+
+@pytest.mark.parametrize("images,words", [
+    (IMAGE, "images must be a list"),
+    (np.zeros((2, 28, 28, 3), dtype=np.uint8), r"images must be a list .*shape \[2, 28, 28, 3\]"),
+    (torch.zeros(3, 28, 28, dtype=torch.uint8), "images must be a list"),
+    ("cat.png", "images must be a list"),
+])
+def test_a_lone_image_or_batch_array_is_not_a_list(images, words):
+    with pytest.raises(TypeError, match=words):
+        preprocess_images(images)
+
+
+def test_encode_images_names_the_bad_item():
+    enc = GraphedVisionEncoder.from_config("tiny", device="cpu")
+    with pytest.raises(TypeError, match=r"videos\[1\] must be a list of frames"):
+        enc.encode_images(videos=[[IMAGE, IMAGE], IMAGE])
+    with pytest.raises(TypeError, match="videos must be a list"):
+        enc.encode_images(videos=IMAGE)
+    with pytest.raises(TypeError, match=r"images\[1\]"):
+        enc.encode_images([IMAGE, "not an image"])
+    with pytest.raises(ValueError, match=r"videos\[0\]\[1\]"):
+        enc.encode_images(videos=[[IMAGE, Image.new("RGB", (0, 0))]])
+    with pytest.raises(ValueError, match="min_pixels"):
+        enc.encode_images([IMAGE], min_pixels=0)
+    assert [e.shape for e in enc.encode_images([IMAGE], videos=[[IMAGE] * 3])] == [(6, 48), (12, 48)]
+
+
+def test_truncated_and_unsupported_files_name_the_item(tmp_path):
+    path = tmp_path / "cut.png"
+    Image.effect_noise((64, 64), 40).convert("RGB").save(path)
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ValueError, match=r"images\[1\].*cannot be decoded"):
+        preprocess_images([IMAGE, Image.open(path)])
+    odd = Image.new("I;16", (32, 32))
+    try:
+        odd.convert("RGB")
+        convertible = True
+    except (ValueError, OSError):
+        convertible = False
+    if not convertible:
+        with pytest.raises(ValueError, match=r"images\[0\].*I;16"):
+            preprocess_images([odd])
+
+
+# -- the CLI ----------------------------------------------------------------------------
+
+@pytest.fixture
+def png(tmp_path):
+    path = tmp_path / "x.png"
+    Image.new("RGB", (56, 84), "green").save(path)
+    return path
+
+
+def run_cli(args, capsys):
+    code = cli_main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_encode_never_overwrites_an_input(png, capsys):
+    before = png.read_bytes()
+    for out in (png, png.parent / "." / png.name):
+        code, _, err = run_cli(["encode", png, "--out", out, "--force"], capsys)
+        assert code == 2 and "is one of the input images" in err and err.count("\n") == 1
+    assert png.read_bytes() == before
+
+
+def test_encode_checks_out_before_loading(png, tmp_path, capsys, monkeypatch):
+    import vitgraph.bench.common
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(vitgraph.bench.common, "make_encoder", no_load)
+    for out, words in ((tmp_path / "missing" / "e.safetensors", "does not exist"), (tmp_path, "is a directory")):
+        code, _, err = run_cli(["encode", png, "--out", out], capsys)
+        assert code == 2 and words in err and err.count("\n") == 1
+
+
+def test_encode_asks_for_force_and_records_its_source(png, tmp_path, capsys):
+    from safetensors import safe_open
+
+    out = tmp_path / "e.safetensors"
+    out.write_text("keep me")
+    code, _, err = run_cli(["encode", png, "--out", out], capsys)
+    assert code == 2 and "--force" in err and out.read_text() == "keep me"
+    code, _, err = run_cli(["encode", png, "--out", out, "--force"], capsys)
+    assert code == 0 and "random weights" in err
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+        assert f.get_tensor("x.png").shape == (6, 48)
+    assert json.loads(meta["grid_thw"]) == {"x.png": [1, 6, 4]} and "tiny" in meta["vitgraph_model"]
+
+
+def test_encode_one_line_errors_for_bad_files(png, tmp_path, capsys, monkeypatch, hf_model):
+    bomb = tmp_path / "bomb.png"
+    Image.new("RGB", (300, 300)).save(bomb)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 90000 > 2x this: a DecompressionBombError
+    code, _, err = run_cli(["encode", bomb, "--out", tmp_path / "o.safetensors"], capsys)
+    assert code == 2 and "bomb.png" in err and err.count("\n") == 1
+    monkeypatch.undo()
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=2)
+    edit_index(ckpt, lambda ix: ix["weight_map"].update({k: "../x.png" for k in ix["weight_map"]}))
+    code, _, err = run_cli(["encode", png, "--out", tmp_path / "o.safetensors", "--model", ckpt], capsys)
+    assert code == 2 and "outside the checkpoint folder" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--iters", "0"], "--iters"), (["--attention", "bogus"], "--attention"), (["--gemm", "bogus"], "--gemm"),
+    (["--systems", "foo"], "--systems"), (["--systems"], "--systems"), (["--warmup", "-1"], "--warmup"),
+])
+@pytest.mark.parametrize("command", ["bench", "bench-serving"])
+def test_bench_usage_errors_exit_2_without_a_traceback(command, args, words, capsys):
+    if command == "bench-serving" and args[0] in ("--iters", "--attention", "--gemm", "--warmup"):
+        args = ["--requests", "0"] if args[0] == "--iters" else ["--loads", "-1"]
+        words = args[0]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main([command, *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and words in err and "Traceback" not in err
+    assert err.startswith(f"usage: vitgraph {command}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusals")
+@pytest.mark.parametrize("args,words", [(["--systems", "vitgraph_graph"], "needs a CUDA device"),
+                                        (["--device", "cuda", "--iters", "1"], "CUDA is not available")])
+def test_bench_refuses_gpu_work_on_a_cpu(args, words, capsys):
+    try:
+        code = cli_main(["bench", *args])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and "Traceback" not in err
+
+
+# -- optional extras installed but broken -----------------------------------------------
+
+def test_broken_extras_fall_back_with_one_warning(tmp_path, monkeypatch, caplog):
+    """flash-attn-4 whose CuTe package cannot import (the H200 case: cutlass missing), and a
+    cudnn frontend that raises on import: each is found, tried, warned about once, not used."""
+    import vitgraph.attention as attention
+    import vitgraph.cudnn_attention as cudnn_attention
+
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    (tmp_path / "flash_attn" / "cute" / "interface.py").write_text("import cutlass_not_installed_xyz\n")
+    (tmp_path / "quack").mkdir()
+    (tmp_path / "quack" / "__init__.py").write_text("")
+    (tmp_path / "cudnn").mkdir()
+    (tmp_path / "cudnn" / "__init__.py").write_text("raise OSError('libcudnn.so.9: cannot open shared object')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface", "quack", "cudnn"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    attention.fa4_importable.cache_clear()
+    cudnn_attention.available.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert attention.fa4_importable() is False and attention.fa4_importable() is False
+            assert cudnn_attention.available() is False and cudnn_attention.available() is False
+        warnings = [r.getMessage() for r in caplog.records]
+        assert sum("flash-attn-4" in w and "cutlass_not_installed_xyz" in w for w in warnings) == 1
+        assert sum("cudnn-frontend" in w and "libcudnn" in w for w in warnings) == 1
+        assert GraphedVisionEncoder.from_config("tiny", device="cpu").attention == "sdpa"
+    finally:
+        attention.fa4_importable.cache_clear()
+        cudnn_attention.available.cache_clear()
