@@ -3,7 +3,6 @@
 Run on a CUDA machine with ``python -m pytest -m cuda -s`` (``-s`` shows the numbers).
 """
 
-import contextlib
 import dataclasses
 import random
 import threading
@@ -621,58 +620,6 @@ def test_cudnn_ragged_attention_in_a_graph_follows_new_layouts():
         got = box["out"][:real]
         assert torch.isfinite(got).all() and rel_err(got, ref) <= 1e-2, (lens, diff_report(got, ref))
         qkv[real:] = torch.randn_like(qkv[real:])
-
-
-@pytest.mark.parametrize("own_o", [True, False], ids=["own-O", "O-via-Q"])
-@pytest.mark.parametrize("lens", [[256] * 16, [448] * 8, [1024] * 4, [300, 17, 1100, 5, 640], [2048] * 2])
-def test_fa4_persistent_short_tiles_are_bitwise_fa4s_own(lens, own_o, monkeypatch):
-    """The persistent short-tile kernel (each CTA strides over several tiles: 16 heads, so
-    more tiles than SMs), with O in its own shared memory or through Q's, against FA4's own
-    scheduler, in a CUDA graph, with padding rows and empty segment slots as in a packed
-    bucket; then a new layout in the same graph."""
-    if "fa4" not in available_backends("cuda") or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs flash-attn-4 on a Hopper GPU")
-    from flash_attn.cute.interface import _flash_attn_fwd
-
-    from vitgraph import fa4_persistent
-    from vitgraph.attention import FA4_SHORT_TILE, fa4_tile_kwargs
-
-    monkeypatch.setattr(fa4_persistent, "OWN_O_SMEM", own_o)
-
-    heads, head_dim, slots = 16, 80, 16
-    tokens = sum(lens) + 96
-    cu = torch.zeros(slots + 1, device="cuda", dtype=torch.int32)
-    q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    v[sum(lens):] = 0  # padding rows, as the fused forward leaves them for FA4
-
-    def layout(lens):
-        cu.fill_(sum(lens))
-        cu[0] = 0
-        cu[1:len(lens) + 1] = torch.tensor(lens, device="cuda").cumsum(0)
-
-    def run(persistent):
-        with fa4_persistent.persistent_tiles() if persistent else contextlib.nullcontext():
-            return _flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2048, max_seqlen_k=2048,
-                                   **fa4_tile_kwargs(FA4_SHORT_TILE))[0]
-
-    layout(lens)
-    stock = run(False).clone()
-    graph = torch.cuda.CUDAGraph()
-    run(True)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        out = run(True)
-    real = sum(lens)
-    for _ in range(20):  # a race between tiles of one CTA would show in some replays only
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out[:real], stock[:real]), diff_report(out[:real], stock[:real])
-    other = lens[::-1][:3]  # another split of the buffers, same graph
-    layout(other)
-    stock = run(False).clone()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out[:sum(other)], stock[:sum(other)]), diff_report(out[:sum(other)], stock[:sum(other)])
 
 
 def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):

@@ -15,7 +15,6 @@ holds.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import logging
@@ -26,8 +25,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from . import fa4_persistent
-from .lazy_dynamo import import_quack
 
 if TYPE_CHECKING:
     from .models.qwen2_vl import VisionBatch
@@ -49,14 +46,6 @@ FA4_SHORT_TILE = (128, 128)
 FA4_LONG_TILE = None
 FA4_OWN_TILE_M = 192  # the query tile FA4 picks itself on Hopper at head_dim <= 96 (non-causal)
 FA4_SHORT_TILE_ARCHS = (9,)  # measured on Hopper only; elsewhere FA4 keeps its own tiles
-# The short tile's kernel keeps its CTAs resident across tiles (vitgraph.fa4_persistent). On an
-# H200 (benchmarks/fa4_persistent.py, µs per block, bitwise equal): 16x256 30.1 -> 25.0, 8x448
-# 38.6 -> 33.5, 4x1024 59.1 -> 53.5, 2x2048 99.6 -> 92.6, 1x1024 16.8 -> 15.6; FA4's 192-row
-# tiles lose with it (1x4096 170 -> 173), so they keep FA4's scheduler, as do batches of
-# fewer than FA4_PERSISTENT_MIN_TOKENS rows (a 256-row bucket holds fewer tiles than there are
-# SMs: 1x256 7.7 -> 7.8; 1x1024 in a 1024-row bucket gains from launching fewer empty CTAs).
-FA4_PERSISTENT_SHORT = True
-FA4_PERSISTENT_MIN_TOKENS = 1024
 # Batches below FA4_TINY_MAX_ROWS rows take 64-row tiles where one frame of max_seqlen
 # fits one GPU wave with them (fa4_prefers_tiny_tile): half the tile-rows of time. On an
 # H200 (one frame in a 16-slot bucket of its size, µs per call in graphs, h200-fa4-tile64.log;
@@ -117,7 +106,6 @@ def enable_fa4_disk_cache() -> None:
 
 def _fa4_forward():
     enable_fa4_disk_cache()
-    import_quack()  # FA4 imports it: without torch._dynamo
     # The forward the public varlen function wraps (in an autograd Function), which also takes
     # a tile shape; vitgraph never needs FA4's backward.
     from flash_attn.cute.interface import _flash_attn_fwd
@@ -203,35 +191,31 @@ def short_tile_sm_count(device: torch.device) -> int | None:
 def fa4_tile(max_seqlen: int, heads: int, device: torch.device, rows: int | None = None) -> dict:
     """FlashAttention 4's tile keywords for a batch of ``rows`` rows (None: many) on
     ``device`` whose segments hold at most ``max_seqlen`` tokens."""
-    return fa4_tile_kwargs(_fa4_kernel(max_seqlen, heads, device, rows)[0])
+    return fa4_tile_kwargs(_fa4_kernel(max_seqlen, heads, device, rows))
 
 
-def _fa4_kernel(max_seqlen: int, heads: int, device: torch.device, rows: int | None) -> tuple[tuple | None, bool]:
-    """(FA4's tile, whether its CTAs persist) for such a batch; FA4's own tile where the tile
-    does not follow the batch."""
+def _fa4_kernel(max_seqlen: int, heads: int, device: torch.device, rows: int | None) -> tuple | None:
+    """FA4's tile for such a batch; FA4's own tile (None) where the tile does not follow the batch."""
     sm_count = short_tile_sm_count(device)
     if sm_count is None:
-        return None, False
+        return None
     if not fa4_prefers_short_tile(max_seqlen, heads, sm_count):
-        return FA4_LONG_TILE, False
+        return FA4_LONG_TILE
     if rows is not None and rows < FA4_TINY_MAX_ROWS and fa4_prefers_tiny_tile(max_seqlen, heads, sm_count):
-        return FA4_TINY_TILE, False
-    many = rows is None or rows >= FA4_PERSISTENT_MIN_TOKENS
-    return FA4_SHORT_TILE, FA4_PERSISTENT_SHORT and many and fa4_persistent.supported()
+        return FA4_TINY_TILE
+    return FA4_SHORT_TILE
 
 
 def fa4_kernel(max_seqlen: int, heads: int, device: torch.device, rows: int, dtype: torch.dtype) -> tuple:
     """The compiled FlashAttention 4 kernel :func:`attend` runs for such a batch, as a
     hashable key (equal keys: one kernel)."""
-    return ("fa4", str(dtype)) + _fa4_kernel(max_seqlen, heads, device, rows)
+    return ("fa4", str(dtype), _fa4_kernel(max_seqlen, heads, device, rows))
 
 
 def _fa4_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch") -> torch.Tensor:
-    tile, persistent = _fa4_kernel(batch.max_seqlen, q.shape[1], q.device, q.shape[0])
-    with fa4_persistent.persistent_tiles() if persistent else contextlib.nullcontext():
-        return _fa4_forward()(q, k, v, cu_seqlens_q=batch.cu_seqlens, cu_seqlens_k=batch.cu_seqlens,
-                              max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen,
-                              **fa4_tile_kwargs(tile))[0]
+    tile = _fa4_kernel(batch.max_seqlen, q.shape[1], q.device, q.shape[0])
+    return _fa4_forward()(q, k, v, cu_seqlens_q=batch.cu_seqlens, cu_seqlens_k=batch.cu_seqlens,
+                          max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen, **fa4_tile_kwargs(tile))[0]
 
 
 def available_backends(device: torch.device | str) -> list[str]:

@@ -88,7 +88,7 @@ class EngineOptions:
     capture: bool = True  # capture on construction; else call encoder.capture()
     # Before capture, where FlashAttention 4's or quack's kernel caches are cold, compile those
     # kernels in up to this many worker processes at once (None: one per kernel, up to the CPU
-    # count less one, and at most precompile.EARLY_WORKERS (11) where the caches hold no kernel
+    # count less one, and at most precompile.EARLY_WORKERS (10) where the caches hold no kernel
     # at all and the workers start with the encoder; 0: none, each compiles in this process
     # when capture first meets it).
     # See vitgraph.precompile.

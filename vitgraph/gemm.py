@@ -34,7 +34,6 @@ import torch.nn.functional as F
 
 from . import kernels
 from .attention import arch_and_sm_count
-from .lazy_dynamo import import_quack
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +181,6 @@ def _quick_gelu_epilogue():
 @functools.cache
 def _quack():
     """quack's GEMM-with-activation and plain GEMM entries, and the registered activation's name."""
-    import_quack()
     from quack import activation
     from quack.gemm_interface import gemm_act_tuned, gemm_tuned
 
@@ -371,7 +369,6 @@ def plain_config():
 
 @functools.cache
 def _gemm_config(tile: tuple):
-    import_quack()
     from quack.gemm_config import GemmConfig
 
     return GemmConfig(**dict(tile), swap_ab=False, is_dynamic_persistent=False)

@@ -24,7 +24,6 @@ import math
 
 import torch
 
-from .lazy_dynamo import import_quack
 
 TWO_PI_HI = 6.2831854820251465  # float32(2 pi)
 TWO_PI_LO = 2 * math.pi - TWO_PI_HI  # the rest, for a two-step reduction
@@ -129,7 +128,6 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, freq_h: 
     ``[M]`` positions, ``pos_h < 0`` on padding rows; ``config``: a quack ``GemmConfig``.
     Returns bf16 ``[M, N]``.
     """
-    import_quack()
     from quack.cute_dsl_utils import get_device_capacity, get_max_active_clusters
     from quack.gemm_tvm_ffi_utils import make_scheduler_args
 

@@ -25,8 +25,7 @@ as the encoder will, and compiles its share of all of them: cold being certain, 
 compiles none.
 
 Each worker builds a one-block tower of the same shape with random weights and runs each of
-its ops alone on zeros (the model's ``run_jit_kernel``). Neither a worker nor this process
-imports ``torch._dynamo`` for quack (seconds; see :mod:`vitgraph.lazy_dynamo`). While the workers compile,
+its ops alone on zeros (the model's ``run_jit_kernel``). While the workers compile,
 this process compiles the buckets' Triton kernels (the model's ``run_triton_kernels``), which
 capture would otherwise compile one after another after the wait.
 """
@@ -54,7 +53,6 @@ from .capture.graphs import padded_batch
 from .capture.planner import Bucket
 from .config import VisionConfig
 from .gemm import quack_available
-from .lazy_dynamo import import_quack
 from .models.qwen2_vl import Qwen2VisionTower
 
 logger = logging.getLogger(__name__)
@@ -73,7 +71,7 @@ _CACHE_DIR_DEFAULTS = {_FA4_CACHE[0]: ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "fl
                        _QUACK_CACHE[0]: ("QUACK_CACHE_DIR", "quack_cache")}
 # Most workers start_early starts when compile_workers is None (it cannot count the kernels
 # before the libraries load): one per kernel of the default buckets.
-EARLY_WORKERS = 11
+EARLY_WORKERS = 10
 START_WITH_ENCODER = True  # False: workers start only in precompile, after the build (for A/Bs)
 # While cold-cache workers compile, this process compiles the buckets' Triton kernels (else
 # capture compiles them, one after another, after the wait). False: for A/Bs.
@@ -137,10 +135,6 @@ def _spec(tower: Qwen2VisionTower, jobs: Sequence[KernelJob], device: torch.devi
 def _cache_roots(modules: Sequence[str]) -> dict[str, Path]:
     """The disk-cache directory of each of ``modules`` that loads (see ``_DISK_CACHE``; imports them)."""
     enable_fa4_disk_cache()  # before FA4 is imported here, and inherited by the workers
-    try:
-        import_quack()  # before either library: without torch._dynamo
-    except Exception:  # not installed, or broken: the loop below skips what does not load
-        pass
     roots = {}
     for name in modules:
         try:
