@@ -1,10 +1,10 @@
 """A/B of module-level settings of vitgraph, end to end, in one process.
 
-    python benchmarks/ab_setting.py vitgraph.gemm.QUACK_QKV_MIN_ROWS=10**9   # qkv back on cuBLAS
-    python benchmarks/ab_setting.py vitgraph.gemm.QUACK_MIN_ROWS=256 --cases 1x256 --rounds 7
-    python benchmarks/ab_setting.py vitgraph.attention.FA4_SHORT_SEQLEN=0 --cases --frames 40x40 44x46   # single frames
-    python benchmarks/ab_setting.py vitgraph.gemm.SPLIT_K=4 --both-orders   # both build orders in one run
-    python benchmarks/ab_setting.py vitgraph.gemm.SPLIT_K=4 --both-orders --control   # and an A/A beside it
+    python benchmarks/ab_setting.py vitgraph.ops.gemm.QUACK_QKV_MIN_ROWS=10**9   # qkv back on cuBLAS
+    python benchmarks/ab_setting.py vitgraph.ops.gemm.QUACK_MIN_ROWS=256 --cases 1x256 --rounds 7
+    python benchmarks/ab_setting.py vitgraph.ops.attention.FA4_SHORT_SEQLEN=0 --cases --frames 40x40 44x46   # single frames
+    python benchmarks/ab_setting.py vitgraph.ops.gemm.SPLIT_K=4 --both-orders   # both build orders in one run
+    python benchmarks/ab_setting.py vitgraph.ops.gemm.SPLIT_K=4 --both-orders --control   # and an A/A beside it
 
 Two graph encoders of the 2B model with the same random weights: ``default`` and
 ``changed``, the second built (captured) and called with the settings changed. Each round
@@ -65,7 +65,7 @@ def run_order(args, settings, order: tuple[str, ...], cases: dict, device: torch
         encoders[key] = GraphedVisionEncoder.from_config(args.preset, device=device, seed=0, progress=False)
     # Steps are routed by timings taken at capture: one routing for both, unless the settings
     # change which buckets exist or how routing is timed (then each keeps the routing it measured).
-    routing_changed = any(module.__name__ == "vitgraph.capture.routing" for module, *_ in settings)
+    routing_changed = any(module.__name__ == "vitgraph.engine.routing" for module, *_ in settings)
     if encoders["changed"].buckets == encoders["default"].buckets and not routing_changed:
         for key in set(encoders) - {"default"}:
             encoders[key]._packed_single_below = dict(encoders["default"]._packed_single_below)

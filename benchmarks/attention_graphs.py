@@ -6,7 +6,7 @@ For each bucket layout (bucket tokens, real segment lengths, 16 frame slots) it 
 * ``fa2-tight``: FA2 varlen with exactly the real segments and their longest length;
 * ``cudnn-torch``: torch's cuDNN ragged op (``aten._cudnn_attention_forward`` with cu_seqlens);
 * ``cudnn-fe``: the same cuDNN ragged + padding-mask graph built once through cudnn-frontend
-  (:mod:`vitgraph.cudnn_attention`, the packed buckets' kernel);
+  (:mod:`vitgraph.ops.cudnn_attention`, the packed buckets' kernel);
 * ``cudnn-dense``: cuDNN dense SDPA at the exact shape (an upper bound, single length only);
 * ``fa4-bucket`` / ``fa4-tight`` / ``fa4-dense-exact``: FlashAttention 4's CuTe-DSL kernels
   (``flash_attn.cute``, package ``flash-attn-4``; Hopper and Blackwell), varlen with the
@@ -52,7 +52,7 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-from vitgraph import cudnn_attention  # noqa: E402
+from vitgraph.ops import cudnn_attention  # noqa: E402
 
 HAVE_CUDNN_FE = cudnn_attention.available()
 print("cudnn-frontend:", "yes" if HAVE_CUDNN_FE else "not installed (pip install nvidia-cudnn-frontend)")
@@ -184,8 +184,8 @@ for tokens, lens in CASES:
                 rows.append((name, label, None, None, None, None, f"{type(exc).__name__}: {str(exc)[:80]}"))
 
     if len(lens) == 1:  # dense over the whole padded bucket, padding keys masked by an extra lane
-        from vitgraph.attention import LANE_PAD, dense_masked
-        from vitgraph.kernels import PAD_KEY_SCORE
+        from vitgraph.ops.attention import LANE_PAD, dense_masked
+        from vitgraph.ops.kernels import PAD_KEY_SCORE
 
         box = {}
         qd = torch.zeros(tokens, H, D + LANE_PAD, device=dev, dtype=torch.bfloat16)

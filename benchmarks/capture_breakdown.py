@@ -18,7 +18,7 @@ import triton.compiler as tc  # noqa: E402
 
 from vitgraph import GraphedVisionEncoder  # noqa: E402
 from vitgraph.bench.common import CallTimer  # noqa: E402
-from vitgraph.capture import graphs  # noqa: E402
+from vitgraph.engine import graphs  # noqa: E402
 
 timer = CallTimer()
 tc.compile = timer.wrap("triton_compile", tc.compile)

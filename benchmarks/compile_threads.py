@@ -11,8 +11,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 import torch
-from vitgraph import kernels, gemm
-from vitgraph.attention import _fa4_forward
+from vitgraph.ops import kernels, gemm
+from vitgraph.ops.attention import _fa4_forward
 t0 = time.perf_counter()
 gemm._quack(); fa4 = _fa4_forward()
 print(f"imports {time.perf_counter()-t0:.1f}s", flush=True)

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from vitgraph import GraphedVisionEncoder
 from vitgraph.bench.common import KERNEL_CLASSES, kernel_class, median_ms, print_table
 from vitgraph.bench.serving import request_grids
-from vitgraph.capture.planner import budget_ladder
+from vitgraph.engine.planner import budget_ladder
 from vitgraph.preprocess import MAX_PIXELS
 
 

@@ -5,7 +5,7 @@
 
 For each packed layout (frames x tokens in a 16-slot bucket of their total), it traces and
 compiles the kernel vitgraph's ``attend`` would run on an H200 (132 SMs): the tile
-``vitgraph.attention`` picks, and the persistent scheduler of ``vitgraph.fa4_persistent``
+``vitgraph.ops.attention`` picks, and the persistent scheduler of ``vitgraph.fa4_persistent``
 where it takes it. Use it to check that a change to those kernels still traces and
 compiles before spending GPU time on it; with ``CUTE_DSL_KEEP`` the PTX and cubin land in
 ``CUTE_DSL_DUMP_DIR`` (``cuobjdump --dump-resource-usage`` on the cubin gives registers
@@ -44,7 +44,7 @@ def main() -> None:
     import cutlass.utils
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    import vitgraph.attention as attention
+    import vitgraph.ops.attention as attention
     from vitgraph import fa4_persistent
 
     cutlass.utils.HardwareInfo = _H200Info

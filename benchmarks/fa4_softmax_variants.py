@@ -30,7 +30,7 @@ os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "0"  # kernels compiled h
 
 import torch  # noqa: E402
 
-from vitgraph import attention, fa4_persistent  # noqa: E402
+from vitgraph.ops import attention, fa4_persistent  # noqa: E402
 from vitgraph.bench.common import graph_replay_us  # noqa: E402
 
 H, D = 16, 80

@@ -15,7 +15,7 @@ import sys
 import torch
 from flash_attn.cute.interface import _flash_attn_fwd
 
-from vitgraph.attention import fa4_tile_kwargs
+from vitgraph.ops.attention import fa4_tile_kwargs
 from vitgraph.bench.common import graph_replay_us
 
 H, D = 16, 80

@@ -25,7 +25,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from vitgraph import kernels
+from vitgraph.ops import kernels
 from vitgraph.bench.common import graph_per_call_us, rel_err
 
 WIDTH = 1280
@@ -61,7 +61,7 @@ def main() -> None:
         biases = [0.1 * torch.randn(n, device=dev, dtype=bf16) for _ in range(SETS)]
         chained = args.after_fc1 and layer == "fc2"
         if chained:
-            from vitgraph.gemm import linear_quick_gelu
+            from vitgraph.ops.gemm import linear_quick_gelu
 
             fc1 = [(torch.randn(k, WIDTH, device=dev, dtype=bf16) / WIDTH ** 0.5,
                     0.1 * torch.randn(k, device=dev, dtype=bf16)) for _ in range(SETS)]

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from vitgraph import kernels
+from vitgraph.ops import kernels
 from vitgraph.bench.common import graph_per_call_us as per_call_us
 
 LAYERS = {"qkv": (1280, 3840), "proj": (1280, 1280), "fc1": (1280, 5120), "fc2": (5120, 1280)}
@@ -65,8 +65,8 @@ def configs():
 
 def vitgraph_config(name: str, m: int, n: int, device):
     """The GemmConfig the tower's quack GEMM for layer ``name`` runs with at ``m`` rows (fc1's
-    tile follows vitgraph.gemm's wave model; plain qkv keeps QUACK_TILE)."""
-    from vitgraph.gemm import _config, fc1_tile, plain_config
+    tile follows vitgraph.ops.gemm's wave model; plain qkv keeps QUACK_TILE)."""
+    from vitgraph.ops.gemm import _config, fc1_tile, plain_config
 
     return _config(fc1_tile, m, n, device) if name == "fc1" else plain_config()
 
@@ -80,7 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("ms", nargs="*", type=int, default=[256, 1024, 4096])
     parser.add_argument("--layers", nargs="*", default=list(LAYERS), choices=list(LAYERS))
-    parser.add_argument("--vitgraph-tile", action="store_true", help="only the tile vitgraph.gemm uses")
+    parser.add_argument("--vitgraph-tile", action="store_true", help="only the tile vitgraph.ops.gemm uses")
     parser.add_argument("--tiles", nargs="*", help="only configurations whose label starts with one of these, e.g. 256x160")
     args = parser.parse_args()
 

@@ -17,7 +17,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from vitgraph import gemm, kernels
+from vitgraph.ops import gemm, kernels
 from vitgraph.bench.common import graph_per_call_us
 
 LAYERS = {"proj": 1280, "fc2": 5120}  # input width; both write the 1280-wide residual stream

@@ -2,7 +2,7 @@
 
 Without the epilogue, the fused forward runs qkv (quack's GEMM from 2048 rows, cuBLAS below)
 and then ``kernels.rotary_`` over q and k (in place, padding rows zeroed for FlashAttention 4).
-``vitgraph.gemm_rope.qkv_rope`` does both in one kernel. Both run on qkv weights in the
+``vitgraph.ops.gemm_rope.qkv_rope`` does both in one kernel. Both run on qkv weights in the
 tower's interleaved order. Inside CUDA graphs, with 8 weight sets rotated so weights stream
 from DRAM as in the 32-block tower, per call in µs:
 
@@ -30,11 +30,11 @@ import time
 
 import torch
 
-from vitgraph import kernels
+from vitgraph.ops import kernels
 from vitgraph.bench.common import graph_per_call_us as per_call_us
-from vitgraph.gemm import linear_qkv, linear_qkv_rope
+from vitgraph.ops.gemm import linear_qkv, linear_qkv_rope
 from vitgraph.config import PRESETS
-from vitgraph.gemm_rope import qkv_rope
+from vitgraph.ops.gemm_rope import qkv_rope
 from vitgraph.models.qwen2_vl import Qwen2VisionTower, interleave_order
 
 HEADS, HEAD_DIM, EMBED = 16, 80, 1280

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vitgraph import kernels
-from vitgraph.kernels import layernorm_rows
+from vitgraph.ops import kernels
+from vitgraph.ops.kernels import layernorm_rows
 from vitgraph.bench.common import graph_replay_us
 
 

@@ -21,7 +21,7 @@ import argparse
 
 import torch
 
-from vitgraph import gemm, kernels
+from vitgraph.ops import gemm, kernels
 from vitgraph.bench.common import graph_per_call_us
 
 LAYERS = {"proj": 1280, "fc2": 5120}  # K; both write the 1280-wide stream

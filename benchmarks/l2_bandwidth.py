@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vitgraph import gemm
+from vitgraph.ops import gemm
 from vitgraph.bench.common import graph_replay_us
 
 
@@ -81,8 +81,8 @@ def main() -> None:
 
 
 # The 256-row bucket's GEMM tiles (rows x columns of the output, K, K's splits): quack's for qkv and
-# fc1 (vitgraph.gemm), cuBLAS's for proj and fc2 as its kernel name gives them
-# (nvjet_sm90_tst_80x64_...: 80 output features x 64 tokens), on K's halves (vitgraph.gemm.SPLIT_K).
+# fc1 (vitgraph.ops.gemm), cuBLAS's for proj and fc2 as its kernel name gives them
+# (nvjet_sm90_tst_80x64_...: 80 output features x 64 tokens), on K's halves (vitgraph.ops.gemm.SPLIT_K).
 BLOCK_TILES_256 = {"qkv": (64, 128, 1280, 1), "proj": (64, 80, 1280, 2), "fc1": (64, 160, 1280, 1),
                    "fc2": (64, 80, 5120, 2)}
 
@@ -96,7 +96,7 @@ def _fc1_operands(rows: int):
 
 
 def _quack_fc1_tile(x, w, b, tile: dict):
-    """fc1 + QuickGELU through quack's GEMM in ``tile`` (as :func:`vitgraph.gemm.linear_quick_gelu`
+    """fc1 + QuickGELU through quack's GEMM in ``tile`` (as :func:`vitgraph.ops.gemm.linear_quick_gelu`
     calls it, with the tile given instead of picked)."""
     gemm_act, _, name = gemm._quack()
     out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from vitgraph import GraphedVisionEncoder, cudnn_attention
-from vitgraph.attention import LANE_PAD, dense_masked
+from vitgraph.ops.attention import LANE_PAD, dense_masked
 from vitgraph.bench.common import graph_replay_us
 
 H, D = 16, 80

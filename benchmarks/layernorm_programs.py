@@ -16,7 +16,7 @@ import argparse
 import torch
 import triton
 
-from vitgraph import kernels
+from vitgraph.ops import kernels
 from vitgraph.bench.common import graph_replay_us
 
 WIDTH = 1280

@@ -27,7 +27,7 @@ board does at its power cap with the work that is left, which a kernel-level est
 Each process prints how many attention calls it skipped, so a share that never engaged shows.
 
 ``--split-as-stock`` (with ``bound``) runs proj and fc2 as the stock forward does where it
-splits their K (:func:`vitgraph.gemm.linear_split_k`, up to 896 rows) and leaves the partial
+splits their K (:func:`vitgraph.ops.gemm.linear_split_k`, up to 896 rows) and leaves the partial
 products unsummed and the stream unchanged: the GEMMs as the defaults run them, with no
 LayerNorm and no reduction at all.
 """
@@ -44,7 +44,7 @@ from ab_setting import parse_settings
 from vitgraph import GraphedVisionEncoder
 from vitgraph.bench.common import median_ms, preheat
 from vitgraph.bench.latency import CASES, select_cases
-from vitgraph.gemm import fc1_kernel, linear_qkv_rope, linear_quick_gelu, linear_split_k
+from vitgraph.ops.gemm import fc1_kernel, linear_qkv_rope, linear_quick_gelu, linear_split_k
 from vitgraph.models import qwen2_vl
 from vitgraph.models.qwen2_vl import Qwen2VisionTower
 
@@ -109,7 +109,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", choices=("stock", "bound"), required=True)
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                   help="a vitgraph setting for the stock variant (e.g. vitgraph.gemm.BIAS_FREE_STREAM=False)")
+                   help="a vitgraph setting for the stock variant (e.g. vitgraph.ops.gemm.BIAS_FREE_STREAM=False)")
     p.add_argument("--cases", nargs="*", default=DEFAULT_CASES, help=f"from {list(CASES)}")
     p.add_argument("--rounds", type=int, default=3, help="passes over the cases; the median is kept")
     p.add_argument("--iters", type=int, default=30)

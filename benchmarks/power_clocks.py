@@ -17,7 +17,7 @@ import time
 import torch
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.attention import _fa4_forward
+from vitgraph.ops.attention import _fa4_forward
 from vitgraph.bench.common import ClockSampler, graph_replay_us, held_replays
 from vitgraph.bench.latency import select_cases
 

@@ -2,7 +2,7 @@
 import torch
 
 from vitgraph.bench.common import graph_replay_us
-from vitgraph import cudnn_attention as ca
+from vitgraph.ops import cudnn_attention as ca
 
 H, D = 16, 80
 

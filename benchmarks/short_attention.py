@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vitgraph import kernels
-from vitgraph.attention import _has_fa4, fa4_tile
+from vitgraph.ops import kernels
+from vitgraph.ops.attention import _has_fa4, fa4_tile
 from vitgraph.bench.common import graph_replay_us
 
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 from gemm_quack_epilogue import LAYERS, SETS, register_quick_gelu
-from vitgraph import kernels
+from vitgraph.ops import kernels
 from vitgraph.bench.common import ClockSampler, graph_per_call_us, held_replays, window_medians
 
 TILES = ["128x160 pp c12", "128x128 pp c12", "256x160 coop c12", "256x128 coop c21", "128x256 coop c12",

@@ -8,7 +8,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 if not torch.cuda.is_available():
     # vitgraph's Triton kernels then run on CPU tensors through Triton's interpreter.
-    # Set before vitgraph.kernels is imported: triton.jit reads it when decorating.
+    # Set before vitgraph.ops.kernels is imported: triton.jit reads it when decorating.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

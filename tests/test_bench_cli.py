@@ -179,13 +179,13 @@ def test_ab_setting_runs_both_build_orders():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_setting.py"
-    proc = subprocess.run([sys.executable, str(script), "vitgraph.gemm.SPLIT_K=4", "--both-orders", "--preset", "tiny",
+    proc = subprocess.run([sys.executable, str(script), "vitgraph.ops.gemm.SPLIT_K=4", "--both-orders", "--preset", "tiny",
                            "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256", "--frames", "8x10",
                            "--preheat", "0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert "vitgraph.gemm.SPLIT_K: default 2, changed 4" in out
+    assert "vitgraph.ops.gemm.SPLIT_K: default 2, changed 4" in out
     assert out.index("build order: default, changed") < out.index("build order: changed, default")
     assert "default built first:" in out and "changed built first:" in out
     last = out.split("both orders (delta ms = changed - default):")[1].splitlines()
@@ -234,7 +234,7 @@ def test_ab_setting_control_encoder_reports_an_a_a():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_setting.py"
-    proc = subprocess.run([sys.executable, str(script), "vitgraph.gemm.SPLIT_K=4", "--both-orders", "--control",
+    proc = subprocess.run([sys.executable, str(script), "vitgraph.ops.gemm.SPLIT_K=4", "--both-orders", "--control",
                            "--preset", "tiny", "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256",
                            "--preheat", "0"],
                           capture_output=True, text=True, timeout=300)

@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from helpers import diff_report, hf_forward, hf_tower, random_pixels, rel_err, vision_state
 
-import vitgraph.gemm
-from vitgraph import GraphedVisionEncoder, kernels
-from vitgraph.attention import available_backends
-from vitgraph.capture.planner import Bucket
-from vitgraph.gemm import linear_qkv, linear_quick_gelu, quack_available
+import vitgraph.ops.gemm
+from vitgraph import GraphedVisionEncoder
+from vitgraph.ops import kernels
+from vitgraph.ops.attention import available_backends
+from vitgraph.engine.planner import Bucket
+from vitgraph.ops.gemm import linear_qkv, linear_quick_gelu, quack_available
 
 pytestmark = pytest.mark.cuda
 
@@ -67,8 +68,8 @@ def test_fp32_parity_every_backend(weights, hf_gpu, monkeypatch):
     ref = hf_forward(hf_gpu, pixels, grids)  # fp32 on CPU
     # These grids are small: lower quack's row thresholds so every quack GEMM really runs.
     for threshold in ("QUACK_MIN_ROWS", "QUACK_QKV_MIN_ROWS", "QUACK_ROPE_MIN_ROWS"):
-        monkeypatch.setattr(vitgraph.gemm, threshold, 0)
-    split_k_default = vitgraph.gemm.SPLIT_K_MAX_ROWS  # read once: the loop below sets it
+        monkeypatch.setattr(vitgraph.ops.gemm, threshold, 0)
+    split_k_default = vitgraph.ops.gemm.SPLIT_K_MAX_ROWS  # read once: the loop below sets it
     for backend in available_backends("cuda"):
         for dtype in (torch.float32, torch.bfloat16):
             if dtype == torch.float32 and backend != "sdpa":
@@ -80,7 +81,7 @@ def test_fp32_parity_every_backend(weights, hf_gpu, monkeypatch):
                 # which these grids are not: lowered)
                 for split_k_max in ((split_k_default, 0) if fuse else (None,)):
                     if split_k_max is not None:
-                        monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_MAX_ROWS", split_k_max)
+                        monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_MAX_ROWS", split_k_max)
                     enc = make(weights, mode="eager", dtype=dtype, attention=backend, fuse=fuse, gemm=gemm)
                     got = enc.encode(pixels.cuda(), grids).float().cpu()
                     err = rel_err(got, ref)
@@ -131,17 +132,17 @@ def test_split_k_partials_summed_by_layernorm_at_every_split_size(monkeypatch, l
     width = 1280
     gamma = torch.rand(width, device="cuda", dtype=torch.bfloat16) + 0.5
     beta = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
-    split = vitgraph.gemm._split_k_device(torch.device("cuda"))
+    split = vitgraph.ops.gemm._split_k_device(torch.device("cuda"))
     if long_splits is not None:
-        monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_LONG", long_splits)
-    for rows in (256, 288, 320, 416, 704, vitgraph.gemm.SPLIT_K_MAX_ROWS):
+        monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_LONG", long_splits)
+    for rows in (256, 288, 320, 416, 704, vitgraph.ops.gemm.SPLIT_K_MAX_ROWS):
         for k in (width, 4 * width):  # proj, fc2
-            splits = vitgraph.gemm.split_k_count(rows, k) if split else 1
+            splits = vitgraph.ops.gemm.split_k_count(rows, k) if split else 1
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             weight = torch.randn(width, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
             bias = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
             residual = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
-            y, y_bias = vitgraph.gemm.linear_split_k(x, weight, bias)
+            y, y_bias = vitgraph.ops.gemm.linear_split_k(x, weight, bias)
             assert (y_bias is not None) == (splits > 1), (rows, k)
             assert tuple(y.shape) == ((splits, rows, width) if splits > 1 else (rows, width)), (rows, k)
             got_x = residual.clone()
@@ -425,9 +426,9 @@ def test_graph_pool_stays_near_one_eager_forward(weights, monkeypatch, bias_free
     that every activation comes from the caching allocator's large pool, as in the real tower."""
     from vitgraph.bench.common import eager_peak_bytes
 
-    monkeypatch.setattr(vitgraph.gemm, "BIAS_FREE_STREAM", bias_free)
+    monkeypatch.setattr(vitgraph.ops.gemm, "BIAS_FREE_STREAM", bias_free)
     enc = make(weights, mode="graph", budgets=[4096, 8192, 16384], max_items=4)
-    assert vitgraph.gemm.bias_free_stream(4096) == bias_free
+    assert vitgraph.ops.gemm.bias_free_stream(4096) == bias_free
     # The pool also holds the capture stream's cuBLAS workspaces, which are no activations
     # (the eager peak leaves out the eager stream's too).
     stats = enc.stats()
@@ -482,7 +483,7 @@ def test_stats_report(graph_enc):
     assert used and all(b["real_tokens"] > 0 and b["padded_tokens"] >= 0 for b in used)
 
 
-# vitgraph.gemm's quack paths: (function, output width, the cuBLAS path it replaces, row threshold, more rows)
+# vitgraph.ops.gemm's quack paths: (function, output width, the cuBLAS path it replaces, row threshold, more rows)
 QUACK_LAYERS = {
     "fc1+quick_gelu": (linear_quick_gelu, 5120, lambda x, w, b: kernels.quick_gelu_(F.linear(x, w, b)),
                        "QUACK_MIN_ROWS", (256, 1000, 1152, 4096)),
@@ -497,7 +498,7 @@ def test_quack_gemm_against_cublas_in_and_out_of_a_graph(layer):
     replaces, at the real widths, eagerly and replayed on new inputs; below its row threshold
     the function is the cuBLAS path, bit for bit."""
     fn, width, cublas, threshold, more_rows = QUACK_LAYERS[layer]
-    threshold = getattr(vitgraph.gemm, threshold)
+    threshold = getattr(vitgraph.ops.gemm, threshold)
     torch.manual_seed(0)
     weight = torch.randn(width, 1280, device="cuda", dtype=torch.bfloat16) * 0.03
     bias = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
@@ -521,7 +522,7 @@ def test_quack_gemm_against_cublas_in_and_out_of_a_graph(layer):
 def test_fc1_tiles_give_the_same_bits():
     """fc1's tile follows a wave model (128x128 at 1152 rows on an H200, QUACK_TILE at 4096):
     every candidate gives the bits the picked one gives."""
-    from vitgraph.gemm import QUACK_FC1_SMALL_TILE, QUACK_FC1_TILES, QUACK_TILE, _gemm_config, _quack
+    from vitgraph.ops.gemm import QUACK_FC1_SMALL_TILE, QUACK_FC1_TILES, QUACK_TILE, _gemm_config, _quack
 
     gemm_act, _, name = _quack()
     torch.manual_seed(0)
@@ -542,8 +543,8 @@ def test_qkv_rope_epilogue_against_gemm_plus_triton_rotary():
     the real widths, positions far from 0 (angles up to ~1000 rad), NaN in the padding rows'
     inputs; eagerly and replayed on new inputs."""
     from vitgraph.config import PRESETS
-    from vitgraph.gemm import QUACK_ROPE_SMALL_TILE, QUACK_ROPE_TILES, QUACK_TILE, _gemm_config, linear_qkv_rope
-    from vitgraph.gemm_rope import qkv_rope
+    from vitgraph.ops.gemm import QUACK_ROPE_SMALL_TILE, QUACK_ROPE_TILES, QUACK_TILE, _gemm_config, linear_qkv_rope
+    from vitgraph.ops.gemm_rope import qkv_rope
     from vitgraph.models.qwen2_vl import Qwen2VisionTower
 
     cfg = PRESETS["qwen2-vl-2b"]
@@ -589,7 +590,7 @@ def test_cudnn_ragged_attention_in_a_graph_follows_new_layouts():
     NaN padding rows included), against FA2 varlen on each exact layout."""
     from torch.nn.attention.varlen import varlen_attn
 
-    from vitgraph import cudnn_attention
+    from vitgraph.ops import cudnn_attention
 
     if not cudnn_attention.available():
         pytest.skip("nvidia-cudnn-frontend is not installed")
@@ -627,21 +628,21 @@ def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):
     FA4_SHORT_SEQLEN) and with its default tiles, against FA2 varlen, padding rows zeroed."""
     from torch.nn.attention.varlen import varlen_attn
 
-    import vitgraph.attention
-    from vitgraph.attention import attend, fa4_tile, fa4_tile_kwargs
+    import vitgraph.ops.attention
+    from vitgraph.ops.attention import attend, fa4_tile, fa4_tile_kwargs
     from vitgraph.models.qwen2_vl import VisionBatch
 
     if "fa4" not in available_backends("cuda"):
         pytest.skip("flash-attn-4 is not installed")
-    short, long, tiny = (fa4_tile_kwargs(getattr(vitgraph.attention, name))
+    short, long, tiny = (fa4_tile_kwargs(getattr(vitgraph.ops.attention, name))
                          for name in ("FA4_SHORT_TILE", "FA4_LONG_TILE", "FA4_TINY_TILE"))
     dev = torch.device("cuda")
     assert fa4_tile(1024, 16, dev) == short and short["tile_mn"][0] == 128  # see test_fa4_short_tile_rule_on_an_h200
-    assert fa4_tile(vitgraph.attention.FA4_SHORT_SEQLEN + 1, 16, dev) == long
+    assert fa4_tile(vitgraph.ops.attention.FA4_SHORT_SEQLEN + 1, 16, dev) == long
     assert fa4_tile(512, 16, dev, rows=512) == tiny and fa4_tile(512, 16, dev, rows=1024) == short
     calls = []
-    forward = vitgraph.attention._fa4_forward()
-    monkeypatch.setattr(vitgraph.attention, "_fa4_forward",
+    forward = vitgraph.ops.attention._fa4_forward()
+    monkeypatch.setattr(vitgraph.ops.attention, "_fa4_forward",
                         lambda: lambda *a, **kw: calls.append(kw.get("tile_mn")) or forward(*a, **kw))
     heads, head_dim, tokens, slots = 4, 80, 640, 8
     lens = [300, 17, 200]
@@ -656,8 +657,8 @@ def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):
     # 640 rows, 4 heads: 64-row tiles fit one wave (40 CTAs), unless turned off.
     for cap, tiny_tile, tile in ((tokens, tiny["tile_mn"], tiny["tile_mn"]), (tokens, None, short["tile_mn"]),
                                  (tokens - 1, tiny["tile_mn"], long.get("tile_mn"))):
-        monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", cap)
-        monkeypatch.setattr(vitgraph.attention, "FA4_TINY_TILE", tiny_tile)
+        monkeypatch.setattr(vitgraph.ops.attention, "FA4_SHORT_SEQLEN", cap)
+        monkeypatch.setattr(vitgraph.ops.attention, "FA4_TINY_TILE", tiny_tile)
         batch = VisionBatch(torch.zeros(tokens, 2, device="cuda", dtype=torch.int32), ids, cu, tokens)
         v_poisoned = v.clone()
         v_poisoned[real:] = float("nan")  # attend zeroes padding rows of v for FA4
@@ -671,11 +672,11 @@ def test_short_frame_buckets_replay_bitwise_and_take_short_steps(weights, eager_
     """With a low FA4_SHORT_SEQLEN every budget above it gets a short-frame bucket (128-row
     FA4 tiles) beside its packed one (default tiles): both replay bitwise equal to eager on
     the same buffers, steps of short frames go to the short bucket, and results match."""
-    import vitgraph.attention
+    import vitgraph.ops.attention
 
     if "fa4" not in available_backends("cuda"):
         pytest.skip("flash-attn-4 is not installed")
-    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 128)
+    monkeypatch.setattr(vitgraph.ops.attention, "FA4_SHORT_SEQLEN", 128)
     enc = make(weights, mode="graph", attention="fa4", budgets=[128, 256, 512], dense_buckets=False)
     assert [b.name for b in enc.buckets] == ["128x8", "256x8s128", "256x8", "512x8s128", "512x8"]
     assert enc.stats()["buckets"]["256x8s128"]["max_seqlen"] == 128 and enc.stats()["buckets"]["256x8"]["max_seqlen"] == 256

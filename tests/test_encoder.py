@@ -8,11 +8,11 @@ import torch
 from helpers import diff_report, random_pixels, rel_err
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.attention import available_backends, resolve_backend
-from vitgraph.capture.planner import make_buckets, plan_call
+from vitgraph.ops.attention import available_backends, resolve_backend
+from vitgraph.engine.planner import make_buckets, plan_call
 from vitgraph.config import TINY
-from vitgraph.encoder import EngineOptions, dense_limit, short_cap_rule
-from vitgraph.gemm import resolve_gemm
+from vitgraph.options import EngineOptions, dense_limit, short_cap_rule
+from vitgraph.ops.gemm import resolve_gemm
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +96,13 @@ def test_gemm_resolution():
 
 
 def test_gemm_auto_falls_back_when_quack_fails_to_load(monkeypatch, caplog):
-    import vitgraph.gemm
+    import vitgraph.ops.gemm
 
     def broken():
         raise ImportError("cutlass.cute is missing")
 
-    monkeypatch.setattr(vitgraph.gemm, "quack_available", lambda device: True)
-    monkeypatch.setattr(vitgraph.gemm, "_quack", broken)
+    monkeypatch.setattr(vitgraph.ops.gemm, "quack_available", lambda device: True)
+    monkeypatch.setattr(vitgraph.ops.gemm, "_quack", broken)
     with caplog.at_level("WARNING", logger="vitgraph"):
         assert resolve_gemm("auto", "cpu", torch.bfloat16, fused=True) == "cublas"
     assert "failed to load" in caplog.text
@@ -293,27 +293,27 @@ def test_fa4_short_tile_rule_on_an_h200(monkeypatch):
     waves of m-row tiles. Worked by hand: 1024 -> 128-row tiles 1 wave (128 CTAs) x 128 against
     1 x 192; 1152 -> 2 waves (144) x 128 = 256 against 1 wave (96) x 192; 1536 -> 2 x 128 against
     1 wave (128 CTAs) x 192; 1664 -> 2 x 128 against 2 waves (144) x 192."""
-    import vitgraph.attention
-    from vitgraph.attention import fa4_prefers_short_tile, fa4_short_cap, fa4_tile_kwargs
+    import vitgraph.ops.attention
+    from vitgraph.ops.attention import fa4_prefers_short_tile, fa4_short_cap, fa4_tile_kwargs
 
-    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_TILE", (128, 128))
-    monkeypatch.setattr(vitgraph.attention, "FA4_LONG_TILE", None)
-    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 2048)
+    monkeypatch.setattr(vitgraph.ops.attention, "FA4_SHORT_TILE", (128, 128))
+    monkeypatch.setattr(vitgraph.ops.attention, "FA4_LONG_TILE", None)
+    monkeypatch.setattr(vitgraph.ops.attention, "FA4_SHORT_SEQLEN", 2048)
     short = {n: fa4_prefers_short_tile(n, 16, 132) for n in (256, 576, 1024, 1028, 1152, 1536, 1540, 1664, 2048, 2052)}
     assert short == {256: True, 576: True, 1024: True, 1028: False, 1152: False, 1536: False, 1540: True,
                      1664: True, 2048: True, 2052: False}
     assert fa4_short_cap(1024, 16, 132, 4) is None and fa4_short_cap(2048, 16, 132, 4) is None
     assert fa4_short_cap(1152, 16, 132, 4) == 1024 and fa4_short_cap(1536, 16, 132, 4) == 1024
     assert fa4_short_cap(4096, 16, 132, 4) == 2048
-    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 0)  # short tiles off: no short buckets
+    monkeypatch.setattr(vitgraph.ops.attention, "FA4_SHORT_SEQLEN", 0)  # short tiles off: no short buckets
     assert fa4_short_cap(4096, 16, 132, 4) is None
-    monkeypatch.setattr(vitgraph.attention, "FA4_SHORT_SEQLEN", 2048)
+    monkeypatch.setattr(vitgraph.ops.attention, "FA4_SHORT_SEQLEN", 2048)
     # 64-row tiles: one wave while 16 * ceil(n / 64) <= 132, i.e. n <= 8 * 64 = 512 (528 is 9
     # tiles: 144 CTAs, 2 waves x 64 = 128, a tie with one wave of 128-row tiles: no).
-    tiny = {n: vitgraph.attention.fa4_prefers_tiny_tile(n, 16, 132) for n in (64, 256, 384, 512, 516, 768, 1024, 1540)}
+    tiny = {n: vitgraph.ops.attention.fa4_prefers_tiny_tile(n, 16, 132) for n in (64, 256, 384, 512, 516, 768, 1024, 1540)}
     assert tiny == {64: True, 256: True, 384: True, 512: True, 516: False, 768: False, 1024: False, 1540: False}
-    monkeypatch.setattr(vitgraph.attention, "FA4_TINY_TILE", None)
-    assert not vitgraph.attention.fa4_prefers_tiny_tile(256, 16, 132)
+    monkeypatch.setattr(vitgraph.ops.attention, "FA4_TINY_TILE", None)
+    assert not vitgraph.ops.attention.fa4_prefers_tiny_tile(256, 16, 132)
     assert fa4_tile_kwargs(None) == {}
     assert fa4_tile_kwargs((128, 128)) == {"tile_mn": (128, 128)}
     assert fa4_tile_kwargs((192, 144, False, True)) == {"tile_mn": (192, 144), "mma_pv_is_rs": False,

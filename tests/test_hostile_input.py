@@ -383,8 +383,8 @@ def test_bench_refuses_gpu_work_on_a_cpu(args, words, capsys):
 def test_broken_extras_fall_back_with_one_warning(tmp_path, monkeypatch, caplog):
     """flash-attn-4 whose CuTe package cannot import (the H200 case: cutlass missing), and a
     cudnn frontend that raises on import: each is found, tried, warned about once, not used."""
-    import vitgraph.attention as attention
-    import vitgraph.cudnn_attention as cudnn_attention
+    import vitgraph.ops.attention as attention
+    import vitgraph.ops.cudnn_attention as cudnn_attention
 
     (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
     (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from helpers import rel_err
 
-import vitgraph.gemm
-from vitgraph import kernels
+import vitgraph.ops.gemm
+from vitgraph.ops import kernels
 from vitgraph.config import PRESETS
-from vitgraph.gemm import rope_in_gemm
+from vitgraph.ops.gemm import rope_in_gemm
 from vitgraph.models.qwen2_vl import Qwen2VisionTower, apply_rotary, quick_gelu
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs triton")
@@ -193,7 +193,7 @@ def test_rotary_rejects_other_float_widths():
 
 def test_rope_epilogue_only_where_it_was_measured_to_win():
     weight = torch.empty(3 * 1280, 1280)
-    rows = vitgraph.gemm.QUACK_ROPE_MIN_ROWS
+    rows = vitgraph.ops.gemm.QUACK_ROPE_MIN_ROWS
     assert rope_in_gemm(rows, weight, "quack") and rope_in_gemm(4 * rows, weight, "quack")
     assert not rope_in_gemm(rows - 4, weight, "quack")  # below the threshold: cuBLAS + the Triton pass
     assert not rope_in_gemm(rows + 2, weight, "quack")  # per-row fp32 vectors need rows % 4 == 0
@@ -202,19 +202,19 @@ def test_rope_epilogue_only_where_it_was_measured_to_win():
 
 
 def test_the_256_row_bucket_takes_quacks_64_row_tiles():
-    from vitgraph.gemm import QUACK_FC1_SMALL_TILE, QUACK_ROPE_SMALL_TILE, fc1_kernel, fc1_tile, rope_tile
+    from vitgraph.ops.gemm import QUACK_FC1_SMALL_TILE, QUACK_ROPE_SMALL_TILE, fc1_kernel, fc1_tile, rope_tile
 
     qkv, fc1 = torch.empty(3 * 1280, 1280), torch.empty(5120, 1280)
     assert rope_in_gemm(256, qkv, "quack") and not rope_in_gemm(256, qkv, "cublas")
     assert rope_tile(256, 3 * 1280, 132) == QUACK_ROPE_SMALL_TILE
     assert fc1_tile(256, 5120, 132) == QUACK_FC1_SMALL_TILE
-    assert vitgraph.gemm._quack_rows(256, fc1, vitgraph.gemm.QUACK_MIN_ROWS, small=vitgraph.gemm._small)
+    assert vitgraph.ops.gemm._quack_rows(256, fc1, vitgraph.ops.gemm.QUACK_MIN_ROWS, small=vitgraph.ops.gemm._small)
     for rows in (64, 252, 260, 288, 480):  # next to it cuBLAS and the Triton passes stay (measured slower)
         assert not rope_in_gemm(rows, qkv, "quack") and fc1_kernel(rows, fc1, "quack") is None, rows
 
 
 def test_the_512_row_bucket_takes_the_64_row_tile_for_qkv_only():
-    from vitgraph.gemm import QUACK_ROPE_SMALL_TILE, QUACK_TILE, fc1_tile, rope_tile
+    from vitgraph.ops.gemm import QUACK_ROPE_SMALL_TILE, QUACK_TILE, fc1_tile, rope_tile
 
     qkv = torch.empty(3 * 1280, 1280)
     assert rope_in_gemm(512, qkv, "quack") and not rope_in_gemm(512, qkv, "cublas")
@@ -226,7 +226,7 @@ def test_the_512_row_bucket_takes_the_64_row_tile_for_qkv_only():
 
 
 def test_rope_tile_follows_the_wave_model(monkeypatch):
-    from vitgraph.gemm import QUACK_ROPE_TILES, QUACK_TILE, rope_tile
+    from vitgraph.ops.gemm import QUACK_ROPE_TILES, QUACK_TILE, rope_tile
 
     wide, wider = (dict(tile) for tile, _ in QUACK_ROPE_TILES)
     assert (wide["tile_n"], wider["tile_n"]) == (192, 240)
@@ -237,19 +237,19 @@ def test_rope_tile_follows_the_wave_model(monkeypatch):
     assert rope_tile(1536, qkv, 132) == wide
     for rows in (1152, 1280, 2048, 3584, 4096):  # QUACK_TILE was the fastest there too
         assert rope_tile(rows, qkv, 132) == QUACK_TILE, rows
-    monkeypatch.setattr(vitgraph.gemm, "QUACK_ROPE_SMALL_ROWS", (0, 0))  # the wave model alone at 512:
+    monkeypatch.setattr(vitgraph.ops.gemm, "QUACK_ROPE_SMALL_ROWS", (0, 0))  # the wave model alone at 512:
     assert rope_tile(512, qkv, 132) == QUACK_TILE  # 96 tiles of 160 already fit one wave
     # From QUACK_ROPE_MIN_ROWS (576) to 1024 rows, each pick was the fastest 128-row tile measured
     # after the LayerNorm: 160 wide at 576-640 rows, 192 at 704-768, 240 at 832-896.
     assert rope_tile(640, qkv, 132) == QUACK_TILE and rope_tile(768, qkv, 132) == wide
     assert rope_tile(896, qkv, 132) == wider
     assert rope_tile(1024, qkv, 114) == QUACK_TILE  # fewer SMs: the 128 tiles of 240 take two waves
-    monkeypatch.setattr(vitgraph.gemm, "QUACK_ROPE_TILES", ())
+    monkeypatch.setattr(vitgraph.ops.gemm, "QUACK_ROPE_TILES", ())
     assert rope_tile(1024, qkv, 132) == rope_tile(1536, qkv, 132) == QUACK_TILE
 
 
 def test_fc1_tile_follows_the_wave_model(monkeypatch):
-    from vitgraph.gemm import QUACK_FC1_TILES, QUACK_TILE, fc1_tile
+    from vitgraph.ops.gemm import QUACK_FC1_TILES, QUACK_TILE, fc1_tile
 
     (narrow, _), = QUACK_FC1_TILES
     fc1 = 5120
@@ -258,7 +258,7 @@ def test_fc1_tile_follows_the_wave_model(monkeypatch):
     assert fc1_tile(1152, fc1, 132) == fc1_tile(1664, fc1, 132) == narrow
     for rows in (1024, 1280, 1536, 2304, 4096):  # QUACK_TILE measured fastest (or within 2%) there
         assert fc1_tile(rows, fc1, 132) == QUACK_TILE, rows
-    monkeypatch.setattr(vitgraph.gemm, "QUACK_FC1_TILES", ())
+    monkeypatch.setattr(vitgraph.ops.gemm, "QUACK_FC1_TILES", ())
     assert fc1_tile(1152, fc1, 132) == QUACK_TILE
 
 
@@ -276,28 +276,28 @@ def test_linear_split_k(monkeypatch):
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(24, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(32, generator=g)
     x, w, b = x.to(DEVICE), w.to(DEVICE), b.to(DEVICE)
-    monkeypatch.setattr(vitgraph.gemm, "_split_k_device", lambda device: True)
-    parts, bias = vitgraph.gemm.linear_split_k(x, w, b)
+    monkeypatch.setattr(vitgraph.ops.gemm, "_split_k_device", lambda device: True)
+    parts, bias = vitgraph.ops.gemm.linear_split_k(x, w, b)
     assert parts.shape == (2, 24, 32) and bias is b
     torch.testing.assert_close(parts.sum(0) + b, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_MAX_ROWS", 16)
-    y, bias = vitgraph.gemm.linear_split_k(x, w, b)
+    monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_MAX_ROWS", 16)
+    y, bias = vitgraph.ops.gemm.linear_split_k(x, w, b)
     assert bias is None and torch.equal(y, F.linear(x, w, b))
-    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_MAX_ROWS", 512)
+    monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_MAX_ROWS", 512)
     # Long K at SPLIT_K_LONG_ROWS rows: four partials; shorter K, or other rows: SPLIT_K.
-    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_LONG_ROWS", (24,))
-    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_LONG_MIN_K", 64)
-    parts, bias = vitgraph.gemm.linear_split_k(x, w, b)
+    monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_LONG_ROWS", (24,))
+    monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_LONG_MIN_K", 64)
+    parts, bias = vitgraph.ops.gemm.linear_split_k(x, w, b)
     assert parts.shape == (4, 24, 32) and bias is b
     torch.testing.assert_close(parts.sum(0) + b, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert vitgraph.gemm.linear_split_k(x[:20], w, b)[0].shape == (2, 20, 32)  # other rows
+    assert vitgraph.ops.gemm.linear_split_k(x[:20], w, b)[0].shape == (2, 20, 32)  # other rows
     short_x, short_w = x[:, :32].contiguous(), w[:, :32].contiguous()
-    assert vitgraph.gemm.linear_split_k(short_x, short_w, b)[0].shape == (2, 24, 32)  # K below the minimum
-    monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_LONG", 1)  # a split of 1: the plain linear
-    y, bias = vitgraph.gemm.linear_split_k(x, w, b)
+    assert vitgraph.ops.gemm.linear_split_k(short_x, short_w, b)[0].shape == (2, 24, 32)  # K below the minimum
+    monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_LONG", 1)  # a split of 1: the plain linear
+    y, bias = vitgraph.ops.gemm.linear_split_k(x, w, b)
     assert bias is None and torch.equal(y, F.linear(x, w, b))
-    monkeypatch.setattr(vitgraph.gemm, "_split_k_device", lambda device: False)
-    assert vitgraph.gemm.linear_split_k(x, w, b)[1] is None
+    monkeypatch.setattr(vitgraph.ops.gemm, "_split_k_device", lambda device: False)
+    assert vitgraph.ops.gemm.linear_split_k(x, w, b)[1] is None
 
 
 @pytest.mark.parametrize("padded, split_k, bias_free", [(False, False, False), (True, False, False),
@@ -306,9 +306,9 @@ def test_fused_forward_matches_reference(padded, split_k, bias_free, monkeypatch
     """The whole fused forward (fp32, sdpa attention) against the plain one, unpadded and in a
     padded packed layout whose padding rows hold NaN; also with proj and fc2 split in K, and
     with their biases kept out of the residual stream (what runs above the split-K rows)."""
-    monkeypatch.setattr(vitgraph.gemm, "_split_k_device", lambda device: split_k)
+    monkeypatch.setattr(vitgraph.ops.gemm, "_split_k_device", lambda device: split_k)
     if bias_free:
-        monkeypatch.setattr(vitgraph.gemm, "SPLIT_K_MAX_ROWS", 0)
+        monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_MAX_ROWS", 0)
     torch.manual_seed(0)
     tower = Qwen2VisionTower(PRESETS["tiny"]).to(DEVICE).eval()
     with torch.no_grad():

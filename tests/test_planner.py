@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from vitgraph.capture.planner import (MAX_PADDING_WASTE, Bucket, budget_ladder, fit_budgets, make_buckets, plan_call,
+from vitgraph.engine.planner import (MAX_PADDING_WASTE, Bucket, budget_ladder, fit_budgets, make_buckets, plan_call,
                                       smallest_fit)
 
 BUCKETS = make_buckets([64, 128, 256, 512], max_items=8, merge_unit=4)
@@ -182,8 +182,8 @@ def test_measured_thresholds_send_small_single_frames_to_the_packed_bucket():
 
 
 def test_routing_thresholds_follow_the_measured_times():
-    from vitgraph.capture import routing
-    from vitgraph.capture.routing import single_frame_thresholds
+    from vitgraph.engine import routing
+    from vitgraph.engine.routing import single_frame_thresholds
 
     class FakeBank:  # replay time: dense flat; packed = 1 + (frame tokens / 1000)^2 ms
         def __init__(self, dense_ms):
@@ -229,8 +229,8 @@ def test_steps_of_a_bucket_the_next_one_beats_replay_there():
 
 
 def test_faster_next_buckets_follow_the_measured_times(monkeypatch):
-    from vitgraph.capture import routing
-    from vitgraph.capture.routing import faster_next_buckets
+    from vitgraph.engine import routing
+    from vitgraph.engine.routing import faster_next_buckets
 
     class FakeBank:  # replay time per bucket, whatever the input; records what was timed
         def __init__(self, ms):
@@ -299,7 +299,7 @@ def test_default_h200_ladder_plans_the_serving_mix():
     """The fa4 defaults on an H200 (132 SMs, 16 heads): 41 packed buckets plus the short-frame
     ones the tile rule asks for; every step of the serving benchmark's traffic, batched as its
     loop batches it, lands in the least bucket that holds it, within every capacity."""
-    from vitgraph.attention import fa4_short_cap
+    from vitgraph.ops.attention import fa4_short_cap
     from vitgraph.bench.serving import request_grids
 
     buckets = make_buckets(budget_ladder(256, 16384), 16, 4, short_cap=lambda b: fa4_short_cap(b, 16, 132, 4))

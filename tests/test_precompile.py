@@ -10,14 +10,15 @@ import textwrap
 import pytest
 import torch
 
-import vitgraph.attention
+import vitgraph.ops.attention
 import vitgraph.encoder
-import vitgraph.gemm
+import vitgraph.options
+import vitgraph.ops.gemm
 import vitgraph.models.qwen2_vl
 import vitgraph.precompile
-from vitgraph.capture.planner import Bucket, budget_ladder, make_buckets
+from vitgraph.engine.planner import Bucket, budget_ladder, make_buckets
 from vitgraph.config import VisionConfig
-from vitgraph.encoder import EngineOptions, buckets_for, dense_limit
+from vitgraph.options import EngineOptions, buckets_for, dense_limit
 from vitgraph.loading import build_tower
 from vitgraph.precompile import (EarlyWorkers, KernelJob, _persists, _spawn, _spec, _tail, kernel_jobs, precompile,
                                  start_early, worker_main)
@@ -28,7 +29,7 @@ H200_SMS = 132
 @pytest.fixture
 def hopper(monkeypatch):
     """Kernel choices as on an H200 with the fa4 extra, on any machine."""
-    for module in (vitgraph.attention, vitgraph.gemm):
+    for module in (vitgraph.ops.attention, vitgraph.ops.gemm):
         monkeypatch.setattr(module, "arch_and_sm_count", lambda device: (9, H200_SMS))
 
 
@@ -44,7 +45,7 @@ def default_buckets(t):
     options, heads, unit = EngineOptions(), t.config.num_heads, t.merge_unit
     return make_buckets(budget_ladder(options.min_budget, options.max_budget, unit), options.max_items, unit,
                         dense=options.dense_buckets, dense_up_to=dense_limit(options, "fa4"),
-                        short_cap=lambda b: vitgraph.attention.fa4_short_cap(b, heads, H200_SMS, unit))
+                        short_cap=lambda b: vitgraph.ops.attention.fa4_short_cap(b, heads, H200_SMS, unit))
 
 
 def layout(t, bucket):
@@ -68,7 +69,7 @@ def test_one_job_per_kernel_of_the_default_ladder_each_on_its_smallest_bucket(ho
     # Every tile the wave models and the attention rules can pick is in use by default, and
     # each is its own kernel.
     tiles = {op: {j.key[2:] if op == "attention" else j.key[2] for j in jobs if j.op == op} for op in set(ops)}
-    g, a = vitgraph.gemm, vitgraph.attention
+    g, a = vitgraph.ops.gemm, vitgraph.ops.attention
     items = lambda tiles: {tuple(tile.items()) for tile in tiles}
     assert tiles["fc1"] == items([g.QUACK_TILE, g.QUACK_FC1_SMALL_TILE] + [tile for tile, _ in g.QUACK_FC1_TILES])
     assert tiles["qkv_rope"] == items([g.QUACK_TILE, g.QUACK_ROPE_SMALL_TILE] + [tile for tile, _ in g.QUACK_ROPE_TILES])
@@ -122,7 +123,7 @@ def record_triton_calls(monkeypatch) -> set:
 
     for name, fn in [("add_layernorm", add_layernorm), ("rotary_", rotary_), ("quick_gelu_", quick_gelu_),
                      ("prefix_sums", prefix_sums)]:
-        monkeypatch.setattr(vitgraph.kernels, name, fn)
+        monkeypatch.setattr(vitgraph.ops.kernels, name, fn)
     def jit(name, out):  # a kernel FlashAttention 4 or quack would compile
         calls.add(("jit", name))
         return out.zero_()
@@ -136,11 +137,11 @@ def record_triton_calls(monkeypatch) -> set:
     monkeypatch.setattr(qwen.cudnn_attention, "ragged_attention", lambda qkv, meta, max_seqlen: qkv[:, 2])
     monkeypatch.setattr(qwen, "linear_qkv_rope",
                         lambda x, weight, *args: jit("qkv_rope", torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype)))
-    monkeypatch.setattr(vitgraph.gemm, "_quack", lambda: (lambda x, w, _, out, *args, **kwargs: jit("fc1", out),
+    monkeypatch.setattr(vitgraph.ops.gemm, "_quack", lambda: (lambda x, w, _, out, *args, **kwargs: jit("fc1", out),
                                                           lambda x, w, out, **kwargs: jit("qkv", out), "quick_gelu"))
-    monkeypatch.setattr(vitgraph.gemm, "_config", lambda *args: None)
-    monkeypatch.setattr(vitgraph.gemm, "_gemm_config", lambda *args: None)
-    monkeypatch.setattr(vitgraph.gemm, "_split_k_device", lambda device: True)  # as on an H200
+    monkeypatch.setattr(vitgraph.ops.gemm, "_config", lambda *args: None)
+    monkeypatch.setattr(vitgraph.ops.gemm, "_gemm_config", lambda *args: None)
+    monkeypatch.setattr(vitgraph.ops.gemm, "_split_k_device", lambda device: True)  # as on an H200
     return calls
 
 
@@ -391,7 +392,7 @@ def test_an_early_worker_compiles_its_share_of_the_kernels_the_encoder_will_run(
         tower.fused, tower.gemm_backend = True, "quack"
         return "fa4", "quack"
 
-    monkeypatch.setattr(vitgraph.encoder, "configure_tower", as_on_a_gpu)
+    monkeypatch.setattr(vitgraph.options, "configure_tower", as_on_a_gpu)
     ran = []
     monkeypatch.setattr(vitgraph.models.qwen2_vl.Qwen2VisionTower, "run_jit_kernel",
                         lambda self, op, batch: ran.append((op, batch.positions.shape[0])))
@@ -445,8 +446,8 @@ COLD_START = textwrap.dedent("""
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not (torch.cuda.is_available() and vitgraph.gemm.quack_available("cuda")
-                         and "fa4" in vitgraph.attention.available_backends("cuda")),
+@pytest.mark.skipif(not (torch.cuda.is_available() and vitgraph.ops.gemm.quack_available("cuda")
+                         and "fa4" in vitgraph.ops.attention.available_backends("cuda")),
                     reason="needs flash-attn-4 and quack-kernels on a Hopper GPU")
 def test_cold_caches_are_filled_by_workers_and_capture_compiles_nothing(tmp_path):
     caches = {"FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": tmp_path / "fa4", "QUACK_CACHE_DIR": tmp_path / "quack"}
@@ -487,7 +488,7 @@ def test_from_pretrained_starts_the_workers_before_the_weights_load_and_stops_th
     weights load; a load that fails stops them."""
     events, early = [], EarlyWorkers([], {})
     monkeypatch.setattr(early, "stop", lambda: events.append("stop"))
-    monkeypatch.setattr(vitgraph.encoder, "_uses_graphs", lambda options, device: True)
+    monkeypatch.setattr(vitgraph.encoder, "uses_graphs", lambda options, device: True)
     monkeypatch.setattr(vitgraph.encoder, "start_early",
                         lambda config, *args: events.append(("start_early", config.depth)) or early)
 

@@ -108,7 +108,7 @@ def cmd_encode(args) -> None:
 
 def cmd_info(args) -> None:
     """Device, torch, attention backends, buckets and pool bytes."""
-    from .attention import available_backends
+    from .ops.attention import available_backends
 
     enc = _load(args, progress=False)
     device = enc.device

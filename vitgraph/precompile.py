@@ -47,12 +47,12 @@ from typing import Sequence
 
 import torch
 
-from . import kernels
-from .attention import FA4_CACHE_SWITCH, _has_fa4, enable_fa4_disk_cache
-from .capture.graphs import padded_batch
-from .capture.planner import Bucket
+from .ops import kernels
+from .ops.attention import FA4_CACHE_SWITCH, _has_fa4, enable_fa4_disk_cache
+from .engine.graphs import padded_batch
+from .engine.planner import Bucket
 from .config import VisionConfig
-from .gemm import quack_available
+from .ops.gemm import quack_available
 from .models.qwen2_vl import Qwen2VisionTower
 
 logger = logging.getLogger(__name__)
@@ -372,7 +372,7 @@ def worker_main(spec_json: str) -> None:
         torch.cuda.set_device(device)
     dtype = getattr(torch, spec["dtype"])
     tower = build_tower(VisionConfig(**spec["config"]), device, dtype)
-    from .encoder import EngineOptions, buckets_for, configure_tower
+    from .options import EngineOptions, buckets_for, configure_tower
 
     if "options" in spec:  # started before the encoder chose anything: choose as it will
         options = EngineOptions(**spec["options"])

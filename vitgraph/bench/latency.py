@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..attention import BACKENDS
-from ..gemm import GEMM_BACKENDS
+from ..ops.attention import BACKENDS
+from ..ops.gemm import GEMM_BACKENDS
 from ..models.qwen2_vl import VisionBatch
 from . import common
 

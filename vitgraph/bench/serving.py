@@ -22,8 +22,8 @@ import time
 import numpy as np
 import torch
 
-from ..capture import fit_budgets
-from ..encoder import EngineOptions
+from ..engine import fit_budgets
+from ..options import EngineOptions
 from ..preprocess import MAX_PIXELS, MIN_PIXELS, smart_resize
 from . import common
 
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "system and load, the median of each percentile across them: one stream's p99 is set "
                         "by a handful of calls, so A/Bs should compare several")
     p.add_argument("--fit-budgets", type=common.positive_int, metavar="N",
-                   help="give the graph system at most N budgets fitted (vitgraph.capture.fit_budgets) to "
+                   help="give the graph system at most N budgets fitted (vitgraph.engine.fit_budgets) to "
                         "another sample of the mix, one request per step, instead of the default ladder")
     p.add_argument("--json", help="write the full result here")
     return p

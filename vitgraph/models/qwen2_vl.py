@@ -12,7 +12,7 @@ The work is split in two so that the forward can be captured in a CUDA graph:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple, Sequence
 
@@ -21,17 +21,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import cudnn_attention, kernels
-from ..attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked, fa4_kernel
+from ..ops import cudnn_attention, kernels
+from ..ops.attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked, fa4_kernel
 from ..config import VisionConfig
-from ..gemm import (bias_free_stream, fc1_kernel, linear_qkv, linear_qkv_rope, linear_quick_gelu, linear_split_k,
+from ..engine.contract import BatchLayout
+from ..ops.gemm import (bias_free_stream, fc1_kernel, linear_qkv, linear_qkv_rope, linear_quick_gelu, linear_split_k,
                     qkv_kernel, qkv_rope_kernel, rope_in_gemm)
 
 Grid = tuple[int, int, int]
 
 
 @dataclass
-class VisionBatch:
+class VisionBatch(BatchLayout):
     """Everything the forward needs besides the pixels.
 
     Shapes: ``positions [T, 2]`` (h, w of each token), ``segment_ids [T]`` (-1 on
@@ -57,13 +58,6 @@ class VisionBatch:
         """Exactly one segment slot."""
         return self.cu_seqlens.shape[0] == 2
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> "VisionBatch":
-        moved = {name: t.to(device, non_blocking=non_blocking) for name, t in self.tensors().items()}
-        return replace(self, **moved)
-
 
 class FusedPaths(NamedTuple):
     """Which kernels the fused forward takes for a batch (see ``Qwen2VisionTower.fused_paths``)."""
@@ -72,7 +66,7 @@ class FusedPaths(NamedTuple):
     rope_epilogue: bool  # qkv's quack GEMM rotates q and k and zeroes padding rows
     ragged: bool  # cuDNN ragged attention (the cudnn backend's packed layouts)
     zero_padding: bool  # the rotary kernel zeroes padding rows (FlashAttention 4 reads them)
-    # proj's and fc2's biases kept out of the residual stream, added by each LayerNorm (vitgraph.gemm)
+    # proj's and fc2's biases kept out of the residual stream, added by each LayerNorm (vitgraph.ops.gemm)
     bias_free: bool = False
 
 
@@ -98,7 +92,7 @@ def interleave_order(num_heads: int, head_dim: int, device: torch.device | str =
 
     Attention only takes dot products of q and k over the head dim, so permuting both the
     same way leaves it unchanged; side by side, a pair can rotate inside a GEMM's epilogue
-    (:mod:`vitgraph.gemm_rope`)."""
+    (:mod:`vitgraph.ops.gemm_rope`)."""
     half = head_dim // 2
     # Built on the CPU: on the meta device (the checkpoint loader's) these ops run through
     # torch._refs, which imports torch._dynamo (seconds).
@@ -264,7 +258,7 @@ class Qwen2VisionTower(nn.Module):
         self.merger = PatchMerger(cfg)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         self.fused = False
-        self.gemm_backend = "cublas"  # qkv and fc1 + QuickGELU in the fused forward: see vitgraph.gemm
+        self.gemm_backend = "cublas"  # qkv and fc1 + QuickGELU in the fused forward: see vitgraph.ops.gemm
 
     def _inv_freq(self) -> torch.Tensor:
         half = self.config.head_dim // 2  # h and w each rotate half of the head
@@ -309,7 +303,7 @@ class Qwen2VisionTower(nn.Module):
             self.rope_columns()  # built now, never inside a capture
 
     def fuse(self, enabled: bool = True) -> None:
-        """Run the elementwise work through vitgraph's Triton kernels (:mod:`vitgraph.kernels`):
+        """Run the elementwise work through vitgraph's Triton kernels (:mod:`vitgraph.ops.kernels`):
         each residual add joined to the next LayerNorm, rotary in place, QuickGELU in place,
         and dense cuDNN attention for one-segment padded layouts. Needs triton and a CUDA
         device (or Triton's interpreter); any dtype, though the dense and flash attention
@@ -518,7 +512,7 @@ class Qwen2VisionTower(nn.Module):
 
     def forward_fused(self, pixels: torch.Tensor, batch: VisionBatch,
                       blocks: Sequence[nn.Module] | None = None) -> torch.Tensor:
-        """The same math with three Triton kernels per half-block (see :mod:`vitgraph.kernels`).
+        """The same math with three Triton kernels per half-block (see :mod:`vitgraph.ops.kernels`).
 
         The residual stream ``x`` is updated in place; each add is fused with the LayerNorm
         that follows it, the last one with the merger's. One padded segment (a dense bucket)
@@ -527,11 +521,11 @@ class Qwen2VisionTower(nn.Module):
         padding rows zeroed by the rotary kernel for ``fa4``). With the ``quack`` GEMM backend,
         from ``QUACK_ROPE_MIN_ROWS`` rows (and in the ``QUACK_SMALL_ROWS`` and
         ``QUACK_ROPE_SMALL_ROWS`` bands) outside dense buckets, qkv's GEMM applies the rotary
-        and zeroes the padding rows in its epilogue (:mod:`vitgraph.gemm_rope`) and the rotary
+        and zeroes the padding rows in its epilogue (:mod:`vitgraph.ops.gemm_rope`) and the rotary
         kernel is skipped. At small row counts proj and fc2 split K (in two, fc2 in four at
-        ``SPLIT_K_LONG_ROWS`` rows; :func:`vitgraph.gemm.split_k_count`) and the
+        ``SPLIT_K_LONG_ROWS`` rows; :func:`vitgraph.ops.gemm.split_k_count`) and the
         add+LayerNorm after each sums the partial products. Above those (``bias_free``:
-        :func:`vitgraph.gemm.bias_free_stream`) proj and fc2 add their products into the stream
+        :func:`vitgraph.ops.gemm.bias_free_stream`) proj and fc2 add their products into the stream
         themselves (cuBLAS, ``addmm_``) and their biases stay out of it: each LayerNorm adds the
         fp32 sum of the biases so far to the rows it normalizes.
         ``blocks``: a prefix of the tower's blocks to run instead of all (see :meth:`warm_up`).

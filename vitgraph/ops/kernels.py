@@ -12,7 +12,7 @@ of v, QuickGELU's three ops):
   rotates in place (packed attention reads q, k, v straight out of ``qkv``; padding rows
   optionally zeroed, for kernels that read past a segment's end), or writes q
   and k into a wider head dim whose extra lane masks padding keys (dense attention over
-  a padded bucket, see :mod:`vitgraph.attention`);
+  a padded bucket, see :mod:`vitgraph.ops.attention`);
 * :func:`quick_gelu_`: ``x * sigmoid(1.702 x)`` in place;
 * :func:`prefix_sums`: the fp32 running sums of the biases a residual stream keeps aside.
 

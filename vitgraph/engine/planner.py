@@ -11,14 +11,14 @@ A bucket is one captured graph. Its capacities are checked for every replay:
   every packing; the kernels skip the empty query tiles past each segment's end, so a
   loose value costs launch slots, not math. A *short-frame* bucket caps it lower: it
   takes only steps whose frames all fit, and its attention may pick a kernel made for
-  short segments (FlashAttention 4's 128-row tiles, see :func:`vitgraph.attention.fa4_tile`).
+  short segments (FlashAttention 4's 128-row tiles, see :func:`vitgraph.ops.attention.fa4_tile`).
 
 A bucket with ``max_segments == 1`` is *dense*: it holds one frame, which attends
 through dense cuDNN attention with its padding keys masked (see
-:func:`vitgraph.attention.dense_masked`). Buckets sort by ``(tokens, max_segments,
+:func:`vitgraph.ops.attention.dense_masked`). Buckets sort by ``(tokens, max_segments,
 max_seqlen)`` and a step takes the least one that holds it: single-frame steps prefer
 the dense bucket when their budget has one, unless a threshold measured at capture sends
-small frames of that budget to a packed bucket (:mod:`vitgraph.capture.routing`), and
+small frames of that budget to a packed bucket (:mod:`vitgraph.engine.routing`), and
 steps of short frames prefer their budget's short-frame bucket. A packed bucket that
 replayed its input slower than the next larger one did, when timed at capture, hands
 its steps to that one.
@@ -214,11 +214,11 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
     same rows, so only enough padding pays for it. The concatenated step outputs are the
     call's output in item order.
 
-    ``packed_single_below`` (``{budget: n}``, see :mod:`vitgraph.capture.routing`): a step
+    ``packed_single_below`` (``{budget: n}``, see :mod:`vitgraph.engine.routing`): a step
     holding one frame of fewer than ``n`` tokens, whose smallest fit is the dense bucket of
     that budget, replays in a packed bucket instead (the short-frame one where it fits).
 
-    ``faster_next`` (``{bucket: larger}``, see :mod:`vitgraph.capture.routing`): a step whose
+    ``faster_next`` (``{bucket: larger}``, see :mod:`vitgraph.engine.routing`): a step whose
     bucket is a key replays in the larger bucket, measured faster, which holds it too.
     """
     packed_single_below = packed_single_below or {}

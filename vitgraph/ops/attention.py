@@ -1,7 +1,7 @@
 """Attention backends for packed (varlen) vision sequences.
 
 Every backend takes ``q, k, v`` of shape ``[T, heads, head_dim]`` and a
-:class:`~vitgraph.models.qwen2_vl.VisionBatch`, and returns ``[T, heads, head_dim]``.
+:class:`SegmentedBatch`, and returns ``[T, heads, head_dim]``.
 Each is capturable in a CUDA graph: segment boundaries are read from device
 tensors and ``max_seqlen`` is a Python int fixed for the graph.
 
@@ -20,14 +20,22 @@ import importlib.util
 import logging
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 
-if TYPE_CHECKING:
-    from .models.qwen2_vl import VisionBatch
+class SegmentedBatch(Protocol):
+    """What the attention backends read of a batch's metadata (the model's batch type has it)."""
+
+    cu_seqlens: torch.Tensor  # [S + 1] int32 segment offsets; empty slots repeat the last one
+    segment_ids: torch.Tensor  # [T] int32, -1 on padding rows
+    max_seqlen: int  # baked into a captured graph
+    segment_lengths: tuple[int, ...] | None  # exact lengths of an unpadded batch, else None
+    padded: bool
+    dense: bool  # exactly one segment slot
+
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +220,7 @@ def fa4_kernel(max_seqlen: int, heads: int, device: torch.device, rows: int, dty
     return ("fa4", str(dtype), _fa4_kernel(max_seqlen, heads, device, rows))
 
 
-def _fa4_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch") -> torch.Tensor:
+def _fa4_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: SegmentedBatch) -> torch.Tensor:
     tile = _fa4_kernel(batch.max_seqlen, q.shape[1], q.device, q.shape[0])
     return _fa4_forward()(q, k, v, cu_seqlens_q=batch.cu_seqlens, cu_seqlens_k=batch.cu_seqlens,
                           max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen, **fa4_tile_kwargs(tile))[0]
@@ -282,7 +290,7 @@ def dense_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """Dense cuDNN attention over one padded segment: ``q, k [T, H, D + LANE_PAD]``, ``v [T, H, D]``.
 
     The extra lane of q is 1 and that of a padding key is a large negative number (see
-    :func:`vitgraph.kernels.rotary_`), so ``q.k`` of every real query with a padding key
+    :func:`vitgraph.ops.kernels.rotary_`), so ``q.k`` of every real query with a padding key
     underflows ``exp`` to exactly 0: the real rows get exact single-segment attention,
     with no mask tensor (which halves cuDNN's speed) and no per-call plan build.
     """
@@ -291,7 +299,7 @@ def dense_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, False, False, scale=scale)[0])
 
 
-def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: "VisionBatch",
+def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: SegmentedBatch,
            padding_zeroed: bool = False) -> torch.Tensor:
     """Non-causal attention inside each segment of ``batch.cu_seqlens``. ``padding_zeroed``: the
     caller has zeroed the padding rows of ``v`` (FlashAttention 4 reads them, weighted 0)."""

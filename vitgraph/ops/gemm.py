@@ -1,6 +1,6 @@
 """fc1 with QuickGELU in its epilogue: one CuTe-DSL GEMM instead of cuBLAS plus a Triton pass
 (and qkv through the same GEMM at large row counts, with the rotary in its epilogue from
-``QUACK_ROPE_MIN_ROWS`` rows and in the 256- and 512-row buckets: :mod:`vitgraph.gemm_rope`).
+``QUACK_ROPE_MIN_ROWS`` rows and in the 256- and 512-row buckets: :mod:`vitgraph.ops.gemm_rope`).
 
 The ``quack`` backend runs quack-kernels' Hopper GEMM (installed with the ``fa4`` extra) with
 the bias and ``x * sigmoid(1.702 x)`` applied to the fp32 accumulator before the one bf16
@@ -43,10 +43,10 @@ QUACK_ARCHS = (9,)  # compute capability majors whose quack GEMM configuration w
 # end: the 384-row bucket 0.05 ms faster, the 416-row one 0.08-0.11 slower (BENCHMARKS.md).
 QUACK_MIN_ROWS = 512
 QUACK_QKV_MIN_ROWS = 2048  # plain qkv: quack's tile wins from 2048 rows (28.4 vs 31.5 µs), loses at 1024 (19.6 vs 17.8)
-# qkv with the rotary in its epilogue (vitgraph.gemm_rope) against qkv + the Triton rotary pass,
+# qkv with the rotary in its epilogue (vitgraph.ops.gemm_rope) against qkv + the Triton rotary pass,
 # µs per call on an H200 (benchmarks/gemm_rope_epilogue.py): 22.9 -> 22.1 at 1024 rows, 35.5 -> 31.1
 # at 2048, 66.6 -> 56.9 at 4096; 15.1 -> 14.6 at 512 (noise) and 11.6 -> 14.2 at 256 (cuBLAS wins).
-# Since the LayerNorm ahead launches quack's GEMM early (vitgraph.kernels), each after it
+# Since the LayerNorm ahead launches quack's GEMM early (vitgraph.ops.kernels), each after it
 # (--after-layernorm, the tile the wave model picks): 576 rows 20.6 -> 18.3, 640 19.8 -> 17.9,
 # 704 21.4 -> 20.5, 768 21.7 -> 20.2, 832 24.6 -> 22.4, 896 25.4 -> 22.3; end to end one frame
 # of 576-896 tokens 0.04-0.10 ms faster (benchmarks/ab_setting.py, both build orders).
@@ -77,7 +77,7 @@ TILE_MARGIN = 0.05
 # 128x160 for qkv on 132 SMs). Alone, back to back (µs on an H200): fc1 + QuickGELU 11.8 -> 9.8
 # against cuBLAS + the Triton pass (h200-gemm-fc1-small.log), qkv + rotary 11.5 -> 9.3
 # (h200-gemm-rope-small.log). In the tower that only pays since add+LayerNorm launches its
-# dependents (vitgraph.kernels.LAYERNORM_LAUNCHES_DEPENDENTS): after a LayerNorm launched the plain
+# dependents (vitgraph.ops.kernels.LAYERNORM_LAUNCHES_DEPENDENTS): after a LayerNorm launched the plain
 # way qkv + rotary measured 13.7-14.1 against 13.2-13.6 µs, with it 12.2-12.5
 # (h200-gemm-rope-launch-dependents.log); end to end (benchmarks/ab_setting.py, both build orders)
 # the 256-row bucket 1.65 -> 1.55 and 1.69 -> 1.58 ms. The 288-row bucket lost 0.08-0.10 ms and
@@ -267,7 +267,7 @@ def bias_free_stream(rows: int) -> bool:
 
 def linear_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``x @ weight.T + bias`` for :func:`vitgraph.kernels.add_layernorm` to add: ``(y, None)``
+    """``x @ weight.T + bias`` for :func:`vitgraph.ops.kernels.add_layernorm` to add: ``(y, None)``
     with the bias applied, or, for at most ``SPLIT_K_MAX_ROWS`` rows on a GPU where it was
     measured, ``(partials, bias)``: ``[S, T, N]`` products of K's slices (``S``:
     :func:`split_k_count`) from one strided-batched GEMM over views (no copies), which the
@@ -291,7 +291,7 @@ def rope_in_gemm(rows: int, weight: torch.Tensor, backend: str) -> bool:
 def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, freq_h: torch.Tensor,
                     freq_w: torch.Tensor, pos_h: torch.Tensor, pos_w: torch.Tensor) -> torch.Tensor:
     """qkv with q and k rotated and padding rows (``pos_h < 0``) zeroed, one quack GEMM; see
-    :func:`vitgraph.gemm_rope.qkv_rope`. Call it only where :func:`rope_in_gemm` holds."""
+    :func:`vitgraph.ops.gemm_rope.qkv_rope`. Call it only where :func:`rope_in_gemm` holds."""
     from .gemm_rope import qkv_rope
 
     config = _config(rope_tile, x.shape[0], weight.shape[0], x.device)

@@ -1,0 +1,183 @@
+"""How an encoder buckets, captures and runs (:class:`EngineOptions`), and what follows from
+the options, the device and the tower: its backends and its buckets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .engine.planner import Bucket, budget_ladder, make_buckets
+from .models.qwen2_vl import Qwen2VisionTower
+from .ops import attention as attention_kernels
+from .ops import kernels
+from .ops.attention import resolve_backend
+from .ops.gemm import GEMM_BACKENDS, resolve_gemm
+
+MODES = ("auto", "graph", "eager")
+# With the fa4 backend no dense bucket above this is captured by default, so none: on an
+# H200, FlashAttention 4's packed buckets (128-row tiles for frames of up to 2048 tokens) beat
+# the dense cuDNN buckets end to end for single frames of 256 and 1024 tokens (1x256 2.04 ->
+# 1.89 ms, 1x1024 3.59 -> 3.44), and the routing timed at capture already sent every single
+# frame above 2048 tokens to the packed buckets.
+FA4_DENSE_MAX_TOKENS = 0
+@dataclass
+class EngineOptions:
+    """How the encoder buckets, captures and runs. Every field is validated."""
+
+    mode: str = "auto"  # "auto": graphs on CUDA, eager elsewhere
+    budgets: Sequence[int] | None = None  # patch-token budgets; None = automatic ladder
+    min_budget: int = 256
+    max_budget: int = 16384
+    max_items: int = 16  # most segments (frames) one replay holds; each empty slot costs attention launch slots
+    attention: str = "auto"  # "auto" | "fa4" | "cudnn" | "varlen" | "flash" | "sdpa"
+    fuse: bool | None = None  # Triton kernels for the elementwise work; None = on CUDA in fp16/bf16 with triton
+    gemm: str = "auto"  # "quack" (fc1 + QuickGELU as one GEMM, qkv too; Hopper, bf16) | "cublas"; auto = quack where it runs
+    # Also capture a one-frame bucket per budget: a step holding a single frame (most images)
+    # replays there with dense cuDNN attention instead of packed varlen attention.
+    dense_buckets: bool = True
+    # A step holding one frame of more tokens runs eagerly at its exact shape (GPU-bound there:
+    # on an H200 a 9604-token image took 69.1 ms eager against 73.2 ms replayed in the
+    # 10496-token bucket); so does a step of several frames whose bucket would pad it by
+    # EAGER_MIN_PADDING or more. None: never. Dense buckets above it are not captured.
+    exact_eager_above: int | None = 8192
+    # The largest dense bucket. None: none with the fa4 backend (FA4_DENSE_MAX_TOKENS: its
+    # packed buckets beat dense cuDNN for single frames on an H200), else exact_eager_above.
+    dense_max_tokens: int | None = None
+    # With the fa4 backend on Hopper, also capture a packed bucket for short frames in each
+    # budget whose own bucket attends with FlashAttention 4's default 192-row tiles: it takes
+    # steps whose frames all fit a cap (2048 tokens above 2048 on an H200) and attends with
+    # 128-row tiles, which fit short frames better (see vitgraph.ops.attention.fa4_short_cap).
+    short_frame_buckets: bool = True
+    # Time each budget's dense and packed graphs at capture (about 1 s on an H200) and send a
+    # single frame to the packed one where that is faster (see vitgraph.engine.routing).
+    route_single_frames: bool = True
+    # Time each packed bucket of up to 1024 tokens against the next larger one at capture, on
+    # the input that fills the smaller (about 0.2 s on an H200), and send the smaller one's
+    # steps to the larger where that replays them faster (see vitgraph.engine.routing).
+    route_to_faster_buckets: bool = True
+    capture: bool = True  # capture on construction; else call encoder.capture()
+    # Before capture, where FlashAttention 4's or quack's kernel caches are cold, compile those
+    # kernels in up to this many worker processes at once (None: one per kernel, up to the CPU
+    # count less one, and at most precompile.EARLY_WORKERS (10) where the caches hold no kernel
+    # at all and the workers start with the encoder; 0: none, each compiles in this process
+    # when capture first meets it).
+    # See vitgraph.precompile.
+    compile_workers: int | None = None
+    pool_limit_bytes: int | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("min_budget", "max_budget", "max_items"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("pool_limit_bytes", self.pool_limit_bytes, minimum=1, optional=True)
+        _check_int("exact_eager_above", self.exact_eager_above, minimum=0, optional=True)
+        _check_int("dense_max_tokens", self.dense_max_tokens, minimum=1, optional=True)
+        _check_int("compile_workers", self.compile_workers, minimum=0, optional=True)
+        if self.gemm not in ("auto",) + GEMM_BACKENDS:
+            raise ValueError(f"gemm must be 'auto' or one of {GEMM_BACKENDS}, got {self.gemm!r}")
+        if self.fuse is not None and not isinstance(self.fuse, bool):
+            raise ValueError(f"fuse must be True, False or None (auto), got {self.fuse!r}")
+        for name in ("dense_buckets", "short_frame_buckets", "route_single_frames", "route_to_faster_buckets"):
+            if not isinstance(getattr(self, name), bool):  # not "in (True, False)": 1 == True
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.budgets is not None and (isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence)
+                                         or len(self.budgets) == 0
+                                         or any(isinstance(b, bool) or not isinstance(b, int) for b in self.budgets)):
+            raise ValueError(f"budgets must be a non-empty list of ints or None, got {self.budgets!r}")
+
+
+def dense_limit(options: EngineOptions, attention: str) -> int | None:
+    """Tokens of the largest dense bucket to capture (None: no limit)."""
+    limits = [options.exact_eager_above, options.dense_max_tokens]
+    if options.dense_max_tokens is None and attention == "fa4":
+        limits.append(FA4_DENSE_MAX_TOKENS)
+    limits = [n for n in limits if n is not None]
+    return min(limits) if limits else None
+
+
+def short_cap_rule(options: EngineOptions, attention_backend: str, heads: int, device: torch.device,
+                   unit: int) -> Callable[[int], int | None] | None:
+    """``budget -> frame cap`` of the short-frame bucket to capture for it (None: none)."""
+    if not options.short_frame_buckets or attention_backend != "fa4" or device.type != "cuda":
+        return None
+    sm_count = attention_kernels.short_tile_sm_count(device)
+    if sm_count is None:
+        return None
+    return lambda budget: attention_kernels.fa4_short_cap(budget, heads, sm_count, unit)
+
+
+def configure_tower(tower: Qwen2VisionTower, options: EngineOptions, device: torch.device,
+                    dtype: torch.dtype) -> tuple[str, str]:
+    """Set ``tower``'s attention backend, fusion and GEMM backend as ``options`` ask (resolving
+    "auto" for ``device`` and ``dtype``); returns (attention, gemm)."""
+    tower.inv_freq = tower.inv_freq.float()  # rotary stays fp32 whatever the weight dtype
+    attention = resolve_backend(options.attention, device, dtype)
+    tower.set_attention_backend(attention)
+    fuse = options.fuse
+    if fuse is None:
+        fuse = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and kernels.usable(device)
+    tower.fuse(fuse)  # refuses fuse=True where the kernels cannot run
+    gemm = resolve_gemm(options.gemm, device, dtype, tower.fused)
+    tower.set_gemm_backend(gemm)
+    return attention, gemm
+
+
+def buckets_for(tower: Qwen2VisionTower, options: EngineOptions, attention: str,
+                device: torch.device) -> list[Bucket]:
+    """The buckets an encoder with these options asks to capture."""
+    budgets = options.budgets
+    if budgets is None:
+        budgets = budget_ladder(options.min_budget, options.max_budget, align=tower.merge_unit)
+    return make_buckets(list(budgets), options.max_items, tower.merge_unit, dense=options.dense_buckets,
+                        dense_up_to=dense_limit(options, attention),
+                        short_cap=short_cap_rule(options, attention, tower.config.num_heads, device,
+                                                 tower.merge_unit))
+
+
+def uses_graphs(options: EngineOptions, device: torch.device) -> bool:
+    return options.mode == "graph" or (options.mode == "auto" and device.type == "cuda")
+
+
+def _check_int(name: str, value, *, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
+
+
+def resolve_device(device) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device {device!r} is not a valid torch device: {err}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device} was requested but CUDA is not available")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device} does not exist ({torch.cuda.device_count()} CUDA device(s))")
+        return torch.device("cuda", index)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device}")
+    return device
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        named = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                 "float16": torch.float16, "half": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+        if dtype not in named:
+            raise ValueError(f"dtype must be one of {sorted(named)}, got {dtype!r}")
+        return named[dtype]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    return dtype
