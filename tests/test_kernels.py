@@ -15,7 +15,8 @@ import vitgraph.ops.gemm
 from vitgraph.ops import kernels
 from vitgraph.config import PRESETS
 from vitgraph.ops.gemm import rope_in_gemm
-from vitgraph.models.qwen2_vl import Qwen2VisionTower, apply_rotary, quick_gelu
+from vitgraph.models.qwen2_vl import Qwen2VisionTower, apply_rotary
+from vitgraph.ops.activations import quick_gelu
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -15,6 +15,7 @@ import vitgraph.encoder
 import vitgraph.options
 import vitgraph.ops.gemm
 import vitgraph.models.qwen2_vl
+import vitgraph.models.qwen2_vl_fused
 import vitgraph.precompile
 from vitgraph.engine.planner import Bucket, budget_ladder, make_buckets
 from vitgraph.config import VisionConfig
@@ -97,7 +98,7 @@ def test_jit_kernels_follow_the_forward_paths(hopper):
 def record_triton_calls(monkeypatch) -> set:
     """Stand-ins for the Triton kernels (and for the attention and GEMM kernels around them),
     shaped as the real ones, that record each call's variant: what decides a compile."""
-    qwen = vitgraph.models.qwen2_vl
+    qwen = vitgraph.models.qwen2_vl_fused  # the fused forward calls these through its module
     calls = set()
 
     def add_layernorm(x, y, weight, bias, eps, y_bias=None, offset=None):

@@ -1,0 +1,252 @@
+"""The Qwen2-VL tower's fused forward: the same math as the reference forward with vitgraph's
+Triton kernels for the elementwise work, quack's GEMM epilogues and the attention kernel each
+layout takes. A mixin of :class:`~vitgraph.models.qwen2_vl.Qwen2VisionTower`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..ops import cudnn_attention, kernels
+from ..ops.activations import ACTIVATIONS
+from ..ops.attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked, fa4_kernel
+from ..ops.gemm import (bias_free_stream, fc1_kernel, linear_qkv, linear_qkv_rope, linear_quick_gelu, linear_split_k,
+                        qkv_kernel, qkv_rope_kernel, rope_in_gemm)
+
+if TYPE_CHECKING:
+    from .qwen2_vl import VisionBatch
+
+
+class FusedPaths(NamedTuple):
+    """Which kernels the fused forward takes for a batch (see ``Qwen2VisionTower.fused_paths``)."""
+
+    lane: int | None  # head-dim lanes of dense masked cuDNN attention (a padded one-segment layout)
+    rope_epilogue: bool  # qkv's quack GEMM rotates q and k and zeroes padding rows
+    ragged: bool  # cuDNN ragged attention (the cudnn backend's packed layouts)
+    zero_padding: bool  # the rotary kernel zeroes padding rows (FlashAttention 4 reads them)
+    # proj's and fc2's biases kept out of the residual stream, added by each LayerNorm (vitgraph.ops.gemm)
+    bias_free: bool = False
+
+
+JIT_OPS = ("qkv", "qkv_rope", "attention", "fc1")  # ops whose kernels compile on first use
+
+
+class FusedForward:
+    """The fused forward and what compiles or runs its kernels ahead of a capture."""
+
+    def rope_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(freq_h, freq_w) [3 * embed_dim]``: for each output column of qkv (interleaved,
+        :func:`interleave_order`), the frequency its row position and its column position are
+        multiplied by; 0 for the other, and for v. ``pos_h * freq_h + pos_w * freq_w`` is then the
+        same single fp32 product :meth:`rotary` takes."""
+        cached = getattr(self, "_rope_columns", None)
+        if cached is None or cached[0].device != self.inv_freq.device:
+            cfg = self.config
+            quarter = cfg.head_dim // 4  # h and w each rotate half of the head
+            inv_freq = self.inv_freq.float()
+            pair = torch.arange(cfg.head_dim, device=inv_freq.device) // 2  # [h pairs | w pairs]
+            zero = torch.zeros((), device=inv_freq.device)
+            per_head_h = torch.where(pair < quarter, inv_freq[pair.clamp(max=quarter - 1)], zero)
+            per_head_w = torch.where(pair >= quarter, inv_freq[(pair - quarter).clamp(min=0)], zero)
+            v = torch.zeros(cfg.embed_dim, device=inv_freq.device)
+            cached = tuple(torch.cat([f.repeat(2 * cfg.num_heads), v]) for f in (per_head_h, per_head_w))
+            self._rope_columns = cached
+        return cached
+
+    def rope_rows(self, batch: VisionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(pos_h, pos_w) [T]`` for qkv's rotary epilogue; ``pos_h`` is -1 on padding rows
+        (the epilogue zeroes them)."""
+        positions = batch.positions.float()
+        return torch.where(batch.segment_ids >= 0, positions[:, 0], -1.0), positions[:, 1].contiguous()
+
+    def fused_paths(self, batch: VisionBatch) -> FusedPaths:
+        """The kernels :meth:`forward_fused` takes for ``batch`` (a Python-level choice, fixed
+        per layout)."""
+        rows, backend = batch.positions.shape[0], self.blocks[0].attn.backend
+        lane = self.config.head_dim + LANE_PAD if batch.dense and batch.padded and backend in FLASH_BACKENDS else None
+        return FusedPaths(
+            lane=lane,
+            rope_epilogue=lane is None and rope_in_gemm(rows, self.blocks[0].attn.qkv.weight, self.gemm_backend),
+            ragged=batch.padded and not batch.dense and backend == "cudnn",
+            zero_padding=batch.padded and lane is None and backend == "fa4",
+            bias_free=bias_free_stream(rows))
+
+    def jit_kernels(self, batch: VisionBatch) -> list[tuple[str, tuple]]:
+        """The kernels compiled on first use (FlashAttention 4's, quack's) that :meth:`forward`
+        runs for ``batch``: ``(op, key)`` pairs, ``op`` one of ``JIT_OPS``; equal keys are one
+        kernel. :meth:`run_jit_kernel` runs one of them alone."""
+        rows = batch.positions.shape[0]
+        attn, block = self.blocks[0].attn, self.blocks[0]
+        weight = attn.qkv.weight
+        found = []
+        paths = self.fused_paths(batch) if self.fused else FusedPaths(None, False, False, False)
+        if paths.rope_epilogue:
+            found.append(("qkv_rope", qkv_rope_kernel(rows, weight)))
+        elif self.fused and (key := qkv_kernel(rows, weight, self.gemm_backend)) is not None:
+            found.append(("qkv", key))
+        if attn.backend == "fa4" and paths.lane is None and not paths.ragged:
+            found.append(("attention", fa4_kernel(batch.max_seqlen, self.config.num_heads, weight.device, rows,
+                                                  weight.dtype)))
+        if self.fused and block.act_name == "quick_gelu":
+            if (key := fc1_kernel(rows, block.mlp.fc1.weight, self.gemm_backend)) is not None:
+                found.append(("fc1", key))
+        return found
+
+    def run_jit_kernel(self, op: str, batch: VisionBatch) -> None:
+        """Run ``op`` (see :meth:`jit_kernels`) of the first block once on zeros laid out for
+        ``batch`` (on the device): the call the forward makes, so it compiles, or loads from
+        disk, the same kernel."""
+        cfg, attn, mlp = self.config, self.blocks[0].attn, self.blocks[0].mlp
+        rows = batch.positions.shape[0]
+        weight = attn.qkv.weight
+        h = torch.zeros(rows, cfg.embed_dim, device=weight.device, dtype=weight.dtype)
+        if op == "qkv_rope":
+            linear_qkv_rope(h, weight, attn.qkv.bias, *self.rope_columns(), *self.rope_rows(batch))
+        elif op == "qkv":
+            linear_qkv(h, weight, attn.qkv.bias, self.gemm_backend)
+        elif op == "attention":
+            q, k, v = torch.zeros(rows, 3, cfg.num_heads, cfg.head_dim, device=weight.device,
+                                  dtype=weight.dtype).unbind(1)
+            attend(attn.backend, q, k, v, batch, padding_zeroed=True)
+        elif op == "fc1":
+            linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)
+        else:
+            raise ValueError(f"op must be one of {JIT_OPS}, got {op!r}")
+
+    def run_triton_kernels(self, batch: VisionBatch) -> None:
+        """Run each Triton kernel :meth:`forward_fused` runs for ``batch`` once, on zeros laid
+        out for ``batch`` (on the device), through the forward's own calls, and none of the
+        kernels of :meth:`jit_kernels`: Triton compiles (or loads) every variant the forward
+        needs, with the GEMMs on cuBLAS where the forward's would compile. Nothing for the
+        plain forward."""
+        if not self.fused:
+            return
+        cfg, block = self.config, self.blocks[0]
+        attn, mlp = block.attn, block.mlp
+        rows, device, dtype = batch.positions.shape[0], attn.qkv.weight.device, attn.qkv.weight.dtype
+        paths = self.fused_paths(batch)
+        x = torch.zeros(rows, cfg.embed_dim, device=device, dtype=dtype)
+        kernels.add_layernorm(x, None, block.norm1.weight, block.norm1.bias, block.norm1.eps)
+        if not paths.rope_epilogue:
+            qkv = torch.zeros(rows, attn.qkv.weight.shape[0], device=device, dtype=dtype)
+            self._rotate(qkv, *self.rotary(batch.positions), batch, paths)
+        if paths.bias_free:  # every LayerNorm after proj and fc2 is this one (addmm_ adds on cuBLAS)
+            offset = kernels.prefix_sums(self.stream_biases())[0]
+            kernels.add_layernorm(x, None, block.norm2.weight, block.norm2.bias, block.norm2.eps, offset=offset)
+        else:
+            y, y_bias = linear_split_k(x, attn.proj.weight, attn.proj.bias)
+            kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias)
+        if block.act_name == "quick_gelu" and fc1_kernel(rows, mlp.fc1.weight, self.gemm_backend) is None:
+            linear_quick_gelu(x, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)  # cuBLAS, then the Triton pass
+        if not paths.bias_free:
+            f = torch.zeros(rows, mlp.fc2.weight.shape[1], device=device, dtype=dtype)
+            z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)
+            kernels.add_layernorm(x, z, self.merger.ln_q.weight, self.merger.ln_q.bias, self.merger.ln_q.eps, z_bias)
+
+    def stream_biases(self) -> torch.Tensor:
+        """proj's and fc2's biases in the order they join the residual stream, ``[2 * depth, E]``
+        (read at every forward, so the graphs follow weights updated in place)."""
+        return torch.stack([b for block in self.blocks for b in (block.attn.proj.bias, block.mlp.fc2.bias)])
+
+    def _rotate(self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, batch: VisionBatch,
+                paths: FusedPaths) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of ``qkv``, rotated by the Triton kernel unless qkv's GEMM did (``paths``)."""
+        heads = self.config.num_heads
+        if paths.rope_epilogue:
+            return qkv.view(qkv.shape[0], 3, heads, -1).unbind(1)
+        # cuDNN's ragged attention reads q, k, v out of qkv itself (no segment ids, no zeroing).
+        return kernels.rotary_(qkv, cos, sin, heads, None if paths.ragged else batch.segment_ids, paths.lane,
+                               paths.zero_padding)
+
+    def forward_fused(self, pixels: torch.Tensor, batch: VisionBatch,
+                      blocks: Sequence[nn.Module] | None = None) -> torch.Tensor:
+        """The same math with three Triton kernels per half-block (see :mod:`vitgraph.ops.kernels`).
+
+        The residual stream ``x`` is updated in place; each add is fused with the LayerNorm
+        that follows it, the last one with the merger's. One padded segment (a dense bucket)
+        attends through cuDNN with a masking lane; packed buckets through cuDNN's ragged
+        attention when the backend is ``cudnn``; anything else through ``attend`` (with the
+        padding rows zeroed by the rotary kernel for ``fa4``). With the ``quack`` GEMM backend,
+        from ``QUACK_ROPE_MIN_ROWS`` rows (and in the ``QUACK_SMALL_ROWS`` and
+        ``QUACK_ROPE_SMALL_ROWS`` bands) outside dense buckets, qkv's GEMM applies the rotary
+        and zeroes the padding rows in its epilogue (:mod:`vitgraph.ops.gemm_rope`) and the rotary
+        kernel is skipped. At small row counts proj and fc2 split K (in two, fc2 in four at
+        ``SPLIT_K_LONG_ROWS`` rows; :func:`vitgraph.ops.gemm.split_k_count`) and the
+        add+LayerNorm after each sums the partial products. Above those (``bias_free``:
+        :func:`vitgraph.ops.gemm.bias_free_stream`) proj and fc2 add their products into the stream
+        themselves (cuBLAS, ``addmm_``) and their biases stay out of it: each LayerNorm adds the
+        fp32 sum of the biases so far to the rows it normalizes.
+        ``blocks``: a prefix of the tower's blocks to run instead of all (see :meth:`warm_up`).
+        """
+        cfg, blocks = self.config, self.blocks if blocks is None else blocks
+        rows = pixels.shape[0]
+        paths = self.fused_paths(batch)
+        lane, rope_epilogue, ragged_layout, zero_padding, bias_free = paths
+        # The rotary inputs first: they live through the forward while their temporaries
+        # do not, so the holes those leave sit at the start of the graphs' memory pool
+        # rather than between the big activations.
+        if rope_epilogue:
+            freq_h, freq_w = self.rope_columns()
+            pos_h, pos_w = self.rope_rows(batch)
+            cos = sin = None
+        else:
+            cos, sin = self.rotary(batch.positions)
+        if bias_free:  # the biases the stream would hold after each proj and fc2, summed in fp32
+            offsets = kernels.prefix_sums(self.stream_biases())  # all blocks': one kernel variant
+        x = self.patch_embed(pixels)
+        ragged = None
+        if ragged_layout:
+            ragged = cudnn_attention.ragged_metadata(batch.cu_seqlens, cfg.num_heads, cfg.head_dim)
+        norm = blocks[0].norm1
+        h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps)
+        # Each intermediate is dropped as soon as it is dead: a name held until the next block
+        # would keep a second copy alive (qkv, the fc1 output) and double the activation peak,
+        # in eager runs and in the graphs' pool alike.
+        for i, block in enumerate(blocks):
+            attn, mlp = block.attn, block.mlp
+            if rope_epilogue:
+                qkv = linear_qkv_rope(h, attn.qkv.weight, attn.qkv.bias, freq_h, freq_w, pos_h, pos_w)
+            else:
+                qkv = linear_qkv(h, attn.qkv.weight, attn.qkv.bias, self.gemm_backend)
+            del h
+            q, k, v = self._rotate(qkv, cos, sin, batch, paths)
+            if lane is not None:
+                out = dense_masked(q, k, v, cfg.head_dim ** -0.5)
+            elif ragged is not None:  # reads q, k, v out of qkv itself
+                out = cudnn_attention.ragged_attention(qkv.view(rows, 3, cfg.num_heads, -1), ragged,
+                                                       batch.max_seqlen)
+            else:
+                out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding or rope_epilogue)
+            del q, k, v, qkv
+            if bias_free:
+                x.addmm_(out.reshape(rows, -1), attn.proj.weight.t())
+                # out goes back before h is allocated, so h takes out's block and not the
+                # start of qkv's: there it would split the space fc1's output needs next, and
+                # the graphs' pool would grow a segment of that size (1.7x the peak, not 1.1x).
+                del out
+                h = kernels.add_layernorm(x, None, block.norm2.weight, block.norm2.bias, block.norm2.eps,
+                                          offset=offsets[2 * i])
+            else:
+                y, y_bias = linear_split_k(out.reshape(rows, -1), attn.proj.weight, attn.proj.bias)
+                del out
+                h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias)
+                del y
+            if block.act_name == "quick_gelu":
+                f = linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)
+            else:
+                f = ACTIVATIONS[block.act_name](F.linear(h, mlp.fc1.weight, mlp.fc1.bias))
+            del h
+            norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else self.merger.ln_q
+            if bias_free:
+                x.addmm_(f, mlp.fc2.weight.t())
+                del f  # as out above
+                h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps, offset=offsets[2 * i + 1])
+            else:
+                z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)
+                del f
+                h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps, z_bias)
+                del z
+        return self.merger.mlp(h.view(-1, self.merger.merged_dim))
