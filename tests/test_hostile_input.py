@@ -409,3 +409,13 @@ def test_broken_extras_fall_back_with_one_warning(tmp_path, monkeypatch, caplog)
     finally:
         attention.fa4_importable.cache_clear()
         cudnn_attention.available.cache_clear()
+
+
+def test_a_model_type_without_a_family_is_named(tmp_path, hf_model):
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model_type"] = "llava"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="model_type 'llava' is not supported") as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert "config.json" in str(err.value)

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .config import VisionConfig
+from .models import family_for
 from .models.qwen2_vl import Qwen2VisionTower, expected_shapes
 
 logger = logging.getLogger(__name__)
@@ -162,7 +163,19 @@ def find_checkpoint(source: str | os.PathLike, *, revision: str | None = None, c
 
 
 def read_config(files: CheckpointFiles) -> VisionConfig:
-    return VisionConfig.from_json_file(files.config)
+    """The vision config of a checkpoint whose ``model_type`` has a family (see :mod:`vitgraph.models`)."""
+    try:
+        raw = json.loads(files.config.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{files.config} is not valid JSON: {err}") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type is not None and not isinstance(model_type, str):
+        raise ValueError(f"{files.config}: model_type must be a string, got {model_type!r}")
+    try:
+        family = family_for(model_type)
+    except ValueError as err:
+        raise ValueError(f"{files.config}: {err}") from None
+    return family.config.from_json_file(files.config)
 
 
 def _check_names_and_shapes(config: VisionConfig, shapes: Mapping[str, tuple[int, ...]]) -> None:

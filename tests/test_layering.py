@@ -1,0 +1,245 @@
+"""The package's structure as rules: dependencies point one way (models know no graphs, the
+engine knows no model, ops know neither), no import cycles, the engine works for any tower
+that keeps its contract, and building and using an encoder patches nothing of anyone's."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import vitgraph
+from vitgraph.engine.contract import BatchLayout, VisionTower
+
+PACKAGE = Path(vitgraph.__file__).parent
+ROOT = PACKAGE.parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The vitgraph modules ``path`` imports anywhere in it (functions too), except under
+    ``if TYPE_CHECKING:``."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("vitgraph")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if not base.startswith("vitgraph"):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in known else base)
+    return {m for m in found if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports_of(path, set(mods)) for name, path in mods.items()}
+
+
+def test_dependencies_point_one_way():
+    edges = graph()
+    for name, deps in edges.items():
+        if name.startswith("vitgraph.engine"):
+            assert all(d.startswith("vitgraph.engine") for d in deps), (name, deps)
+        if name.startswith("vitgraph.ops"):
+            assert all(d.startswith("vitgraph.ops") for d in deps), (name, deps)
+        if name.startswith("vitgraph.models"):
+            allowed = ("vitgraph.models", "vitgraph.ops", "vitgraph.config", "vitgraph.engine.contract")
+            assert all(d.startswith(allowed) for d in deps), (name, deps)
+            assert not any(d in ("vitgraph.engine.graphs", "vitgraph.engine.planner") for d in deps)
+    assert edges["vitgraph.models.qwen2_vl"] and edges["vitgraph.engine.graphs"]  # the scan sees imports
+
+
+def test_no_import_cycles():
+    edges = graph()
+    state, cycle = {}, []
+
+    def visit(node, path):
+        state[node] = "open"
+        for dep in sorted(edges[node]):
+            if state.get(dep) == "open":
+                cycle.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert not cycle, cycle
+
+
+@dataclass
+class PoolBatch(BatchLayout):
+    """A toy layout: which segment each row belongs to (-1: padding) and the segment offsets."""
+
+    segment_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+class MeanPoolTower(torch.nn.Module):
+    """Not a ViT: each row is projected, merged in pairs, and each pair gets the mean of its
+    segment added; two outputs side by side (as a tower with deepstack features returns)."""
+
+    input_width, merge_unit, output_width = 12, 2, 2 * 8
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(12, 8)
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(16, 8) for _ in range(2))
+
+    def build_batch(self, grids, *, num_tokens=None, num_segments=None, max_seqlen=None):
+        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        real = sum(lengths)
+        tokens = real if num_tokens is None else num_tokens
+        slots = len(lengths) if num_segments is None else num_segments
+        ids = torch.full((tokens,), -1, dtype=torch.int32)
+        ids[:real] = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32),
+                                             torch.tensor(lengths, dtype=torch.long))
+        cu = torch.full((slots + 1,), real, dtype=torch.int32)
+        cu[0] = 0
+        cu[1:len(lengths) + 1] = torch.tensor(lengths).cumsum(0)
+        return PoolBatch(ids, cu, max_seqlen or max(lengths, default=1))
+
+    def forward(self, pixels, batch):
+        x = self.proj(pixels)  # [T, 8]
+        slots = batch.cu_seqlens.shape[0] - 1
+        real = (batch.segment_ids >= 0)[:, None]
+        seg = batch.segment_ids.clamp(min=0).long()
+        sums = torch.zeros(slots, 8, device=x.device, dtype=x.dtype).index_add_(0, seg, torch.where(real, x, 0))
+        counts = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).clamp(min=1).to(x.dtype)[:, None]
+        x = x + (sums / counts)[seg]
+        pairs = x.view(-1, 16)
+        return torch.cat([head(pairs) for head in self.heads], dim=1)
+
+    def warm_up(self, pixels, batch):
+        return self(pixels, batch)
+
+
+def test_both_towers_keep_the_contract():
+    from vitgraph.config import TINY
+    from vitgraph.models.qwen2_vl import Qwen2VisionTower
+
+    assert isinstance(MeanPoolTower(), VisionTower)
+    with torch.device("meta"):
+        assert isinstance(Qwen2VisionTower(TINY), VisionTower)
+    members = [m for m in vars(VisionTower) if not m.startswith("_") or m == "__call__"]
+    members += list(VisionTower.__annotations__)
+    assert len(set(members)) <= 6, members
+
+
+@pytest.mark.cuda
+def test_the_engine_captures_a_tower_that_is_not_qwen():
+    from vitgraph.engine import GraphBank, make_buckets
+
+    torch.manual_seed(0)
+    tower = MeanPoolTower().cuda().eval()
+    bank = GraphBank(tower, make_buckets([64, 128], 4, tower.merge_unit), torch.device("cuda"), torch.float32)
+    bank.capture(progress=False)
+    assert len(bank.buckets) == 2 and bank.workspace_bytes > 0
+    grids = [(1, 4, 6), (2, 2, 4), (1, 6, 2)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 12, device="cuda")
+    exact = tower(pixels, tower.build_batch(grids).to("cuda"))
+    for bucket in bank.buckets:
+        bank.load(bucket, pixels, bank.stage_grids(bucket, grids))
+        eager = bank.run_eager(bucket)[:exact.shape[0]].clone()
+        replayed = bank.replay(bucket)[:exact.shape[0]]
+        assert torch.equal(replayed, eager)
+        assert torch.allclose(replayed, exact, atol=1e-5), (replayed - exact).abs().max()
+
+
+PATCH_PROBE = r"""
+import json, os, sys, types
+import torch
+import torch.nn.functional
+
+def public(module):
+    return {k: id(v) for k, v in vars(module).items() if not k.startswith("__")}
+
+watched = {"torch": torch, "torch.compiler": torch.compiler, "torch.cuda": torch.cuda,
+           "torch.cuda.graphs": torch.cuda.graphs, "torch.nn.functional": torch.nn.functional}
+optional = ["flash_attn.cute.interface", "flash_attn.cute.flash_fwd_sm90", "quack.gemm_interface",
+            "quack.activation", "cudnn"]
+for name in optional:
+    try:
+        watched[name] = __import__(name, fromlist=["_"])
+    except Exception:
+        pass
+before = {name: public(m) for name, m in watched.items()}
+env = dict(os.environ)
+acts = set(getattr(watched.get("quack.activation"), "act_fn_map", {}))
+fa4_cache = getattr(getattr(watched.get("flash_attn.cute.interface"), "_flash_attn_fwd", None), "compile_cache", None)
+
+from vitgraph import GraphedVisionEncoder
+device = sys.argv[1]
+enc = GraphedVisionEncoder.from_config("tiny" if device == "cpu" else "qwen2-vl-2b", device=device,
+                                       budgets=[256, 1024], progress=False)
+grids = [(1, 16, 16), (2, 8, 8)]
+enc.encode(torch.randn(sum(t * h * w for t, h, w in grids), 1176, device=device, dtype=enc.dtype), grids)
+
+changed = {name: sorted(k for k in before[name] if before[name][k] != id(vars(m).get(k)))
+           for name, m in watched.items()}
+new_acts = set(getattr(watched.get("quack.activation"), "act_fn_map", {})) - acts
+print(json.dumps({"watched": sorted(watched), "changed": {k: v for k, v in changed.items() if v},
+                  "env_changed": sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)),
+                  "new_quack_activations": sorted(new_acts),
+                  "fa4_cache_same": fa4_cache is getattr(getattr(watched.get("flash_attn.cute.interface"),
+                                                              "_flash_attn_fwd", None), "compile_cache", None)}))
+"""
+
+
+def probe_patches(device: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", PATCH_PROBE, device], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check_nothing_patched(report: dict) -> None:
+    # torch's public functions, FlashAttention 4's and quack's are the same objects afterwards.
+    assert report["changed"] == {}, report
+    assert report["fa4_cache_same"]
+    # quack's activation registry gains only vitgraph's own, uniquely named epilogue.
+    assert all(name.startswith("vitgraph_") for name in report["new_quack_activations"])
+    # The one variable vitgraph still sets (by default, where unset): FlashAttention 4's disk cache.
+    assert set(report["env_changed"]) <= {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"}, report
+
+
+def test_building_and_encoding_patches_nothing_on_a_cpu():
+    report = probe_patches("cpu")
+    check_nothing_patched(report)
+    assert report["env_changed"] == []
+
+
+@pytest.mark.cuda
+def test_building_and_encoding_patches_nothing_on_a_gpu():
+    report = probe_patches("cuda")
+    print(f"\n[patches] watched {report['watched']}: {report}")
+    check_nothing_patched(report)
