@@ -13,7 +13,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .config import PRESETS, VisionConfig
+from .config import VisionConfig
+from .models import PRESETS, Qwen25VisionConfig, family_for
 from .engine.graphs import GraphBank
 from .engine.planner import Bucket, Plan, Step, plan_call
 from .engine.routing import faster_next_buckets, single_frame_thresholds
@@ -96,10 +97,17 @@ class GraphedVisionEncoder:
             if self.options.mode == "graph" and self.device.type != "cuda":
                 raise ValueError(f"mode='graph' needs a CUDA device, got {self.device}")
             self.use_graphs = uses_graphs(self.options, self.device)
+            if self.use_graphs and not getattr(tower, "graph_ready", True):
+                if self.options.mode == "graph":
+                    raise ValueError(f"mode='graph': the {type(tower).__name__}'s CUDA-graph path is not validated "
+                                     "yet; use mode='eager' (or 'auto', which runs it eagerly)")
+                logger.warning("vitgraph: %s runs eagerly: its CUDA-graph path is not validated yet",
+                               type(tower).__name__)
+                self.use_graphs = False
             # With no compiled kernel on disk, kernel-compiling workers start now (or started
             # as from_pretrained read the checkpoint's config), before this process loads the
             # kernel libraries, so that their start-up overlaps its own.
-            if _early_workers is None and self.use_graphs:
+            if _early_workers is None and self.use_graphs and isinstance(tower.config, VisionConfig):
                 _early_workers = _start_early(tower.config, self.device, self.dtype, self.options)
             elif _early_workers is not None and not self.use_graphs:  # nothing will wait for them
                 _early_workers.stop()
@@ -143,7 +151,8 @@ class GraphedVisionEncoder:
         config = read_config(files)
         # Cold kernel caches: the workers need only the shapes, so they compile while the
         # weights load (seconds for a 2B tower's shards).
-        early = _start_early(config, device, dtype, engine) if uses_graphs(engine, device) else None
+        graphs = uses_graphs(engine, device) and isinstance(config, VisionConfig)  # the precompiled kernels are Qwen2-VL's
+        early = _start_early(config, device, dtype, engine) if graphs else None
         try:
             tower = load_tower(files, config, device, dtype)
         except BaseException:
@@ -157,16 +166,17 @@ class GraphedVisionEncoder:
                         device=None, dtype=None, **options: Any) -> "GraphedVisionEncoder":
         """Build from weights already in memory (``visual.``-prefixed, ``model.visual.``-prefixed or bare)."""
         EngineOptions(**options)
-        if not isinstance(config, (VisionConfig, Mapping)):
+        if not isinstance(config, (VisionConfig, Qwen25VisionConfig, Mapping)):
             raise TypeError(f"config must be a VisionConfig or a mapping (a config.json object), "
                             f"got {type(config).__name__}")
-        config = config if isinstance(config, VisionConfig) else VisionConfig.from_dict(dict(config))
+        if isinstance(config, Mapping):
+            config = family_for(config.get("model_type")).config.from_dict(dict(config))
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         return cls(tower_from_state_dict(state_dict, config, device, dtype), device=device, dtype=dtype, **options)
 
     @classmethod
-    def from_config(cls, config: VisionConfig | str, *, device=None, dtype=None, seed: int = 0,
+    def from_config(cls, config: VisionConfig | Qwen25VisionConfig | str, *, device=None, dtype=None, seed: int = 0,
                     **options: Any) -> "GraphedVisionEncoder":
         """Random weights of a given shape (a :class:`VisionConfig` or a preset name), for demos and benchmarks."""
         if isinstance(config, str):

@@ -19,8 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .config import VisionConfig
-from .models import family_for
-from .models.qwen2_vl import Qwen2VisionTower, expected_shapes
+from .models import family_for, family_of
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +161,7 @@ def find_checkpoint(source: str | os.PathLike, *, revision: str | None = None, c
     return find_on_hub(text, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
 
 
-def read_config(files: CheckpointFiles) -> VisionConfig:
+def read_config(files: CheckpointFiles):
     """The vision config of a checkpoint whose ``model_type`` has a family (see :mod:`vitgraph.models`)."""
     try:
         raw = json.loads(files.config.read_text(encoding="utf-8"))
@@ -180,7 +179,7 @@ def read_config(files: CheckpointFiles) -> VisionConfig:
 
 def _check_names_and_shapes(config: VisionConfig, shapes: Mapping[str, tuple[int, ...]]) -> None:
     """Refuse a checkpoint whose vision keys or shapes differ from ``config``'s, before any module is built."""
-    expected = expected_shapes(config)
+    expected = family_of(config).expected_shapes(config)
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected))
     wrong = sorted(f"{n}: expected {list(expected[n])}, got {list(shapes[n])}"
@@ -211,15 +210,14 @@ def _strip_prefixes(keys) -> dict[str, str]:
     return names
 
 
-def build_tower(config: VisionConfig, device: torch.device, dtype: torch.dtype) -> Qwen2VisionTower:
-    """A tower with random weights of the given shape (for demos and benchmarks)."""
+def build_tower(config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A tower of ``config``'s family with random weights of its shape (for demos and benchmarks)."""
     with torch.device(device):
-        tower = Qwen2VisionTower(config)
+        tower = family_of(config).tower(config)
     return tower.to(dtype=dtype).eval().requires_grad_(False)
 
 
-def load_tower(files: CheckpointFiles, config: VisionConfig, device: torch.device,
-               dtype: torch.dtype) -> Qwen2VisionTower:
+def load_tower(files: CheckpointFiles, config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     all_keys = [k for keys in files.shards.values() for k in keys]
     names = _strip_prefixes(all_keys)
     shapes: dict[str, tuple[int, ...]] = {}
@@ -251,12 +249,12 @@ def load_tower(files: CheckpointFiles, config: VisionConfig, device: torch.devic
                 except (SafetensorError, RuntimeError, OSError) as err:  # e.g. a file truncated mid-tensor
                     raise ValueError(f"{shard}: tensor {key!r} cannot be read ({err})") from None
     with torch.device("meta"):
-        tower = Qwen2VisionTower(config)
+        tower = family_of(config).tower(config)
     return _assign(tower, state)
 
 
-def tower_from_state_dict(state_dict: Mapping[str, torch.Tensor], config: VisionConfig, device: torch.device,
-                          dtype: torch.dtype) -> Qwen2VisionTower:
+def tower_from_state_dict(state_dict: Mapping[str, torch.Tensor], config, device: torch.device,
+                          dtype: torch.dtype) -> torch.nn.Module:
     """Build from tensors already in memory; keys may carry ``visual.`` / ``model.visual.`` or no prefix."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}")
@@ -277,11 +275,11 @@ def tower_from_state_dict(state_dict: Mapping[str, torch.Tensor], config: Vision
             raise ValueError(f"state_dict[{name!r}] is {value.dtype}; vision weights must be floating point")
     _check_names_and_shapes(config, {n: tuple(t.shape) for n, t in state.items()})
     with torch.device("meta"):
-        tower = Qwen2VisionTower(config)
+        tower = family_of(config).tower(config)
     return _assign(tower, {n: t.to(device=device, dtype=dtype) for n, t in state.items()})
 
 
-def _assign(tower: Qwen2VisionTower, state: dict[str, torch.Tensor]) -> Qwen2VisionTower:
+def _assign(tower: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     tower.load_state_dict(state, strict=True, assign=True)
     tower.reset_buffers()
     return tower.eval().requires_grad_(False)

@@ -119,7 +119,8 @@ def configure_tower(tower: Qwen2VisionTower, options: EngineOptions, device: tor
     tower.set_attention_backend(attention)
     fuse = options.fuse
     if fuse is None:
-        fuse = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and kernels.usable(device)
+        fuse = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and kernels.usable(device)
+                and getattr(tower, "supports_fused", True))
     tower.fuse(fuse)  # refuses fuse=True where the kernels cannot run
     gemm = resolve_gemm(options.gemm, device, dtype, tower.fused)
     tower.set_gemm_backend(gemm)

@@ -19,6 +19,7 @@ import torch
 
 from ..config import VisionConfig
 from ..encoder import GraphedVisionEncoder
+from ..models import PRESETS
 
 Grid = tuple[int, int, int]
 
@@ -277,7 +278,7 @@ def check_systems(parser, systems, on_gpu: bool) -> None:
 
 
 def add_model_args(parser) -> None:
-    parser.add_argument("--preset", choices=("qwen2-vl-2b", "tiny"), default=None,
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="random weights of this shape (default: qwen2-vl-2b on GPU, tiny on CPU)")
     parser.add_argument("--model", help="a checkpoint directory or Hub repo id instead of random weights")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")

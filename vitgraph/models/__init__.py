@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..config import VisionConfig
+from ..config import QWEN2_VL_2B, TINY, VisionConfig
+from . import qwen2_5_vl
+from .qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTower
 from .qwen2_vl import Qwen2VisionTower, VisionBatch, expected_shapes
 
 
@@ -21,7 +23,29 @@ class Family:
     expected_shapes: Callable[[VisionConfig], dict[str, tuple[int, ...]]]  # checkpoint names and shapes
 
 
-FAMILIES = (Family("qwen2_vl", ("qwen2_vl",), VisionConfig, Qwen2VisionTower, expected_shapes),)
+FAMILIES = (Family("qwen2_vl", ("qwen2_vl",), VisionConfig, Qwen2VisionTower, expected_shapes),
+            Family("qwen2_5_vl", ("qwen2_5_vl",), Qwen25VisionConfig, Qwen25VisionTower,
+                   qwen2_5_vl.expected_shapes))
+
+
+def _qwen25(out_hidden_size: int) -> Qwen25VisionConfig:
+    return Qwen25VisionConfig(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420,
+                              out_hidden_size=out_hidden_size, window_size=112, fullatt_block_indexes=(7, 15, 23, 31))
+
+
+# Random-weight towers of the released shapes (the 2.5 sizes share one tower and differ in
+# the merger's output width), for demos and benchmarks.
+PRESETS = {"qwen2-vl-2b": QWEN2_VL_2B, "tiny": TINY,
+           "qwen2.5-vl-3b": _qwen25(2048), "qwen2.5-vl-7b": _qwen25(3584), "qwen2.5-vl-32b": _qwen25(5120),
+           "qwen2.5-vl-72b": _qwen25(8192)}
+
+
+def family_of(config) -> Family:
+    """The family whose config class ``config`` is."""
+    for family in FAMILIES:
+        if isinstance(config, family.config):
+            return family
+    raise TypeError(f"config must be one of {[f.config.__name__ for f in FAMILIES]}, got {type(config).__name__}")
 
 
 def family_for(model_type: str | None) -> Family:
@@ -35,4 +59,5 @@ def family_for(model_type: str | None) -> Family:
     raise ValueError(f"model_type {model_type!r} is not supported; supported: {known}")
 
 
-__all__ = ["FAMILIES", "Family", "Qwen2VisionTower", "VisionBatch", "family_for"]
+__all__ = ["FAMILIES", "PRESETS", "Family", "Qwen25VisionConfig", "Qwen25VisionTower", "Qwen2VisionTower", "VisionBatch",
+           "family_for", "family_of"]

@@ -1,0 +1,157 @@
+"""Qwen2.5-VL: fp32 parity with transformers' tower from a hub-layout checkpoint, the window
+metadata against transformers' own helper, and the padded layout against the exact one."""
+
+import json
+
+import pytest
+import torch
+from helpers import diff_report, random_pixels, rel_err
+from safetensors.torch import save_file
+
+from vitgraph import GraphedVisionEncoder
+from vitgraph.models.qwen2_5_vl import Qwen25VisionConfig
+
+TINY = dict(depth=4, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=48, window_size=112,
+            fullatt_block_indexes=[0, 3], hidden_act="silu", patch_size=14, temporal_patch_size=2,
+            spatial_merge_size=2, in_channels=3)
+GRIDS = {
+    "edge-cut windows": [(1, 10, 14)],  # 5 x 7 merged tokens: windows of 4 x 4 cut by both edges
+    "several images": [(1, 16, 16), (1, 4, 6), (1, 12, 20)],
+    "video": [(3, 8, 12)],
+    "mixed": [(1, 6, 10), (2, 16, 8), (1, 2, 2)],
+    "minimal": [(1, 2, 2)],
+}
+
+
+def hf_tower(seed=0, **overrides):
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    cfg = Qwen2_5_VLVisionConfig(**{**TINY, **overrides})
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = Qwen2_5_VisionTransformerPretrainedModel(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("weight") and p.ndim == 1:  # RMSNorm scales
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p[0].numel() ** 0.5)
+    return model
+
+
+def write_checkpoint(directory, model, prefix="visual.", **overrides):
+    """config.json with hub spellings plus two shards and an index, as on the Hub."""
+    directory.mkdir(parents=True, exist_ok=True)
+    vision = {**TINY, **overrides}
+    vision["in_chans"] = vision.pop("in_channels")
+    vision["spatial_patch_size"] = vision.pop("patch_size")
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": vision}))
+    state = {prefix + k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    weight_map = {}
+    for name, names in shards.items():
+        save_file({k: state[k] for k in names}, str(directory / name))
+        weight_map.update({k: name for k in names})
+    lm = {"model.language_model.embed_tokens.weight": torch.zeros(8, 8)}
+    save_file(lm, str(directory / "model-lm.safetensors"))
+    weight_map.update({k: "model-lm.safetensors" for k in lm})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return directory
+
+
+def hf_out(model, pixels, grids):
+    with torch.no_grad():
+        return model(pixels, grid_thw=torch.tensor(grids)).pooler_output
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return hf_tower()
+
+
+@pytest.fixture(scope="module")
+def encoder(hf_model, tmp_path_factory):
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("q25"), hf_model)
+    return GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+
+
+@pytest.mark.parametrize("case", list(GRIDS))
+def test_fp32_parity_with_transformers(encoder, hf_model, case):
+    grids = GRIDS[case]
+    pixels = random_pixels(grids, seed=len(case))
+    got, ref = encoder.encode(pixels, grids), hf_out(hf_model, pixels, grids)
+    assert got.shape == ref.shape == (pixels.shape[0] // 4, 48)
+    assert rel_err(got, ref) <= 1e-5, diff_report(got, ref)
+
+
+@pytest.mark.parametrize("overrides", [dict(window_size=56), dict(fullatt_block_indexes=[1]),
+                                       dict(window_size=224, fullatt_block_indexes=[0, 1, 2, 3])],
+                         ids=["window-56", "one-full-block", "window-224-all-full"])
+def test_other_windows_and_full_blocks(tmp_path, overrides):
+    model = hf_tower(seed=3, **overrides)
+    enc = GraphedVisionEncoder.from_pretrained(write_checkpoint(tmp_path, model, prefix="model.visual.",
+                                                                **overrides), device="cpu")
+    grids = GRIDS["mixed"] + GRIDS["edge-cut windows"]
+    pixels = random_pixels(grids, seed=9)
+    assert rel_err(enc.encode(pixels, grids), hf_out(model, pixels, grids)) <= 1e-5
+
+
+@pytest.mark.parametrize("window_size", [112, 56])
+def test_window_metadata_equals_transformers(encoder, window_size):
+    from transformers.vision_utils import get_vision_window_index
+
+    grids = GRIDS["mixed"] + GRIDS["video"] + GRIDS["edge-cut windows"]
+    tower = encoder.tower
+    tower.config = Qwen25VisionConfig(**{**tower.config.__dict__, "window_size": window_size})
+    try:
+        batch = tower.build_batch(grids)
+    finally:
+        tower.config = Qwen25VisionConfig(**{**tower.config.__dict__, "window_size": 112})
+    index, cu = get_vision_window_index(torch.tensor(grids), spatial_merge_size=2, window_size=window_size,
+                                        patch_size=14)
+    assert torch.equal(batch.window_index.long(), index)
+    assert torch.equal(batch.window_cu, cu)
+    assert torch.equal(batch.window_index[batch.reverse_index.long()].long(), torch.arange(index.numel()))
+
+
+def test_padded_layout_equals_the_exact_one(encoder):
+    """Rows padded to a bucket, spare frame and window slots, and NaN in every padding row:
+    the real rows come out as from the exact layout."""
+    tower, grids = encoder.tower, GRIDS["several images"]
+    pixels = random_pixels(grids, seed=4)
+    exact = tower(pixels, tower.build_batch(grids))
+    real = pixels.shape[0]
+    padded_pixels = torch.cat([pixels, torch.full((64, pixels.shape[1]), float("nan"))])
+    batch = tower.build_batch(grids, num_tokens=real + 64, num_segments=8, max_seqlen=512, num_windows=80)
+    assert batch.frame_lengths is None and int(batch.window_cu[-1]) == real
+    got = tower(padded_pixels, batch)
+    assert torch.isfinite(got[:real // 4]).all()
+    assert rel_err(got[:real // 4], exact) <= 1e-5, diff_report(got[:real // 4], exact)
+
+
+def test_bad_qwen2_5_configs_name_the_field(tmp_path, hf_model):
+    ckpt = write_checkpoint(tmp_path, hf_model)
+    for field, value in (("intermediate_size", None), ("fullatt_block_indexes", [9]), ("window_size", 10),
+                         ("out_hidden_size", 0)):
+        config = json.loads((ckpt / "config.json").read_text())
+        if value is None:
+            del config["vision_config"][field]
+        else:
+            config["vision_config"][field] = value
+        (ckpt / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=field):
+            GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+        write_checkpoint(tmp_path, hf_model)
+
+
+def test_presets_and_graph_mode(caplog):
+    from vitgraph.models import PRESETS
+
+    assert {PRESETS[f"qwen2.5-vl-{s}"].out_hidden_size for s in ("3b", "7b", "32b", "72b")} == {2048, 3584, 5120, 8192}
+    with pytest.raises(ValueError, match="fuse=True"):
+        GraphedVisionEncoder.from_config(Qwen25VisionConfig(**{**TINY, "fullatt_block_indexes": (0, 3)}),
+                                         device="cpu", fuse=True)

@@ -1,0 +1,419 @@
+"""The Qwen2.5-VL vision tower: RMSNorm, SwiGLU MLP, window attention in every block but
+``fullatt_block_indexes``, and a merger whose output rows are put back in item order.
+
+Windows: the merged tokens (2x2 patch groups) of each frame are reordered window-major,
+``window_size // patch_size // spatial_merge_size`` merged tokens a side (4: 64 patches for
+the released checkpoints), windows cut by the frame's edge where its sides are not
+multiples of that. :meth:`Qwen25VisionTower.build_batch` computes the permutation and its
+inverse on the host, with two segmentations: frames (full attention) and windows. The
+forward gathers by them; it never syncs with the host.
+
+This file is the reference (plain PyTorch) forward, exact against transformers'
+``Qwen2_5_VisionTransformerPretrainedModel``. It has no fused forward, and its CUDA-graph
+path is not validated yet: the encoder runs it eagerly (see ``graph_ready``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..engine.contract import BatchLayout
+from ..ops.activations import ACTIVATIONS
+from ..ops.attention import attend
+from .qwen2_vl import _block_major_positions
+
+_ALIASES = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
+_CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
+             "out_hidden_size": 65536, "patch_size": 64, "temporal_patch_size": 16, "spatial_merge_size": 8,
+             "in_channels": 16, "window_size": 4096}
+_REQUIRED = ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "window_size",
+             "fullatt_block_indexes")
+
+
+@dataclass(frozen=True)
+class Qwen25VisionConfig:
+    """Shape of a Qwen2.5-VL vision tower (the ``vision_config`` block). ``hidden_size`` is the
+    tower's width; ``out_hidden_size`` the merger's output (the LLM's width)."""
+
+    depth: int = 32
+    hidden_size: int = 1280
+    num_heads: int = 16
+    intermediate_size: int = 3420
+    out_hidden_size: int = 3584
+    window_size: int = 112  # pixels
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    hidden_act: str = "silu"
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name, ceiling in _CEILINGS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= ceiling:
+                raise ValueError(f"vision_config.{name} must be an int in [1, {ceiling}], got {value!r}")
+        theta = self.rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+            raise ValueError(f"vision_config.rope_theta must be a positive finite number, got {theta!r}")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ValueError(f"vision_config.hidden_size ({self.hidden_size}) must split into num_heads "
+                             f"({self.num_heads}) heads whose width is divisible by 4")
+        if self.window_patches < 1:
+            raise ValueError(f"vision_config.window_size ({self.window_size}) must span at least one merged token "
+                             f"({self.patch_size * self.spatial_merge_size} pixels)")
+        blocks = self.fullatt_block_indexes
+        if (not isinstance(blocks, tuple) or any(isinstance(i, bool) or not isinstance(i, int) for i in blocks)
+                or any(not 0 <= i < self.depth for i in blocks) or len(set(blocks)) != len(blocks)):
+            raise ValueError(f"vision_config.fullatt_block_indexes must be distinct block indexes in "
+                             f"[0, {self.depth}), got {blocks!r}")
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"vision_config.hidden_act must be one of {sorted(ACTIVATIONS)}, "
+                             f"got {self.hidden_act!r}")
+
+    @property
+    def embed_dim(self) -> int:
+        return self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_width(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size ** 2
+
+    @property
+    def window_patches(self) -> int:
+        """Merged tokens along a window's side."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Qwen25VisionConfig":
+        if not isinstance(raw, dict):
+            raise TypeError(f"config must be a dict (a config.json object), got {type(raw).__name__}")
+        block = raw.get("vision_config", raw)
+        if not isinstance(block, dict):
+            raise ValueError(f"config.vision_config must be a JSON object, got {type(block).__name__}")
+        values: dict[str, Any] = {}
+        for key, value in block.items():
+            name = _ALIASES.get(key, key) if isinstance(key, str) else key
+            if name in values and values[name] != value:
+                raise ValueError(f"vision_config sets both {key!r} and {name!r} with different values")
+            values[name] = value
+        rope = values.pop("rope_parameters", None)
+        if isinstance(rope, dict) and "rope_theta" in rope:
+            values.setdefault("rope_theta", rope["rope_theta"])
+        missing = [name for name in _REQUIRED if name not in values]
+        if missing:
+            raise ValueError(f"vision_config is missing required field(s): {', '.join(missing)}")
+        if isinstance(values["fullatt_block_indexes"], list):
+            values["fullatt_block_indexes"] = tuple(values["fullatt_block_indexes"])
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "Qwen25VisionConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+        try:
+            return cls.from_dict(raw)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: {err}") from None
+
+
+@dataclass
+class Segments:
+    """One segmentation of a batch, as the attention backends read it (``SegmentedBatch``)."""
+
+    cu_seqlens: torch.Tensor
+    segment_ids: torch.Tensor
+    max_seqlen: int
+    segment_lengths: tuple[int, ...] | None
+
+    @property
+    def padded(self) -> bool:
+        return self.segment_lengths is None
+
+    @property
+    def dense(self) -> bool:
+        return self.cu_seqlens.shape[0] == 2
+
+
+@dataclass
+class WindowBatch(BatchLayout):
+    """Metadata of one call, in window order: ``window_index [T/4]`` (window-order merged token ->
+    its item-order index), ``reverse_index [T/4]`` its inverse, ``positions [T, 2]`` and two
+    segmentations (frames, windows: ``*_ids [T]`` with -1 on padding rows, ``*_cu``)."""
+
+    window_index: torch.Tensor
+    reverse_index: torch.Tensor
+    positions: torch.Tensor
+    frame_ids: torch.Tensor
+    frame_cu: torch.Tensor
+    window_ids: torch.Tensor
+    window_cu: torch.Tensor
+    max_frame_seqlen: int
+    max_window_seqlen: int
+    frame_lengths: tuple[int, ...] | None = None  # exact (unpadded) batches only
+    window_lengths: tuple[int, ...] | None = None
+
+    @property
+    def frames(self) -> Segments:
+        return Segments(self.frame_cu, self.frame_ids, self.max_frame_seqlen, self.frame_lengths)
+
+    @property
+    def windows(self) -> Segments:
+        return Segments(self.window_cu, self.window_ids, self.max_window_seqlen, self.window_lengths)
+
+
+@lru_cache(maxsize=1024)
+def frame_windows(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """One frame's window order: (merged-token index of each window-order position, patches per
+    window), windows row-major over the frame, cut by its edge; empty windows dropped."""
+    gh, gw = h // merge, w // merge
+    nh, nw = -(-gh // side), -(-gw // side)
+    grid = np.full((nh * side, nw * side), -1, dtype=np.int64)
+    grid[:gh, :gw] = np.arange(gh * gw).reshape(gh, gw)
+    tiles = grid.reshape(nh, side, nw, side).transpose(0, 2, 1, 3).reshape(nh * nw, side * side)
+    counts = (tiles >= 0).sum(1)
+    order, lengths = tiles[tiles >= 0], counts[counts > 0] * merge * merge
+    order.flags.writeable = lengths.flags.writeable = False  # cached: shared by every call
+    return order, lengths
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics; the weight multiplies after the cast back, as the reference does.
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: Qwen25VisionConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.backend = "sdpa"
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: Qwen25VisionConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: Qwen25VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size)
+        self.norm2 = RMSNorm(cfg.hidden_size)
+        self.attn = VisionAttention(cfg)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
+        attn = self.attn
+        q, k, v = attn.qkv(self.norm1(x)).view(x.shape[0], 3, attn.num_heads, -1).unbind(1)  # [T, H, D] each
+        dtype = q.dtype
+        q, k = ((t.float() * cos + rotate_half(t.float()) * sin).to(dtype) for t in (q, k))  # fp32 rotary
+        out = attend(attn.backend, q, k, v.contiguous(), segments)
+        x = x + attn.proj(out.reshape(x.shape[0], -1))
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, cfg: Qwen25VisionConfig) -> None:
+        super().__init__()
+        self.merged_dim = cfg.hidden_size * cfg.merge_unit
+        self.ln_q = RMSNorm(cfg.hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(),
+                                 nn.Linear(self.merged_dim, cfg.out_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))  # [T/4, out]
+
+
+def expected_shapes(cfg: Qwen25VisionConfig) -> dict[str, tuple[int, ...]]:
+    """State-dict names and shapes for ``cfg``, without building the tower."""
+    e, m, merged = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size * cfg.merge_unit
+    shapes = {"patch_embed.proj.weight": (e, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
+                                          cfg.patch_size)}
+    block = {"norm1.weight": (e,), "norm2.weight": (e,), "attn.qkv.weight": (3 * e, e), "attn.qkv.bias": (3 * e,),
+             "attn.proj.weight": (e, e), "attn.proj.bias": (e,), "mlp.gate_proj.weight": (m, e),
+             "mlp.gate_proj.bias": (m,), "mlp.up_proj.weight": (m, e), "mlp.up_proj.bias": (m,),
+             "mlp.down_proj.weight": (e, m), "mlp.down_proj.bias": (e,)}
+    for i in range(cfg.depth):
+        shapes.update({f"blocks.{i}.{name}": shape for name, shape in block.items()})
+    shapes.update({"merger.ln_q.weight": (e,), "merger.mlp.0.weight": (merged, merged), "merger.mlp.0.bias": (merged,),
+                   "merger.mlp.2.weight": (cfg.out_hidden_size, merged), "merger.mlp.2.bias": (cfg.out_hidden_size,)})
+    return shapes
+
+
+class Qwen25VisionTower(nn.Module):
+    """Qwen2.5-VL ViT plus patch merger, against the engine's contract. Knows nothing of CUDA graphs."""
+
+    graph_ready = False  # its CUDA-graph path (window capacities per bucket) is not validated yet
+    supports_fused = False
+
+    def __init__(self, cfg: Qwen25VisionConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel,
+                                          bias=False)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.fused = False
+        self.gemm_backend = "cublas"
+
+    def _inv_freq(self) -> torch.Tensor:
+        half = self.config.head_dim // 2
+        exponent = torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half
+        return (1.0 / (self.config.rope_theta ** exponent)).to(torch.get_default_device())
+
+    def reset_buffers(self) -> None:
+        self.inv_freq = self._inv_freq().to(self.patch_embed.proj.weight.device)
+
+    # -- the engine's contract ------------------------------------------------------
+
+    @property
+    def input_width(self) -> int:
+        return self.config.patch_width
+
+    @property
+    def output_width(self) -> int:
+        return self.config.out_hidden_size
+
+    @property
+    def merge_unit(self) -> int:
+        return self.config.merge_unit
+
+    def set_attention_backend(self, backend: str) -> None:
+        for block in self.blocks:
+            block.attn.backend = backend
+
+    def set_gemm_backend(self, backend: str) -> None:
+        if backend != "cublas":
+            raise ValueError(f"gemm={backend!r}: the Qwen2.5-VL tower has no fused GEMM path yet")
+
+    def fuse(self, enabled: bool = True) -> None:
+        if enabled:
+            raise ValueError("fuse=True: the Qwen2.5-VL tower has no fused forward yet")
+
+    def build_batch(self, grids: Sequence[tuple[int, int, int]], *, num_tokens: int | None = None,
+                    num_segments: int | None = None, max_seqlen: int | None = None,
+                    num_windows: int | None = None) -> WindowBatch:
+        """Host metadata for ``grids`` in window order, padded to ``num_tokens`` rows, ``num_segments``
+        frame slots and ``num_windows`` window slots (default: one per merged token, the most
+        ``num_tokens`` rows can hold). Padding merged tokens map to themselves, after every real one,
+        so they never join a real window. Returns CPU tensors."""
+        cfg, merge, unit = self.config, self.config.spatial_merge_size, self.config.merge_unit
+        order, frame_lengths, window_lengths, frames = [], [], [], []
+        base = 0
+        for t, h, w in grids:
+            idx, wins = frame_windows(h, w, merge, cfg.window_patches)
+            per_frame = h * w // unit
+            for f in range(t):
+                order.append(idx + base + f * per_frame)
+                window_lengths.extend(wins.tolist())
+                frame_lengths.append(h * w)
+                frames.append(_block_major_positions(h, w, merge))
+            base += t * per_frame
+        real = sum(frame_lengths)
+        tokens = real if num_tokens is None else num_tokens
+        frame_slots = len(frame_lengths) if num_segments is None else num_segments
+        window_slots = (len(window_lengths) if num_tokens is None else tokens // unit) if num_windows is None \
+            else num_windows
+        if tokens < real or frame_slots < len(frame_lengths) or window_slots < len(window_lengths):
+            raise ValueError(f"layout of {tokens} tokens / {frame_slots} frames / {window_slots} windows cannot hold "
+                             f"{real} tokens / {len(frame_lengths)} frames / {len(window_lengths)} windows")
+        longest = max(frame_lengths, default=0)
+        if max_seqlen is not None and max_seqlen < longest:
+            raise ValueError(f"max_seqlen {max_seqlen} is shorter than the longest frame ({longest})")
+        groups = tokens // unit
+        window_index = np.arange(groups, dtype=np.int64)
+        if order:
+            window_index[:real // unit] = np.concatenate(order)
+        reverse_index = np.empty_like(window_index)
+        reverse_index[window_index] = np.arange(groups)
+        positions = np.zeros((tokens, 2), dtype=np.int32)
+        if frames:
+            item_order = np.concatenate(frames)  # [real, 2], item order
+            positions[:real] = item_order.reshape(-1, unit, 2)[window_index[:real // unit]].reshape(-1, 2)
+
+        def segmentation(lengths, slots):
+            ids = np.full(tokens, -1, dtype=np.int32)
+            ids[:real] = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+            cu = np.full(slots + 1, real, dtype=np.int32)
+            cu[0] = 0
+            cu[1:len(lengths) + 1] = np.cumsum(lengths)
+            return torch.from_numpy(ids), torch.from_numpy(cu)
+
+        frame_ids, frame_cu = segmentation(frame_lengths, frame_slots)
+        window_ids, window_cu = segmentation(window_lengths, window_slots)
+        exact = tokens == real and frame_slots == len(frame_lengths) and window_slots == len(window_lengths)
+        return WindowBatch(torch.from_numpy(window_index.astype(np.int32)),
+                           torch.from_numpy(reverse_index.astype(np.int32)), torch.from_numpy(positions),
+                           frame_ids, frame_cu, window_ids, window_cu,
+                           max(max_seqlen or longest, 1), max(max(window_lengths, default=0), 1),
+                           tuple(frame_lengths) if exact else None, tuple(window_lengths) if exact else None)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin ``[T, 1, head_dim]`` of the angles ``[h*f | w*f | h*f | w*f]``."""
+        angles = (positions.float()[..., None] * self.inv_freq.float()).flatten(1)  # [T, head_dim/2]
+        emb = torch.cat([angles, angles], dim=-1)[:, None, :]
+        return emb.cos(), emb.sin()
+
+    def forward(self, pixels: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
+        """``[T, input_width]`` pixel rows (item order) -> ``[T / 4, out_hidden_size]`` (item order)."""
+        rows, unit = pixels.shape[0], self.merge_unit
+        weight = self.patch_embed.proj.weight
+        x = F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))  # [T, E]
+        gather = batch.window_index.long()
+        x = x.view(rows // unit, unit, -1)[gather].view(rows, -1)  # window order
+        cos, sin = self.rotary(batch.positions)  # positions are in window order already
+        frames, windows = batch.frames, batch.windows
+        full = set(self.config.fullatt_block_indexes)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames if i in full else windows)
+        return self.merger(x)[batch.reverse_index.long()]
+
+    def warm_up(self, pixels: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
+        return self(pixels, batch)
