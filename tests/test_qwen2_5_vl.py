@@ -155,3 +155,25 @@ def test_presets_and_graph_mode(caplog):
     with pytest.raises(ValueError, match="fuse=True"):
         GraphedVisionEncoder.from_config(Qwen25VisionConfig(**{**TINY, "fullatt_block_indexes": (0, 3)}),
                                          device="cpu", fuse=True)
+
+
+@pytest.mark.cuda
+def test_on_cuda_it_runs_eagerly_and_every_backend_agrees(hf_model, caplog):
+    """Until its graph path is validated, auto mode runs Qwen2.5-VL eagerly on CUDA (with a
+    warning) and mode='graph' is refused; each attention backend matches the fp32 reference."""
+    from vitgraph.ops.attention import available_backends
+
+    state = {"visual." + k: v for k, v in hf_model.state_dict().items()}
+    config = {"model_type": "qwen2_5_vl", "vision_config": TINY}
+    with pytest.raises(ValueError, match="not validated"):
+        GraphedVisionEncoder.from_state_dict(state, config, device="cuda", mode="graph")
+    grids = GRIDS["mixed"] + GRIDS["edge-cut windows"]
+    pixels = random_pixels(grids, seed=11)
+    ref = hf_out(hf_model, pixels, grids)
+    for backend in available_backends("cuda"):
+        with caplog.at_level("WARNING"):
+            enc = GraphedVisionEncoder.from_state_dict(state, config, device="cuda", attention=backend)
+        assert enc.stats()["mode"] == "eager" and "runs eagerly" in caplog.text
+        got = enc.encode(pixels.cuda(), grids).float().cpu()
+        print(f"\n[qwen2.5 cuda] attention={enc.attention} dtype={enc.dtype}: {diff_report(got, ref)}")
+        assert torch.isfinite(got).all() and rel_err(got, ref) <= 3e-2, (backend, diff_report(got, ref))
