@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .config import VisionConfig
-from .models import PRESETS, Qwen25VisionConfig, family_for
+from .models import FAMILIES, PRESETS, family_for
 from .engine.graphs import GraphBank
 from .engine.planner import Bucket, Plan, Step, plan_call
 from .engine.routing import faster_next_buckets, single_frame_thresholds
@@ -166,7 +166,7 @@ class GraphedVisionEncoder:
                         device=None, dtype=None, **options: Any) -> "GraphedVisionEncoder":
         """Build from weights already in memory (``visual.``-prefixed, ``model.visual.``-prefixed or bare)."""
         EngineOptions(**options)
-        if not isinstance(config, (VisionConfig, Qwen25VisionConfig, Mapping)):
+        if not isinstance(config, tuple(f.config for f in FAMILIES) + (Mapping,)):
             raise TypeError(f"config must be a VisionConfig or a mapping (a config.json object), "
                             f"got {type(config).__name__}")
         if isinstance(config, Mapping):
@@ -176,7 +176,7 @@ class GraphedVisionEncoder:
         return cls(tower_from_state_dict(state_dict, config, device, dtype), device=device, dtype=dtype, **options)
 
     @classmethod
-    def from_config(cls, config: VisionConfig | Qwen25VisionConfig | str, *, device=None, dtype=None, seed: int = 0,
+    def from_config(cls, config, *, device=None, dtype=None, seed: int = 0,
                     **options: Any) -> "GraphedVisionEncoder":
         """Random weights of a given shape (a :class:`VisionConfig` or a preset name), for demos and benchmarks."""
         if isinstance(config, str):
@@ -297,6 +297,22 @@ class GraphedVisionEncoder:
             else:
                 self._run_graph(step, staged, step_pixels, functools.partial(target_of, step))
         return result
+
+    @property
+    def output_width(self) -> int:
+        """Values per returned row: ``out_hidden_size`` times the outputs side by side (Qwen3-VL:
+        the main embeddings, then each deepstack feature)."""
+        return self.tower.output_width
+
+    def split(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``encode``'s rows as ``(main, [deepstack features...])``, views of ``embeddings``
+        (no deepstack features but for Qwen3-VL)."""
+        parts = getattr(self.tower, "output_parts", 1)
+        if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2 or embeddings.shape[1] != self.output_width:
+            raise ValueError(f"embeddings must be [rows, {self.output_width}] as encode returns them, got "
+                             f"{getattr(embeddings, 'shape', type(embeddings).__name__)}")
+        main, *deepstack = embeddings.split(self.output_width // parts, dim=1)
+        return main, deepstack
 
     def _new_output(self, rows: int) -> torch.Tensor:
         return torch.empty(rows, self.tower.output_width, device=self.device, dtype=self.dtype)

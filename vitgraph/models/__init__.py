@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..config import QWEN2_VL_2B, TINY, VisionConfig
-from . import qwen2_5_vl
+from . import qwen2_5_vl, qwen3_vl
 from .qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTower
+from .qwen3_vl import Qwen3VisionConfig, Qwen3VisionTower
 from .qwen2_vl import Qwen2VisionTower, VisionBatch, expected_shapes
 
 
@@ -25,7 +26,9 @@ class Family:
 
 FAMILIES = (Family("qwen2_vl", ("qwen2_vl",), VisionConfig, Qwen2VisionTower, expected_shapes),
             Family("qwen2_5_vl", ("qwen2_5_vl",), Qwen25VisionConfig, Qwen25VisionTower,
-                   qwen2_5_vl.expected_shapes))
+                   qwen2_5_vl.expected_shapes),
+            Family("qwen3_vl", ("qwen3_vl", "qwen3_vl_moe"), Qwen3VisionConfig, Qwen3VisionTower,
+                   qwen3_vl.expected_shapes))
 
 
 def _qwen25(out_hidden_size: int) -> Qwen25VisionConfig:
@@ -37,7 +40,13 @@ def _qwen25(out_hidden_size: int) -> Qwen25VisionConfig:
 # the merger's output width), for demos and benchmarks.
 PRESETS = {"qwen2-vl-2b": QWEN2_VL_2B, "tiny": TINY,
            "qwen2.5-vl-3b": _qwen25(2048), "qwen2.5-vl-7b": _qwen25(3584), "qwen2.5-vl-32b": _qwen25(5120),
-           "qwen2.5-vl-72b": _qwen25(8192)}
+           "qwen2.5-vl-72b": _qwen25(8192),
+           "qwen3-vl-2b": Qwen3VisionConfig(depth=24, hidden_size=1024, num_heads=16, intermediate_size=4096,
+                                            out_hidden_size=2048, deepstack_visual_indexes=(5, 11, 17)),
+           "qwen3-vl-8b": Qwen3VisionConfig(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
+                                            out_hidden_size=4096, deepstack_visual_indexes=(8, 16, 24)),
+           "qwen3-vl-32b": Qwen3VisionConfig(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
+                                             out_hidden_size=5120, deepstack_visual_indexes=(8, 16, 24))}
 
 
 def family_of(config) -> Family:
@@ -59,5 +68,6 @@ def family_for(model_type: str | None) -> Family:
     raise ValueError(f"model_type {model_type!r} is not supported; supported: {known}")
 
 
-__all__ = ["FAMILIES", "PRESETS", "Family", "Qwen25VisionConfig", "Qwen25VisionTower", "Qwen2VisionTower", "VisionBatch",
+__all__ = ["FAMILIES", "PRESETS", "Family", "Qwen25VisionConfig", "Qwen25VisionTower", "Qwen3VisionConfig",
+           "Qwen3VisionTower", "Qwen2VisionTower", "VisionBatch",
            "family_for", "family_of"]

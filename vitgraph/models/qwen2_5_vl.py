@@ -15,8 +15,6 @@ path is not validated yet: the encoder runs it eagerly (see ``graph_ready``).
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
@@ -30,9 +28,9 @@ import torch.nn.functional as F
 from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import attend
+from .config_parsing import check_block_indexes, check_ints, check_positive_number, read_json, vision_values
 from .qwen2_vl import _block_major_positions
 
-_ALIASES = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
              "out_hidden_size": 65536, "patch_size": 64, "temporal_patch_size": 16, "spatial_merge_size": 8,
              "in_channels": 16, "window_size": 4096}
@@ -60,24 +58,15 @@ class Qwen25VisionConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
-        for name, ceiling in _CEILINGS.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= ceiling:
-                raise ValueError(f"vision_config.{name} must be an int in [1, {ceiling}], got {value!r}")
-        theta = self.rope_theta
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-            raise ValueError(f"vision_config.rope_theta must be a positive finite number, got {theta!r}")
+        check_ints(self, _CEILINGS)
+        check_positive_number("rope_theta", self.rope_theta)
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
             raise ValueError(f"vision_config.hidden_size ({self.hidden_size}) must split into num_heads "
                              f"({self.num_heads}) heads whose width is divisible by 4")
         if self.window_patches < 1:
             raise ValueError(f"vision_config.window_size ({self.window_size}) must span at least one merged token "
                              f"({self.patch_size * self.spatial_merge_size} pixels)")
-        blocks = self.fullatt_block_indexes
-        if (not isinstance(blocks, tuple) or any(isinstance(i, bool) or not isinstance(i, int) for i in blocks)
-                or any(not 0 <= i < self.depth for i in blocks) or len(set(blocks)) != len(blocks)):
-            raise ValueError(f"vision_config.fullatt_block_indexes must be distinct block indexes in "
-                             f"[0, {self.depth}), got {blocks!r}")
+        check_block_indexes("fullatt_block_indexes", self.fullatt_block_indexes, self.depth)
         if not isinstance(self.hidden_act, str) or self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"vision_config.hidden_act must be one of {sorted(ACTIVATIONS)}, "
                              f"got {self.hidden_act!r}")
@@ -105,37 +94,12 @@ class Qwen25VisionConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Qwen25VisionConfig":
-        if not isinstance(raw, dict):
-            raise TypeError(f"config must be a dict (a config.json object), got {type(raw).__name__}")
-        block = raw.get("vision_config", raw)
-        if not isinstance(block, dict):
-            raise ValueError(f"config.vision_config must be a JSON object, got {type(block).__name__}")
-        values: dict[str, Any] = {}
-        for key, value in block.items():
-            name = _ALIASES.get(key, key) if isinstance(key, str) else key
-            if name in values and values[name] != value:
-                raise ValueError(f"vision_config sets both {key!r} and {name!r} with different values")
-            values[name] = value
-        rope = values.pop("rope_parameters", None)
-        if isinstance(rope, dict) and "rope_theta" in rope:
-            values.setdefault("rope_theta", rope["rope_theta"])
-        missing = [name for name in _REQUIRED if name not in values]
-        if missing:
-            raise ValueError(f"vision_config is missing required field(s): {', '.join(missing)}")
-        if isinstance(values["fullatt_block_indexes"], list):
-            values["fullatt_block_indexes"] = tuple(values["fullatt_block_indexes"])
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
+        return cls(**vision_values(raw, {f.name for f in fields(cls)}, _REQUIRED, ("fullatt_block_indexes",)))
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "Qwen25VisionConfig":
-        path = Path(path)
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} is not valid JSON: {err}") from None
-        try:
-            return cls.from_dict(raw)
+            return cls.from_dict(read_json(path))
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path}: {err}") from None
 

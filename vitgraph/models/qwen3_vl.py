@@ -1,0 +1,325 @@
+"""The Qwen3-VL vision tower: patch 16 with a biased Conv3d, learned position embeddings
+resampled bilinearly to each grid, LayerNorm blocks with a GELU-tanh MLP, the main merger
+and one deepstack merger per ``deepstack_visual_indexes`` entry.
+
+The output is one tensor ``[N/4, out_hidden_size * (1 + len(deepstack_visual_indexes))]``:
+the main embeddings, then each deepstack feature in layer order, side by side (the
+``image_embeds`` layout vLLM and SGLang take). The interpolation's four taps per patch are
+built on the host (:meth:`Qwen3VisionTower.build_batch`); the weights travel as the int32 bits
+of their fp32 values, so every tensor of the batch is int32 as the engine stages it.
+
+This file is the reference (plain PyTorch) forward, exact against transformers'
+``Qwen3VLVisionModel``. It has no fused forward, and its CUDA-graph path is not validated
+yet: the encoder runs it eagerly (see ``graph_ready``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..engine.contract import BatchLayout
+from ..ops.activations import ACTIVATIONS
+from ..ops.attention import attend
+from .config_parsing import check_block_indexes, check_ints, check_positive_number, read_json, vision_values
+from .qwen2_5_vl import rotate_half
+from .qwen2_vl import _block_major_positions
+
+_CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
+             "out_hidden_size": 65536, "num_position_embeddings": 1 << 20, "patch_size": 64,
+             "temporal_patch_size": 16, "spatial_merge_size": 8, "in_channels": 16}
+_REQUIRED = ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "num_position_embeddings",
+             "deepstack_visual_indexes")
+
+
+@dataclass(frozen=True)
+class Qwen3VisionConfig:
+    """Shape of a Qwen3-VL vision tower (``vision_config``; ``qwen3_vl`` and ``qwen3_vl_moe``)."""
+
+    depth: int = 27
+    hidden_size: int = 1152
+    num_heads: int = 16
+    intermediate_size: int = 4304
+    out_hidden_size: int = 4096
+    num_position_embeddings: int = 2304  # a 48 x 48 learned grid
+    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
+    hidden_act: str = "gelu_pytorch_tanh"
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        check_ints(self, _CEILINGS)
+        check_positive_number("rope_theta", self.rope_theta)
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ValueError(f"vision_config.hidden_size ({self.hidden_size}) must split into num_heads "
+                             f"({self.num_heads}) heads whose width is divisible by 4")
+        if self.grid_side ** 2 != self.num_position_embeddings:
+            raise ValueError(f"vision_config.num_position_embeddings must be a square, got "
+                             f"{self.num_position_embeddings}")
+        check_block_indexes("deepstack_visual_indexes", self.deepstack_visual_indexes, self.depth)
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"vision_config.hidden_act must be one of {sorted(ACTIVATIONS)}, "
+                             f"got {self.hidden_act!r}")
+
+    @property
+    def embed_dim(self) -> int:
+        return self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_width(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size ** 2
+
+    @property
+    def grid_side(self) -> int:
+        return int(round(self.num_position_embeddings ** 0.5))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Qwen3VisionConfig":
+        return cls(**vision_values(raw, {f.name for f in fields(cls)}, _REQUIRED, ("deepstack_visual_indexes",)))
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "Qwen3VisionConfig":
+        try:
+            return cls.from_dict(read_json(path))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: {err}") from None
+
+
+@dataclass
+class DeepstackBatch(BatchLayout):
+    """Metadata of one call: ``positions [T, 2]``, ``segment_ids [T]`` (-1 on padding rows),
+    ``cu_seqlens [S + 1]``, and the position-table taps ``pos_index [T, 4]`` with their fp32
+    weights as int32 bits ``pos_weight_bits [T, 4]`` (padding rows: index 0, weight 0)."""
+
+    positions: torch.Tensor
+    segment_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    pos_index: torch.Tensor
+    pos_weight_bits: torch.Tensor
+    max_seqlen: int
+    segment_lengths: tuple[int, ...] | None = None
+
+    @property
+    def padded(self) -> bool:
+        return self.segment_lengths is None
+
+    @property
+    def dense(self) -> bool:
+        return self.cu_seqlens.shape[0] == 2
+
+
+def _axis_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bilinear, align_corners=True taps into a ``side``-long table for positions on an axis
+    of ``size``: fp32, the same arithmetic as transformers' helper."""
+    src = index.to(torch.float32) * (side - 1) / max(size - 1, 1)
+    floor = torch.floor(src)
+    offsets = torch.arange(0, 2)
+    taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+    weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+    return taps, weights
+
+
+@lru_cache(maxsize=1024)
+def frame_taps(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """The four (index, weight) taps of each patch of an ``h x w`` frame, in block-major order."""
+    pos = _block_major_positions(h, w, merge)
+    h_taps, h_weights = _axis_taps(torch.from_numpy(pos[:, 0].astype(np.int64)), h, side)
+    w_taps, w_weights = _axis_taps(torch.from_numpy(pos[:, 1].astype(np.int64)), w, side)
+    index = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4).to(torch.int32).numpy()
+    weight = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4).numpy()
+    index.flags.writeable = weight.flags.writeable = False  # cached: shared by every call
+    return index, weight
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Qwen3VisionConfig) -> None:
+        super().__init__()
+        e = cfg.hidden_size
+        self.norm1, self.norm2 = nn.LayerNorm(e, eps=1e-6), nn.LayerNorm(e, eps=1e-6)
+        self.attn = nn.Module()
+        self.attn.qkv, self.attn.proj = nn.Linear(e, 3 * e), nn.Linear(e, e)
+        self.mlp = nn.Module()
+        self.mlp.linear_fc1, self.mlp.linear_fc2 = nn.Linear(e, cfg.intermediate_size), nn.Linear(cfg.intermediate_size, e)
+        self.num_heads, self.backend, self.act = cfg.num_heads, "sdpa", ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
+        q, k, v = self.attn.qkv(self.norm1(x)).view(x.shape[0], 3, self.num_heads, -1).unbind(1)  # [T, H, D]
+        dtype = q.dtype
+        q, k = ((t.float() * cos + rotate_half(t.float()) * sin).to(dtype) for t in (q, k))  # fp32 rotary
+        x = x + self.attn.proj(attend(self.backend, q, k, v.contiguous(), batch).reshape(x.shape[0], -1))
+        return x + self.mlp.linear_fc2(self.act(self.mlp.linear_fc1(self.norm2(x))))
+
+
+class Merger(nn.Module):
+    """LayerNorm before the 2x2 merge (main), or after it (``postshuffle``: deepstack), then the MLP."""
+
+    def __init__(self, cfg: Qwen3VisionConfig, postshuffle: bool) -> None:
+        super().__init__()
+        self.merged_dim, self.postshuffle = cfg.hidden_size * cfg.merge_unit, postshuffle
+        self.norm = nn.LayerNorm(self.merged_dim if postshuffle else cfg.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim)
+        self.linear_fc2 = nn.Linear(self.merged_dim, cfg.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.merged_dim)) if self.postshuffle else self.norm(x).view(-1, self.merged_dim)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))  # [T/4, out]
+
+
+def expected_shapes(cfg: Qwen3VisionConfig) -> dict[str, tuple[int, ...]]:
+    """State-dict names and shapes for ``cfg``, without building the tower."""
+    e, m, merged, out = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size * cfg.merge_unit, cfg.out_hidden_size
+    shapes = {"patch_embed.proj.weight": (e, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size),
+              "patch_embed.proj.bias": (e,), "pos_embed.weight": (cfg.num_position_embeddings, e)}
+    block = {"norm1.weight": (e,), "norm1.bias": (e,), "norm2.weight": (e,), "norm2.bias": (e,),
+             "attn.qkv.weight": (3 * e, e), "attn.qkv.bias": (3 * e,), "attn.proj.weight": (e, e),
+             "attn.proj.bias": (e,), "mlp.linear_fc1.weight": (m, e), "mlp.linear_fc1.bias": (m,),
+             "mlp.linear_fc2.weight": (e, m), "mlp.linear_fc2.bias": (e,)}
+    for i in range(cfg.depth):
+        shapes.update({f"blocks.{i}.{name}": shape for name, shape in block.items()})
+
+    def merger(prefix: str, norm: int) -> dict:
+        return {f"{prefix}.norm.weight": (norm,), f"{prefix}.norm.bias": (norm,),
+                f"{prefix}.linear_fc1.weight": (merged, merged), f"{prefix}.linear_fc1.bias": (merged,),
+                f"{prefix}.linear_fc2.weight": (out, merged), f"{prefix}.linear_fc2.bias": (out,)}
+
+    shapes.update(merger("merger", e))
+    for j in range(len(cfg.deepstack_visual_indexes)):
+        shapes.update(merger(f"deepstack_merger_list.{j}", merged))
+    return shapes
+
+
+class Qwen3VisionTower(nn.Module):
+    """Qwen3-VL ViT, main merger and deepstack mergers, against the engine's contract."""
+
+    graph_ready = False  # its CUDA-graph path is not validated yet
+    supports_fused = False
+
+    def __init__(self, cfg: Qwen3VisionConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.merger = Merger(cfg, postshuffle=False)
+        self.deepstack_merger_list = nn.ModuleList(Merger(cfg, postshuffle=True)
+                                                   for _ in cfg.deepstack_visual_indexes)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.fused = False
+        self.gemm_backend = "cublas"
+
+    def _inv_freq(self) -> torch.Tensor:
+        half = self.config.head_dim // 2
+        exponent = torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half
+        return (1.0 / (self.config.rope_theta ** exponent)).to(torch.get_default_device())
+
+    def reset_buffers(self) -> None:
+        self.inv_freq = self._inv_freq().to(self.patch_embed.proj.weight.device)
+
+    @property
+    def input_width(self) -> int:
+        return self.config.patch_width
+
+    @property
+    def output_parts(self) -> int:
+        """Outputs side by side in each row: the main embeddings, then each deepstack feature."""
+        return 1 + len(self.config.deepstack_visual_indexes)
+
+    @property
+    def output_width(self) -> int:
+        return self.config.out_hidden_size * self.output_parts
+
+    @property
+    def merge_unit(self) -> int:
+        return self.config.merge_unit
+
+    def set_attention_backend(self, backend: str) -> None:
+        for block in self.blocks:
+            block.backend = backend
+
+    def set_gemm_backend(self, backend: str) -> None:
+        if backend != "cublas":
+            raise ValueError(f"gemm={backend!r}: the Qwen3-VL tower has no fused GEMM path yet")
+
+    def fuse(self, enabled: bool = True) -> None:
+        if enabled:
+            raise ValueError("fuse=True: the Qwen3-VL tower has no fused forward yet")
+
+    def build_batch(self, grids: Sequence[tuple[int, int, int]], *, num_tokens: int | None = None,
+                    num_segments: int | None = None, max_seqlen: int | None = None) -> DeepstackBatch:
+        """Host metadata for ``grids``, padded to ``num_tokens`` rows and ``num_segments`` frames."""
+        cfg, merge = self.config, self.config.spatial_merge_size
+        positions, taps, weights, lengths = [], [], [], []
+        for t, h, w in grids:
+            index, weight = frame_taps(h, w, merge, cfg.grid_side)
+            for _ in range(t):
+                positions.append(_block_major_positions(h, w, merge))
+                taps.append(index)
+                weights.append(weight)
+                lengths.append(h * w)
+        real = sum(lengths)
+        tokens = real if num_tokens is None else num_tokens
+        slots = len(lengths) if num_segments is None else num_segments
+        if tokens < real or slots < len(lengths):
+            raise ValueError(f"layout of {tokens} tokens / {slots} segments cannot hold {real} tokens / "
+                             f"{len(lengths)} segments")
+        longest = max(lengths, default=0)
+        if max_seqlen is not None and max_seqlen < longest:
+            raise ValueError(f"max_seqlen {max_seqlen} is shorter than the longest segment ({longest})")
+        pos = np.zeros((tokens, 2), dtype=np.int32)
+        pos_index = np.zeros((tokens, 4), dtype=np.int32)
+        pos_weight = np.zeros((tokens, 4), dtype=np.float32)
+        if lengths:
+            pos[:real], pos_index[:real], pos_weight[:real] = (np.concatenate(a) for a in (positions, taps, weights))
+        ids = np.full(tokens, -1, dtype=np.int32)
+        ids[:real] = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+        cu = np.full(slots + 1, real, dtype=np.int32)
+        cu[0] = 0
+        cu[1:len(lengths) + 1] = np.cumsum(lengths)
+        exact = tokens == real and slots == len(lengths)
+        return DeepstackBatch(torch.from_numpy(pos), torch.from_numpy(ids), torch.from_numpy(cu),
+                              torch.from_numpy(pos_index), torch.from_numpy(pos_weight.view(np.int32)),
+                              max(max_seqlen or longest, 1), tuple(lengths) if exact else None)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = (positions.float()[..., None] * self.inv_freq.float()).flatten(1)  # [T, head_dim/2]
+        emb = torch.cat([angles, angles], dim=-1)[:, None, :]
+        return emb.cos(), emb.sin()
+
+    def forward(self, pixels: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
+        """``[T, input_width]`` -> ``[T / 4, out_hidden_size * output_parts]``."""
+        proj = self.patch_embed.proj
+        x = F.linear(pixels.to(proj.weight.dtype), proj.weight.view(proj.weight.shape[0], -1), proj.bias)
+        weights = batch.pos_weight_bits.view(torch.float32)
+        pos = (self.pos_embed.weight[batch.pos_index.long()] * weights[..., None]).sum(1)  # [T, E], fp32 taps
+        x = x + pos.to(x.dtype)
+        cos, sin = self.rotary(batch.positions)
+        deepstack = dict(zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list))
+        features = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, batch)
+            if i in deepstack:
+                features.append(deepstack[i](x))
+        return torch.cat([self.merger(x)] + features, dim=1)
+
+    def warm_up(self, pixels: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
+        return self(pixels, batch)
