@@ -419,3 +419,29 @@ def test_a_model_type_without_a_family_is_named(tmp_path, hf_model):
     with pytest.raises(ValueError, match="model_type 'llava' is not supported") as err:
         GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
     assert "config.json" in str(err.value)
+
+
+def test_the_checkpoints_preprocessor_config_is_followed_and_checked(tmp_path, hf_model):
+    from vitgraph.preprocess import ProcessorConfig
+
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
+    image = Image.new("RGB", (560, 420), "white")
+    plain = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert plain.processor == ProcessorConfig() and plain.encode_images([image])[0].shape == (300, 48)
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 3136, "longest_edge": 56 * 56 * 4}, "patch_size": 14, "merge_size": 2,
+         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+    enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert enc.processor.max_pixels == 12544 and enc.processor.image_mean == (0.5, 0.5, 0.5)
+    assert enc.encode_images([image])[0].shape == (12, 48)  # 112 x 84 pixels: 8 x 6 patches
+    for raw, field in (({"patch_size": 0}, "patch_size"), ({"image_std": [1, 0, 1]}, "image_std"),
+                       ({"size": {"longest_edge": -1}}, "max_pixels"), ([1, 2], "JSON object")):
+        (ckpt / "preprocessor_config.json").write_text(json.dumps(raw))
+        with pytest.raises(ValueError, match=field) as err:
+            GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+        assert "preprocessor_config.json" in str(err.value)
+    (ckpt / "preprocessor_config.json").unlink()
+    (ckpt / "preprocessor_config.json").symlink_to(tmp_path / "elsewhere.json")
+    (tmp_path / "elsewhere.json").write_text("{}")
+    with pytest.raises(ValueError, match="outside the checkpoint folder"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")

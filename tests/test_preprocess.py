@@ -99,3 +99,29 @@ def test_video_pairs_frames_and_pads_odd_counts():
         preprocess_video([_image(56, 84, 0), _image(56, 56, 1)])
     with pytest.raises(ValueError, match="at least one frame"):
         preprocess_video([])
+
+
+def test_qwen3_vl_processor_matches_transformers(hf_processor):
+    """Qwen3-VL's processor (patch 16: sides of multiples of 32, mean and std 0.5) is
+    transformers' Qwen2-VL processor with those settings; so is vitgraph's."""
+    from vitgraph.preprocess import QWEN3_VL_PROCESSOR as q3
+
+    rng = random.Random(3)
+    sizes = SIZES + [(rng.randint(8, 1500), rng.randint(8, 1500)) for _ in range(8)]
+    images = [_image(h, w, i) for i, (h, w) in enumerate(sizes)]
+    proc = hf_processor(min_pixels=q3.min_pixels, max_pixels=q3.max_pixels, patch_size=16, merge_size=2,
+                        temporal_patch_size=2, image_mean=list(q3.image_mean), image_std=list(q3.image_std))
+    ref = proc(images=[Image.fromarray(a) for a in images], return_tensors="pt")
+    pixels, grid = preprocess_images(images, processor=q3)
+    assert pixels.shape[1] == 1536 and torch.equal(grid, ref["image_grid_thw"].long())
+    assert (grid[:, 1:] % 2 == 0).all()
+    diff = (pixels - ref["pixel_values"].float()).abs().max().item()
+    assert diff <= 1e-5, f"max abs diff {diff:.3e}"
+
+
+def test_qwen3_vl_video_pairs_frames_into_16_pixel_patches():
+    from vitgraph.preprocess import QWEN3_VL_PROCESSOR as q3
+
+    frames = [_image(64, 96, i) for i in range(3)]
+    pixels, grid = preprocess_video(frames, processor=q3, min_pixels=32 * 32)  # no upscaling: 64 x 96 stays
+    assert grid.tolist() == [[2, 4, 6]] and pixels.shape == (2 * 4 * 6, 1536)

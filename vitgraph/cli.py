@@ -90,11 +90,10 @@ def cmd_encode(args) -> None:
     with tqdm(total=len(images), desc="encoding", unit="image", disable=len(images) <= chunk) as bar:
         for start in range(0, len(images), chunk):
             batch_keys = keys[start:start + chunk]
-            from .preprocess import MAX_PIXELS, MIN_PIXELS, preprocess_images
+            from .preprocess import preprocess_images
 
-            pixels, grid = preprocess_images(images[start:start + chunk],
-                                             min_pixels=MIN_PIXELS if args.min_pixels is None else args.min_pixels,
-                                             max_pixels=MAX_PIXELS if args.max_pixels is None else args.max_pixels)
+            pixels, grid = preprocess_images(images[start:start + chunk], min_pixels=args.min_pixels,
+                                             max_pixels=args.max_pixels, processor=enc.processor)
             merged = enc.encode(pixels, grid)
             rows = [int(t * h * w) // enc.tower.merge_unit for t, h, w in grid.tolist()]
             for key, embedding, thw in zip(batch_keys, merged.split(rows), grid.tolist()):

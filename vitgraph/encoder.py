@@ -14,11 +14,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .config import VisionConfig
-from .models import FAMILIES, PRESETS, family_for
+from .models import FAMILIES, PRESETS, family_for, family_of
 from .engine.graphs import GraphBank
 from .engine.planner import Bucket, Plan, Step, plan_call
 from .engine.routing import faster_next_buckets, single_frame_thresholds
-from .loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
+from .loading import build_tower, find_checkpoint, load_tower, read_config, read_processor, tower_from_state_dict
 from .models.qwen2_vl import Qwen2VisionTower
 from .options import EngineOptions, buckets_for, configure_tower, resolve_device, resolve_dtype, uses_graphs
 from .precompile import PrecompileReport, precompile, start_early
@@ -121,6 +121,9 @@ class GraphedVisionEncoder:
             raise
         self._early_workers = _early_workers
         self.config: VisionConfig = tower.config
+        # How encode_images turns images into rows: the checkpoint's preprocessor_config.json
+        # (from_pretrained), else the family's defaults.
+        self.processor = family_of(tower.config).processor
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
@@ -149,6 +152,7 @@ class GraphedVisionEncoder:
         files = find_checkpoint(source, revision=revision, cache_dir=cache_dir,
                                 local_files_only=local_files_only, token=token)
         config = read_config(files)
+        processor = read_processor(files, config)
         # Cold kernel caches: the workers need only the shapes, so they compile while the
         # weights load (seconds for a 2B tower's shards).
         graphs = uses_graphs(engine, device) and isinstance(config, VisionConfig)  # the precompiled kernels are Qwen2-VL's
@@ -159,7 +163,9 @@ class GraphedVisionEncoder:
             if early is not None:
                 early.stop()
             raise
-        return cls(tower, device=device, dtype=dtype, _early_workers=early, **options)
+        encoder = cls(tower, device=device, dtype=dtype, _early_workers=early, **options)
+        encoder.processor = processor
+        return encoder
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: VisionConfig | Mapping, *,
@@ -319,13 +325,14 @@ class GraphedVisionEncoder:
 
     def encode_images(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                       min_pixels: int | None = None, max_pixels: int | None = None) -> list[torch.Tensor]:
-        """Preprocess like Qwen2-VL's processor, encode in one call, return one tensor per item
-        (images first, then videos, each in the order given)."""
+        """Preprocess as the checkpoint's processor does (:attr:`processor`), encode in one call,
+        return one tensor per item (images first, then videos, each in the order given)."""
         from . import preprocess
 
-        sizes = {"min_pixels": preprocess.MIN_PIXELS if min_pixels is None else min_pixels,
-                 "max_pixels": preprocess.MAX_PIXELS if max_pixels is None else max_pixels}
-        preprocess.check_pixel_limits(**sizes)
+        sizes = {"min_pixels": self.processor.min_pixels if min_pixels is None else min_pixels,
+                 "max_pixels": self.processor.max_pixels if max_pixels is None else max_pixels,
+                 "processor": self.processor}
+        preprocess.check_pixel_limits(sizes["min_pixels"], sizes["max_pixels"])
         parts = []
         if images is not None:
             parts.append(preprocess.preprocess_images(images, **sizes))

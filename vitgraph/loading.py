@@ -20,12 +20,15 @@ from safetensors import SafetensorError, safe_open
 
 from .config import VisionConfig
 from .models import family_for, family_of
+from .models.config_parsing import read_json
+from .preprocess import ProcessorConfig
 
 logger = logging.getLogger(__name__)
 
 VISION_PREFIXES = ("model.visual.", "visual.")  # longest first
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+PROCESSOR_FILE = "preprocessor_config.json"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names; anything else is refused, not cast
 
@@ -34,6 +37,7 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names; anything els
 class CheckpointFiles:
     config: Path
     shards: dict[Path, list[str]]  # shard file -> the vision keys (full names) it holds
+    processor: Path | None = None  # preprocessor_config.json, where the checkpoint has one
 
 
 def _vision_name(key: str) -> str | None:
@@ -110,6 +114,8 @@ def find_local(directory: Path) -> CheckpointFiles:
     if not config.is_file():
         raise ValueError(f"checkpoint directory {directory} has no config.json")
     config = _inside_checkpoint(config, directory)
+    processor = directory / PROCESSOR_FILE
+    processor = _inside_checkpoint(processor, directory) if processor.is_file() else None
     index = directory / INDEX_FILE
     if index.is_file():
         index = _inside_checkpoint(index, directory)
@@ -119,18 +125,18 @@ def find_local(directory: Path) -> CheckpointFiles:
             if not shard.is_file():
                 raise ValueError(f"{index} names shard {name}, which is missing from {directory}")
             shards[_inside_checkpoint(shard, directory)] = keys
-        return CheckpointFiles(config, shards)
+        return CheckpointFiles(config, shards, processor)
     single = directory / SINGLE_FILE
     if single.is_file():
         single = _inside_checkpoint(single, directory)
-        return CheckpointFiles(config, {single: _keys_in_file(single)})
+        return CheckpointFiles(config, {single: _keys_in_file(single)}, processor)
     raise ValueError(f"checkpoint directory {directory} has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
 def find_on_hub(repo_id: str, *, revision: str | None, cache_dir: str | Path | None,
                 local_files_only: bool, token: str | bool | None) -> CheckpointFiles:
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     local_files_only = local_files_only or _offline()
 
@@ -140,13 +146,17 @@ def find_on_hub(repo_id: str, *, revision: str | None, cache_dir: str | Path | N
 
     config = fetch("config.json")
     try:
+        processor = fetch(PROCESSOR_FILE)
+    except (EntryNotFoundError, LocalEntryNotFoundError):  # optional: the family's defaults then
+        processor = None
+    try:
         index = fetch(INDEX_FILE)
     except EntryNotFoundError:
         single = fetch(SINGLE_FILE)
-        return CheckpointFiles(config, {single: _keys_in_file(single)})
+        return CheckpointFiles(config, {single: _keys_in_file(single)}, processor)
     shards = {fetch(name): keys for name, keys in _shards_from_index(index).items()}
     logger.info("%s: downloaded %d vision shard(s) of the checkpoint", repo_id, len(shards))
-    return CheckpointFiles(config, shards)
+    return CheckpointFiles(config, shards, processor)
 
 
 def find_checkpoint(source: str | os.PathLike, *, revision: str | None = None, cache_dir=None,
@@ -175,6 +185,18 @@ def read_config(files: CheckpointFiles):
     except ValueError as err:
         raise ValueError(f"{files.config}: {err}") from None
     return family.config.from_json_file(files.config)
+
+
+def read_processor(files: CheckpointFiles, config) -> ProcessorConfig:
+    """The checkpoint's preprocessing: its ``preprocessor_config.json`` over the family's defaults."""
+    family = family_of(config)
+    if files.processor is None:
+        return family.processor
+    raw = read_json(files.processor)
+    try:
+        return ProcessorConfig.from_dict(raw, base=family.processor)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{files.processor}: {err}") from None
 
 
 def _check_names_and_shapes(config: VisionConfig, shapes: Mapping[str, tuple[int, ...]]) -> None:

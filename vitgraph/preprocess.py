@@ -1,25 +1,86 @@
-"""Images and videos to patch rows, as Qwen2-VL's own (PIL-backend) processor makes them.
+"""Images and videos to patch rows, as the Qwen VL processors (PIL backend) make them.
 
-``smart_resize`` -> bicubic resize (PIL) -> rescale 1/255 -> normalise (CLIP mean/std) -> patchify.
+``smart_resize`` -> bicubic resize (PIL) -> rescale 1/255 -> normalise -> patchify, with the
+sizes and statistics of a :class:`ProcessorConfig`: a checkpoint's ``preprocessor_config.json``
+where it has one, else its family's defaults (Qwen2-VL and Qwen2.5-VL share one processor;
+Qwen3-VL's patches are 16 pixels, so its sides are multiples of 32).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
-IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
+IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's
 IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 12845056  # the Hub preprocessor_config.json value for Qwen2-VL
+PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE_SIZE = 14, 2, 2
 # The most pixels min_pixels and max_pixels may ask for (16384 x 16384): above it a resize
 # alone takes gigabytes.
 PIXELS_CEILING = 1 << 28
-PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE_SIZE = 14, 2, 2
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    """How images become patch rows: the fields of a ``preprocessor_config.json``."""
+
+    patch_size: int = PATCH_SIZE
+    temporal_patch_size: int = TEMPORAL_PATCH_SIZE
+    merge_size: int = MERGE_SIZE
+    min_pixels: int = MIN_PIXELS
+    max_pixels: int = MAX_PIXELS
+    image_mean: tuple[float, float, float] = IMAGE_MEAN
+    image_std: tuple[float, float, float] = IMAGE_STD
+
+    def __post_init__(self) -> None:
+        for name, ceiling in (("patch_size", 64), ("temporal_patch_size", 16), ("merge_size", 8)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= ceiling:
+                raise ValueError(f"{name} must be an int in [1, {ceiling}], got {value!r}")
+        check_pixel_limits(self.min_pixels, self.max_pixels)
+        for name in ("image_mean", "image_std"):
+            value = getattr(self, name)
+            if (not isinstance(value, tuple) or len(value) != 3
+                    or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in value)
+                    or (name == "image_std" and any(v <= 0 for v in value))):
+                raise ValueError(f"{name} must be three finite numbers{' > 0' if name == 'image_std' else ''}, "
+                                 f"got {value!r}")
+
+    @property
+    def factor(self) -> int:
+        """Image sides are resized to multiples of this."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def row_width(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size ** 2
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], base: "ProcessorConfig | None" = None) -> "ProcessorConfig":
+        """A ``preprocessor_config.json`` object over ``base`` (a family's defaults); its
+        ``size.shortest_edge`` / ``size.longest_edge`` are pixel counts, as transformers reads them."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"a preprocessor config must be a JSON object, got {type(raw).__name__}")
+        values: dict[str, Any] = {}
+        size = raw.get("size")
+        if isinstance(size, dict):
+            if "shortest_edge" in size:
+                values["min_pixels"] = size["shortest_edge"]
+            if "longest_edge" in size:
+                values["max_pixels"] = size["longest_edge"]
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
+            if name in raw and raw[name] is not None:
+                values[name] = raw[name]
+        for name in ("image_mean", "image_std"):
+            if name in raw:
+                values[name] = tuple(raw[name]) if isinstance(raw[name], list) else raw[name]
+        return replace(base or cls(), **values)
 
 
 def check_pixel_limits(min_pixels, max_pixels) -> None:
@@ -31,6 +92,14 @@ def check_pixel_limits(min_pixels, max_pixels) -> None:
             raise ValueError(f"{name} must be in [1, {PIXELS_CEILING}] (2**28), got {value}")
     if min_pixels > max_pixels:
         raise ValueError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
+
+
+QWEN2_VL_PROCESSOR = ProcessorConfig()
+# Qwen3-VL's processor as its released checkpoints configure it: 16-pixel patches (a resize
+# factor of 32), mean and std 0.5, 64k to 16M pixels. A checkpoint's own
+# preprocessor_config.json takes precedence.
+QWEN3_VL_PROCESSOR = ProcessorConfig(patch_size=16, min_pixels=65536, max_pixels=16777216,
+                                     image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
 
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = MIN_PIXELS,
@@ -83,23 +152,23 @@ def to_pil(image, name: str = "image") -> Image.Image:
                     f"got {type(image).__name__}")
 
 
-def _normalized(image: Image.Image, size: tuple[int, int]) -> np.ndarray:
+def _normalized(image: Image.Image, size: tuple[int, int], proc: ProcessorConfig) -> np.ndarray:
     """Resize to ``size`` (h, w), bicubic, then rescale and normalise: ``[3, h, w]`` float32."""
     h, w = size
     if (image.height, image.width) != (h, w):
         image = image.resize((w, h), resample=Image.BICUBIC)
     arr = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) * np.float32(1 / 255)
-    mean = np.asarray(IMAGE_MEAN, dtype=np.float32)[:, None, None]
-    std = np.asarray(IMAGE_STD, dtype=np.float32)[:, None, None]
+    mean = np.asarray(proc.image_mean, dtype=np.float32)[:, None, None]
+    std = np.asarray(proc.image_std, dtype=np.float32)[:, None, None]
     return (arr - mean) / std
 
 
-def _patchify(frames: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """``[F, C, H, W]`` (F a multiple of 2) -> rows ``[gt*gh*gw, C*2*14*14]`` ordered
-    (t, block_row, block_col, in_row, in_col), each row flattened as (C, T, 14, 14)."""
+def _patchify(frames: np.ndarray, proc: ProcessorConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """``[F, C, H, W]`` (F a multiple of the temporal patch) -> rows ``[gt*gh*gw, C*T*P*P]``
+    ordered (t, block_row, block_col, in_row, in_col), each row flattened as (C, T, P, P)."""
     f, c, h, w = frames.shape
-    gt, gh, gw = f // TEMPORAL_PATCH_SIZE, h // PATCH_SIZE, w // PATCH_SIZE
-    p, m, tp = PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE
+    p, m, tp = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+    gt, gh, gw = f // tp, h // p, w // p
     x = frames.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p)
     x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # gt, bh, bw, mh, mw, C, T, ph, pw
     return np.ascontiguousarray(x).reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw)
@@ -114,38 +183,46 @@ def check_list(items, name: str, what: str) -> None:
         raise TypeError(f"{name} must be a list of {what}, got a {kind}; wrap a single one in a list")
 
 
-def preprocess_images(images: Sequence, *, min_pixels: int = MIN_PIXELS,
-                      max_pixels: int = MAX_PIXELS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images (a list) -> ``(pixels [N, 1176] float32, grid_thw [k, 3] int64)``, one grid row per image."""
+def _limits(proc: ProcessorConfig, min_pixels, max_pixels) -> tuple[int, int]:
+    limits = (proc.min_pixels if min_pixels is None else min_pixels, proc.max_pixels if max_pixels is None else max_pixels)
+    check_pixel_limits(*limits)
+    return limits
+
+
+def preprocess_images(images: Sequence, *, min_pixels: int | None = None, max_pixels: int | None = None,
+                      processor: ProcessorConfig = QWEN2_VL_PROCESSOR) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images (a list) -> ``(pixels [N, C*T*P*P] float32, grid_thw [k, 3] int64)``, one grid row
+    per image. ``min_pixels`` / ``max_pixels``: the processor's unless given."""
     check_list(images, "images", "images (PIL images, HxWx3 uint8 arrays or 3xHxW uint8 tensors)")
-    check_pixel_limits(min_pixels, max_pixels)
+    low, high = _limits(processor, min_pixels, max_pixels)
     rows, grids = [], []
     for i, image in enumerate(images):
         pil = to_pil(image, f"images[{i}]")
-        size = smart_resize(pil.height, pil.width, PATCH_SIZE * MERGE_SIZE, min_pixels, max_pixels)
-        frame = _normalized(pil, size)
-        patches, grid = _patchify(np.stack([frame] * TEMPORAL_PATCH_SIZE))
+        size = smart_resize(pil.height, pil.width, processor.factor, low, high)
+        frame = _normalized(pil, size, processor)
+        patches, grid = _patchify(np.stack([frame] * processor.temporal_patch_size), processor)
         rows.append(patches)
         grids.append(grid)
     if not grids:
-        return torch.empty(0, 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE ** 2), torch.empty(0, 3, dtype=torch.long)
+        return torch.empty(0, processor.row_width), torch.empty(0, 3, dtype=torch.long)
     return torch.from_numpy(np.concatenate(rows)), torch.tensor(grids, dtype=torch.long)
 
 
-def preprocess_video(frames: Sequence, *, min_pixels: int = MIN_PIXELS,
-                     max_pixels: int = MAX_PIXELS, name: str = "video") -> tuple[torch.Tensor, torch.Tensor]:
+def preprocess_video(frames: Sequence, *, min_pixels: int | None = None, max_pixels: int | None = None,
+                     name: str = "video", processor: ProcessorConfig = QWEN2_VL_PROCESSOR
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """A clip (a list of frames) -> ``(pixels, grid_thw [1, 3])``. Every frame is resized to the
-    first frame's ``smart_resize`` size; an odd count is padded by repeating the last frame;
-    ``t = frames / 2``. ``name`` names the clip in errors."""
+    first frame's ``smart_resize`` size; the count is padded to a multiple of the temporal patch
+    by repeating the last frame; ``t = frames / temporal_patch_size``. ``name`` names the clip in errors."""
     check_list(frames, name, "frames")
-    check_pixel_limits(min_pixels, max_pixels)
+    low, high = _limits(processor, min_pixels, max_pixels)
     pils = [to_pil(f, f"{name}[{i}]") for i, f in enumerate(frames)]
     if not pils:
         raise ValueError(f"{name} must have at least one frame")
     if any((p.height, p.width) != (pils[0].height, pils[0].width) for p in pils):
         raise ValueError(f"all frames of {name} must have the same size")
-    size = smart_resize(pils[0].height, pils[0].width, PATCH_SIZE * MERGE_SIZE, min_pixels, max_pixels)
-    arrays = [_normalized(p, size) for p in pils]
-    arrays += [arrays[-1]] * (-len(arrays) % TEMPORAL_PATCH_SIZE)
-    patches, grid = _patchify(np.stack(arrays))
+    size = smart_resize(pils[0].height, pils[0].width, processor.factor, low, high)
+    arrays = [_normalized(p, size, processor) for p in pils]
+    arrays += [arrays[-1]] * (-len(arrays) % processor.temporal_patch_size)
+    patches, grid = _patchify(np.stack(arrays), processor)
     return torch.from_numpy(patches), torch.tensor([grid], dtype=torch.long)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..config import QWEN2_VL_2B, TINY, VisionConfig
+from ..preprocess import QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR, ProcessorConfig
 from . import qwen2_5_vl, qwen3_vl
 from .qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTower
 from .qwen3_vl import Qwen3VisionConfig, Qwen3VisionTower
@@ -22,13 +23,14 @@ class Family:
     config: type  # parses the vision_config block
     tower: type  # the nn.Module, built on the meta device and loaded with assign=True
     expected_shapes: Callable[[VisionConfig], dict[str, tuple[int, ...]]]  # checkpoint names and shapes
+    processor: ProcessorConfig = QWEN2_VL_PROCESSOR  # image preprocessing where a checkpoint has no config of its own
 
 
 FAMILIES = (Family("qwen2_vl", ("qwen2_vl",), VisionConfig, Qwen2VisionTower, expected_shapes),
             Family("qwen2_5_vl", ("qwen2_5_vl",), Qwen25VisionConfig, Qwen25VisionTower,
                    qwen2_5_vl.expected_shapes),
             Family("qwen3_vl", ("qwen3_vl", "qwen3_vl_moe"), Qwen3VisionConfig, Qwen3VisionTower,
-                   qwen3_vl.expected_shapes))
+                   qwen3_vl.expected_shapes, QWEN3_VL_PROCESSOR))
 
 
 def _qwen25(out_hidden_size: int) -> Qwen25VisionConfig:
