@@ -1,4 +1,4 @@
-"""The ``vitgraph`` command: demo, encode, bench, bench-serving, info."""
+"""The ``vitgraph`` command: demo, encode, info, serve, bench, bench-serving."""
 
 from __future__ import annotations
 
@@ -123,8 +123,39 @@ def cmd_info(args) -> None:
               f"{', '.join(str(b.tokens) for b in enc.requested_buckets)})")
 
 
+def cmd_serve(args) -> None:
+    """Start a local Ray instance and the Ray Serve app (POST /encode); Ctrl-C shuts both down."""
+    import time
+
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ValueError("vitgraph serve needs Ray Serve: pip install 'vitgraph[serve]'") from None
+    from .serve import build_app
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    app = build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype, num_replicas=args.replicas)
+    ray.init()
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name="vitgraph", route_prefix="/")
+        print(f"vitgraph serving {args.model or 'random weights'} on http://{args.host}:{args.port}/encode "
+              f"({args.replicas} replica(s)); Ctrl-C stops", file=sys.stderr)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vitgraph", description="The Qwen2-VL vision encoder from CUDA graphs.")
+    parser = argparse.ArgumentParser(prog="vitgraph", description="The Qwen VL vision encoders from CUDA graphs.")
     parser.add_argument("--version", action="version", version=f"vitgraph {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="device, torch, attention backends, buckets, pool bytes")
     common.add_model_args(p)
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("serve", help="a Ray Serve deployment on a local Ray instance (needs vitgraph[serve])")
+    common.add_model_args(p)
+    p.add_argument("--replicas", type=int, default=1, help="replicas (each takes a GPU where there is one)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=cmd_serve)
 
     sub.add_parser("bench", help="latency suite (see vitgraph bench --help)", add_help=False)
     sub.add_parser("bench-serving", help="serving simulation (see vitgraph bench-serving --help)", add_help=False)
