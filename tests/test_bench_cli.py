@@ -247,3 +247,30 @@ def test_ab_setting_control_encoder_reports_an_a_a():
     assert table[2].split()[0] == "1x256" and len(table[2].split()) == 7
     summary = out.split("both orders (delta ms = changed - default):")[1].splitlines()
     assert summary[1].split()[-2:] == ["largest", "|A/A|"] and float(summary[2].split()[-1]) >= 0
+
+
+def test_closed_loop_reports_throughput_at_saturation(capsys):
+    from vitgraph.bench import serving
+
+    result = serving.main(["--preset", "tiny", "--device", "cpu", "--closed-loop", "1", "3", "--requests", "6",
+                           "--systems", "vitgraph_eager"])
+    rows = result["closed_loop"]
+    assert [(r["clients"], r["system"]) for r in rows] == [(1, "vitgraph_eager"), (3, "vitgraph_eager")]
+    # One client: one request per call; three: calls take what the clients have waiting.
+    assert rows[0]["mean_batch_requests"] == 1 and rows[1]["mean_batch_requests"] > 1
+    for r in rows:
+        assert r["throughput_rps"] > 0 and r["tokens_per_s"] > r["throughput_rps"] and r["p99_ms"] >= r["p50_ms"]
+
+
+def test_closed_loop_clients_send_their_next_request_when_the_last_returns():
+    from vitgraph.bench.saturation import closed_loop
+
+    seen = []
+    grids = [(1, 2, 2)] * 5  # 4 tokens each
+
+    def run(pixels, batch_grids):
+        seen.append(len(batch_grids))
+        time.sleep(0.01)
+
+    stats = closed_loop(run, lambda g: torch.zeros(4, 1), grids, clients=2, max_tokens=100, device=torch.device("cpu"))
+    assert seen == [2, 2, 1] and stats["mean_batch_requests"] == pytest.approx(5 / 3)

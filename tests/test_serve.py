@@ -161,3 +161,17 @@ def test_the_cli_serves_until_interrupted(tmp_path):
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err
+
+
+def test_the_saturation_benchmark_drives_the_app_over_http(tmp_path):
+    """``vitgraph bench-serving --closed-loop --target serve`` (in its own process: its own Ray)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "saturation.json"
+    proc = subprocess.run([sys.executable, "-m", "vitgraph", "bench-serving", "--preset", "tiny", "--device", "cpu",
+                           "--closed-loop", "2", "--requests", "4", "--systems", "vitgraph_eager", "--target", "serve",
+                           "--port", str(free_port()), "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    systems = {r["system"]: r for r in json.loads(out.read_text())["closed_loop"]}
+    assert set(systems) == {"vitgraph_eager", "ray_serve"} and systems["ray_serve"]["throughput_rps"] > 0

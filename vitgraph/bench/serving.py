@@ -1,7 +1,9 @@
-"""Serving simulation: open-loop Poisson arrivals of realistic image/video requests.
+"""Serving simulation: open-loop Poisson arrivals of realistic image/video requests, or a
+closed loop at saturation.
 
     vitgraph bench-serving                 # qwen2-vl-2b random weights on GPU, tiny on CPU
     python benchmarks/serving.py --loads 10 25 50 --requests 300
+    vitgraph bench-serving --closed-loop 8 32 --target serve   # throughput at saturation, also via Ray Serve
 
 Requests arrive on a virtual clock (seeded Poisson process). An encoder loop takes
 every queued request, up to the largest bucket's token budget, into one ``encode``
@@ -121,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-budgets", type=common.positive_int, metavar="N",
                    help="give the graph system at most N budgets fitted (vitgraph.engine.fit_budgets) to "
                         "another sample of the mix, one request per step, instead of the default ladder")
+    p.add_argument("--closed-loop", type=common.positive_int, nargs="+", metavar="C",
+                   help="instead of the open-loop loads: C concurrent clients with no think time each, "
+                        "reporting throughput at saturation (images/s, patch tokens/s) and p50/p99")
+    p.add_argument("--target", choices=("process", "serve"), default="process",
+                   help="with --closed-loop: the in-process systems, or also the Ray Serve app over HTTP "
+                        "(needs vitgraph[serve]; started on this machine)")
+    p.add_argument("--port", type=common.positive_int, default=8765, help="the Ray Serve app's port (--target serve)")
     p.add_argument("--json", help="write the full result here")
     return p
 
@@ -172,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
     for g in {g for grids in streams.values() for g in grids}:  # warm every shape and kernel first
         for run in runners.values():
             run(pixels_for(g), [g])
+    if args.closed_loop:
+        return _saturation(args, result, runners, systems, streams, pixels_for, max_budget, device)
     for seed, grids in streams.items():
         for load in loads:
             rng = np.random.default_rng(seed + int(load * 1000))
@@ -197,6 +208,36 @@ def main(argv: list[str] | None = None) -> dict:
         common.print_table(["load/s", "system", "p50 ms", "p90 ms", "p99 ms", "busy"],
                            [[m["load_rps"], m["system"], m["p50_ms"], m["p90_ms"], m["p99_ms"], m["utilisation"]]
                             for m in result["medians"]])
+    common.write_json(result, args.json)
+    print(json.dumps(result, separators=(",", ":")))
+    return result
+
+
+def _saturation(args, result, runners, systems, streams, pixels_for, max_budget, device) -> dict:
+    """The closed-loop runs (``--closed-loop``): every system at every client count."""
+    from . import saturation
+
+    result["closed_loop"] = []
+    targets = [(name, runners[name]) for name in systems if name in runners]
+    url, stop = saturation.start_serve_app(args, args.port, max_budget) if args.target == "serve" else (None, None)
+    try:
+        for seed, grids in streams.items():
+            for clients in args.closed_loop:
+                rows = [(name, saturation.closed_loop(run, pixels_for, grids, clients, max_budget, device))
+                        for name, run in targets]
+                if url is not None:
+                    saturation.http_closed_loop(url, pixels_for, grids[:clients], clients)  # warm-up
+                    rows.append(("ray_serve", saturation.http_closed_loop(url, pixels_for, grids, clients)))
+                for name, stats in rows:
+                    result["closed_loop"].append({"system": name, "clients": clients, "seed": seed, **stats})
+    finally:
+        if stop is not None:
+            stop()
+    print(f"\nsaturation: {result['preset']} {result['dtype']} on {result['machine']}, {result['date']}; "
+          f"{result['requests_per_load']} requests, mean {result['mean_tokens_per_request']:.0f} patch tokens")
+    common.print_table(["seed", "clients", "system", "req/s", "patch tokens/s", "p50 ms", "p99 ms", "req/call"],
+                       [[r["seed"], r["clients"], r["system"], r["throughput_rps"], r["tokens_per_s"], r["p50_ms"],
+                         r["p99_ms"], r["mean_batch_requests"]] for r in result["closed_loop"]])
     common.write_json(result, args.json)
     print(json.dumps(result, separators=(",", ":")))
     return result

@@ -1,0 +1,109 @@
+"""Throughput at saturation: a closed loop of C clients with no think time.
+
+In process, on a virtual clock whose service times are measured for real (as the open-loop
+simulation): each call takes every waiting request up to the token budget, and each client
+sends its next request the moment its last one returns. Against the Ray Serve app, real
+clients post over HTTP and the wall clock is the measure.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import urllib.request
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from safetensors.torch import save as save_safetensors
+
+from . import common
+
+
+def _summary(latencies_ms: list[float], requests: int, tokens: int, seconds: float, batches: list[int]) -> dict:
+    return {"throughput_rps": requests / seconds, "tokens_per_s": tokens / seconds,
+            "p50_ms": float(np.percentile(latencies_ms, 50)), "p99_ms": float(np.percentile(latencies_ms, 99)),
+            "mean_batch_requests": statistics.fmean(batches) if batches else None}
+
+
+def closed_loop(run, pixels_for, grids, clients: int, max_tokens: int, device: torch.device) -> dict:
+    """``clients`` closed-loop clients over the requests ``grids``, in process (virtual clock)."""
+    n = len(grids)
+    size = [t * h * w for t, h, w in grids]
+    issued = min(clients, n)
+    arrivals = [0.0] * issued
+    waiting = deque(range(issued))
+    done = [0.0] * n
+    clock, batches = 0.0, []
+    while waiting:
+        batch, tokens = [waiting.popleft()], 0
+        tokens = size[batch[0]]
+        while waiting and tokens + size[waiting[0]] <= max_tokens:
+            batch.append(waiting.popleft())
+            tokens += size[batch[-1]]
+        pixels = torch.cat([pixels_for(grids[i]) for i in batch])
+        common.sync(device)
+        start = time.perf_counter()
+        run(pixels, [grids[i] for i in batch])
+        common.sync(device)
+        clock += time.perf_counter() - start
+        batches.append(len(batch))
+        for i in batch:
+            done[i] = clock
+            if issued < n:  # this client's next request
+                arrivals.append(clock)
+                waiting.append(issued)
+                issued += 1
+    return _summary([(done[i] - arrivals[i]) * 1e3 for i in range(n)], n, sum(size), clock, batches)
+
+
+def http_closed_loop(url: str, pixels_for, grids, clients: int) -> dict:
+    """``clients`` threads posting the requests ``grids`` to the Ray Serve app (wall clock)."""
+    payloads = [save_safetensors({"pixels": pixels_for(g).float().cpu().contiguous(), "grid_thw": torch.tensor([g])})
+                for g in grids]
+    lock, next_index, latencies = threading.Lock(), [0], []
+
+    def client():
+        while True:
+            with lock:
+                i = next_index[0]
+                next_index[0] += 1
+            if i >= len(payloads):
+                return
+            request = urllib.request.Request(url, data=payloads[i], method="POST",
+                                             headers={"Content-Type": "application/octet-stream"})
+            start = time.perf_counter()
+            with urllib.request.urlopen(request, timeout=600) as response:
+                response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"request {i}: HTTP {response.status}")
+            with lock:
+                latencies.append((time.perf_counter() - start) * 1e3)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        for future in [pool.submit(client) for _ in range(clients)]:
+            future.result()
+    seconds = time.perf_counter() - start
+    return _summary(latencies, len(grids), sum(t * h * w for t, h, w in grids), seconds, [])
+
+
+def start_serve_app(args, port: int, max_budget: int):
+    """Ray and the vitgraph app on this machine, for ``--target serve``; returns (url, stop)."""
+    import ray
+    from ray import serve
+
+    from ..serve import build_app
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype, max_budget=max_budget),
+              name="vitgraph-bench", route_prefix="/")
+
+    def stop():
+        serve.shutdown()
+        ray.shutdown()
+
+    return f"http://127.0.0.1:{port}/encode", stop
