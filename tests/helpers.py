@@ -20,10 +20,14 @@ def hf_tower(seed: int = 0, **overrides):
     cfg = Qwen2VLVisionConfig(**{**TINY_VISION, **overrides})
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = Qwen2VisionTransformerPretrainedModel(cfg).float().eval()
+    return randomize_(Qwen2VisionTransformerPretrainedModel(cfg).float().eval())
+
+
+def randomize_(model):
+    """Random, non-trivial weights in place (norm scales near 1, small biases), from torch's RNG."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("weight") and p.ndim == 1:  # LayerNorm scales
+            if name.endswith("weight") and p.ndim == 1:  # norm scales
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))

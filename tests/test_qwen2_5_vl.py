@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import diff_report, random_pixels, rel_err
+from helpers import diff_report, randomize_, random_pixels, rel_err
 from safetensors.torch import save_file
 
 from vitgraph import GraphedVisionEncoder
@@ -30,16 +30,7 @@ def hf_tower(seed=0, **overrides):
     cfg = Qwen2_5_VLVisionConfig(**{**TINY, **overrides})
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = Qwen2_5_VisionTransformerPretrainedModel(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("weight") and p.ndim == 1:  # RMSNorm scales
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / p[0].numel() ** 0.5)
-    return model
+    return randomize_(Qwen2_5_VisionTransformerPretrainedModel(cfg).float().eval())
 
 
 def write_checkpoint(directory, model, prefix="visual.", **overrides):

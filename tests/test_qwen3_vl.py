@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import diff_report, rel_err
+from helpers import diff_report, randomize_, rel_err
 from safetensors.torch import save_file
 
 from vitgraph import GraphedVisionEncoder
@@ -35,16 +35,7 @@ def hf_tower(seed=0):
     cfg = Qwen3VLVisionConfig(**TINY)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = Qwen3VLVisionModel(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("weight") and p.ndim == 1:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / p[0].numel() ** 0.5)
-    return model
+    return randomize_(Qwen3VLVisionModel(cfg).float().eval())
 
 
 def hf_out(model, pixels, grids):

@@ -151,9 +151,11 @@ def test_the_cli_serves_until_interrupted(tmp_path):
         while time.time() < deadline and proc.poll() is None:
             try:
                 status, answer = post(f"http://127.0.0.1:{port}/encode", body, "application/octet-stream")
-                break
+                if status != 404:  # 404: the proxy is up, the app not deployed yet
+                    break
             except (urllib.error.URLError, ConnectionError):
-                time.sleep(1)
+                pass
+            time.sleep(1)
         assert status == 200, (status, proc.poll())
         assert load_safetensors(answer)["embeddings"].shape == (4, 48)
     finally:
@@ -175,3 +177,29 @@ def test_the_saturation_benchmark_drives_the_app_over_http(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     systems = {r["system"]: r for r in json.loads(out.read_text())["closed_loop"]}
     assert set(systems) == {"vitgraph_eager", "ray_serve"} and systems["ray_serve"]["throughput_rps"] > 0
+
+
+def test_two_replicas_share_the_requests(app, direct):
+    """N replicas (here two, on the CPU): requests are routed to both, each answer is right."""
+    from vitgraph.serve import build_app
+
+    url, _ = app
+    serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, num_replicas=2, batch_wait_timeout_s=0.05,
+                        max_budget=BUDGET), name="two", route_prefix="/two")
+    two = url.replace("/encode", "/two/encode")
+    payloads = [rows_payload([(1, 8, 8)], seed=200 + i) for i in range(24)]
+    replicas = set()
+
+    def send(p):
+        request = urllib.request.Request(two, data=p[1], headers={"Content-Type": "application/octet-stream"},
+                                         method="POST")
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.headers["X-Vitgraph-Replica"], response.read()
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(send, payloads))
+    for (pixels, _), (replica, body) in zip(payloads, answers):
+        replicas.add(replica)
+        assert rel_err(load_safetensors(body)["embeddings"], direct.encode(pixels, [(1, 8, 8)])) <= 1e-5
+    assert len(replicas) == 2, replicas
+    serve.delete("two")

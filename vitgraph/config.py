@@ -18,8 +18,26 @@ _CEILINGS = {"depth": 1024, "embed_dim": 65536, "num_heads": 1024, "hidden_size"
 MAX_MLP_DIM = 1 << 18
 
 
+class TowerShape:
+    """What every family's config derives from its fields (``embed_dim``: the tower's width)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def patch_width(self) -> int:
+        """Values per input row: C * T * P * P (1176 for patch 14, 1536 for patch 16)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patch tokens per merged output row (4)."""
+        return self.spatial_merge_size ** 2
+
+
 @dataclass(frozen=True)
-class VisionConfig:
+class VisionConfig(TowerShape):
     """Shape of a Qwen2-VL vision tower (the ``vision_config`` block)."""
 
     depth: int = 32
@@ -58,22 +76,8 @@ class VisionConfig:
                 f"vision_config.hidden_act must be one of {_SUPPORTED_ACTIVATIONS}, got {self.hidden_act!r}")
 
     @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
-
-    @property
     def mlp_dim(self) -> int:
         return int(self.embed_dim * self.mlp_ratio)
-
-    @property
-    def patch_width(self) -> int:
-        """Values per input row: C * T * P * P (1176 for Qwen2-VL)."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        """Patch tokens per merged output row (4 for Qwen2-VL)."""
-        return self.spatial_merge_size ** 2
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "VisionConfig":

@@ -72,6 +72,10 @@ class VisionEncoderDeployment:
         self._batched.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self._lock = threading.Lock()
         self._batches: deque = deque(maxlen=10_000)  # (requests, tokens) per batch
+        try:  # which replica answered (a response header), and on which device
+            self.replica = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside a Serve replica (constructed directly)
+            self.replica = "local"
         self._alone = 0
 
     # -- validation (before batching) ------------------------------------------------
@@ -123,8 +127,8 @@ class VisionEncoderDeployment:
         with self._lock:
             batches = list(self._batches)
             alone = self._alone
-        return {"max_batch_tokens": self.max_batch_tokens, "batches": batches, "encoded_alone": alone,
-                "encoder": self.encoder.stats()}
+        return {"replica": self.replica, "device": str(self.encoder.device), "max_batch_tokens": self.max_batch_tokens,
+                "batches": batches, "encoded_alone": alone, "encoder": self.encoder.stats()}
 
     # -- HTTP -------------------------------------------------------------------------
 
@@ -140,10 +144,12 @@ class VisionEncoderDeployment:
             return Response(str(err), status_code=400)
         embeddings = await self._encode(request)
         grid = torch.tensor(request.grids, dtype=torch.int64)
+        headers = {"X-Vitgraph-Replica": self.replica}
         if http_request.query_params.get("format") == "json":
-            return JSONResponse({"embeddings": embeddings.float().tolist(), "grid_thw": grid.tolist()})
+            return JSONResponse({"embeddings": embeddings.float().tolist(), "grid_thw": grid.tolist()},
+                                headers=headers)
         return Response(save_safetensors({"embeddings": embeddings.contiguous(), "grid_thw": grid}),
-                        media_type="application/octet-stream")
+                        media_type="application/octet-stream", headers=headers)
 
     async def _parse(self, http_request):
         kind = http_request.headers.get("content-type", "").split(";")[0].strip()
@@ -198,7 +204,10 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
               autoscaling_config: dict | None = None, batch_wait_timeout_s: float = DEFAULT_WAIT_S,
               num_cpus: float | None = None, **engine_options):
     """The Ray Serve application: ``num_replicas`` replicas (or ``autoscaling_config``), each
-    holding one encoder on ``num_gpus`` GPUs (default: 1 where CUDA is present, else 0)."""
+    holding one encoder on ``num_gpus`` GPUs (default: 1 where CUDA is present, else 0). With
+    ``num_gpus=1`` Ray places one replica per GPU and gives each only its own device
+    (``CUDA_VISIBLE_DEVICES``): the encoder runs on it, and nothing crosses GPUs. Fractions
+    (``0.5``) put several replicas on one GPU, each with its own encoder and graphs."""
     if num_gpus is None:
         num_gpus = 1 if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else 0
     actor = {"num_gpus": num_gpus}

@@ -62,3 +62,45 @@ def check_block_indexes(name: str, blocks, depth: int) -> None:
     if (not isinstance(blocks, tuple) or any(isinstance(i, bool) or not isinstance(i, int) for i in blocks)
             or any(not 0 <= i < depth for i in blocks) or len(set(blocks)) != len(blocks)):
         raise ValueError(f"vision_config.{name} must be distinct block indexes in [0, {depth}), got {blocks!r}")
+
+
+class FamilyConfig:
+    """What the families' frozen config dataclasses share: ``hidden_size`` as the tower's width,
+    the common checks, and reading from ``config.json``. Subclasses set ``CEILINGS``,
+    ``REQUIRED`` and ``TUPLES`` and add their own checks in ``check``."""
+
+    CEILINGS: dict[str, int] = {}
+    REQUIRED: tuple[str, ...] = ()
+    TUPLES: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from ..ops.activations import ACTIVATIONS
+
+        check_ints(self, self.CEILINGS)
+        check_positive_number("rope_theta", self.rope_theta)
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ValueError(f"vision_config.hidden_size ({self.hidden_size}) must split into num_heads "
+                             f"({self.num_heads}) heads whose width is divisible by 4")
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"vision_config.hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
+        self.check()
+
+    def check(self) -> None:
+        """A family's own checks."""
+
+    @property
+    def embed_dim(self) -> int:
+        return self.hidden_size
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]):
+        from dataclasses import fields
+
+        return cls(**vision_values(raw, {f.name for f in fields(cls)}, cls.REQUIRED, cls.TUPLES))
+
+    @classmethod
+    def from_json_file(cls, path: str | Path):
+        try:
+            return cls.from_dict(read_json(path))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: {err}") from None

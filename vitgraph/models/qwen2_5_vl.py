@@ -15,21 +15,22 @@ path is not validated yet: the encoder runs it eagerly (see ``graph_ready``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import TowerShape
 from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
-from ..ops.attention import attend
-from .config_parsing import check_block_indexes, check_ints, check_positive_number, read_json, vision_values
+from ..ops.attention import SegmentFlags, attend
+from .config_parsing import FamilyConfig, check_block_indexes
 from .qwen2_vl import _block_major_positions
+from .reference_tower import ReferenceTower
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
              "out_hidden_size": 65536, "patch_size": 64, "temporal_patch_size": 16, "spatial_merge_size": 8,
@@ -39,9 +40,11 @@ _REQUIRED = ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidd
 
 
 @dataclass(frozen=True)
-class Qwen25VisionConfig:
+class Qwen25VisionConfig(FamilyConfig, TowerShape):
     """Shape of a Qwen2.5-VL vision tower (the ``vision_config`` block). ``hidden_size`` is the
     tower's width; ``out_hidden_size`` the merger's output (the LLM's width)."""
+
+    CEILINGS, REQUIRED, TUPLES = _CEILINGS, _REQUIRED, ("fullatt_block_indexes",)
 
     depth: int = 32
     hidden_size: int = 1280
@@ -57,69 +60,26 @@ class Qwen25VisionConfig:
     in_channels: int = 3
     rope_theta: float = 10000.0
 
-    def __post_init__(self) -> None:
-        check_ints(self, _CEILINGS)
-        check_positive_number("rope_theta", self.rope_theta)
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
-            raise ValueError(f"vision_config.hidden_size ({self.hidden_size}) must split into num_heads "
-                             f"({self.num_heads}) heads whose width is divisible by 4")
+    def check(self) -> None:
         if self.window_patches < 1:
             raise ValueError(f"vision_config.window_size ({self.window_size}) must span at least one merged token "
                              f"({self.patch_size * self.spatial_merge_size} pixels)")
         check_block_indexes("fullatt_block_indexes", self.fullatt_block_indexes, self.depth)
-        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"vision_config.hidden_act must be one of {sorted(ACTIVATIONS)}, "
-                             f"got {self.hidden_act!r}")
-
-    @property
-    def embed_dim(self) -> int:
-        return self.hidden_size
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_width(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size ** 2
 
     @property
     def window_patches(self) -> int:
         """Merged tokens along a window's side."""
         return self.window_size // self.spatial_merge_size // self.patch_size
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "Qwen25VisionConfig":
-        return cls(**vision_values(raw, {f.name for f in fields(cls)}, _REQUIRED, ("fullatt_block_indexes",)))
-
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> "Qwen25VisionConfig":
-        try:
-            return cls.from_dict(read_json(path))
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{path}: {err}") from None
-
 
 @dataclass
-class Segments:
+class Segments(SegmentFlags):
     """One segmentation of a batch, as the attention backends read it (``SegmentedBatch``)."""
 
     cu_seqlens: torch.Tensor
     segment_ids: torch.Tensor
     max_seqlen: int
     segment_lengths: tuple[int, ...] | None
-
-    @property
-    def padded(self) -> bool:
-        return self.segment_lengths is None
-
-    @property
-    def dense(self) -> bool:
-        return self.cu_seqlens.shape[0] == 2
 
 
 @dataclass
@@ -248,11 +208,8 @@ def expected_shapes(cfg: Qwen25VisionConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class Qwen25VisionTower(nn.Module):
+class Qwen25VisionTower(ReferenceTower):
     """Qwen2.5-VL ViT plus patch merger, against the engine's contract. Knows nothing of CUDA graphs."""
-
-    graph_ready = False  # its CUDA-graph path (window capacities per bucket) is not validated yet
-    supports_fused = False
 
     def __init__(self, cfg: Qwen25VisionConfig) -> None:
         super().__init__()
@@ -263,43 +220,21 @@ class Qwen25VisionTower(nn.Module):
                                           bias=False)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-        self.fused = False
-        self.gemm_backend = "cublas"
+        self._init_rotary()
 
-    def _inv_freq(self) -> torch.Tensor:
-        half = self.config.head_dim // 2
-        exponent = torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half
-        return (1.0 / (self.config.rope_theta ** exponent)).to(torch.get_default_device())
-
-    def reset_buffers(self) -> None:
-        self.inv_freq = self._inv_freq().to(self.patch_embed.proj.weight.device)
 
     # -- the engine's contract ------------------------------------------------------
 
-    @property
-    def input_width(self) -> int:
-        return self.config.patch_width
 
     @property
     def output_width(self) -> int:
         return self.config.out_hidden_size
 
-    @property
-    def merge_unit(self) -> int:
-        return self.config.merge_unit
 
     def set_attention_backend(self, backend: str) -> None:
         for block in self.blocks:
             block.attn.backend = backend
 
-    def set_gemm_backend(self, backend: str) -> None:
-        if backend != "cublas":
-            raise ValueError(f"gemm={backend!r}: the Qwen2.5-VL tower has no fused GEMM path yet")
-
-    def fuse(self, enabled: bool = True) -> None:
-        if enabled:
-            raise ValueError("fuse=True: the Qwen2.5-VL tower has no fused forward yet")
 
     def build_batch(self, grids: Sequence[tuple[int, int, int]], *, num_tokens: int | None = None,
                     num_segments: int | None = None, max_seqlen: int | None = None,
@@ -359,11 +294,6 @@ class Qwen25VisionTower(nn.Module):
                            max(max_seqlen or longest, 1), max(max(window_lengths, default=0), 1),
                            tuple(frame_lengths) if exact else None, tuple(window_lengths) if exact else None)
 
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin ``[T, 1, head_dim]`` of the angles ``[h*f | w*f | h*f | w*f]``."""
-        angles = (positions.float()[..., None] * self.inv_freq.float()).flatten(1)  # [T, head_dim/2]
-        emb = torch.cat([angles, angles], dim=-1)[:, None, :]
-        return emb.cos(), emb.sin()
 
     def forward(self, pixels: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
         """``[T, input_width]`` pixel rows (item order) -> ``[T / 4, out_hidden_size]`` (item order)."""
@@ -379,5 +309,3 @@ class Qwen25VisionTower(nn.Module):
             x = block(x, cos, sin, frames if i in full else windows)
         return self.merger(x)[batch.reverse_index.long()]
 
-    def warm_up(self, pixels: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
-        return self(pixels, batch)

@@ -15,22 +15,23 @@ yet: the encoder runs it eagerly (see ``graph_ready``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import TowerShape
 from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
-from ..ops.attention import attend
-from .config_parsing import check_block_indexes, check_ints, check_positive_number, read_json, vision_values
+from ..ops.attention import SegmentFlags, attend
+from .config_parsing import FamilyConfig, check_block_indexes
 from .qwen2_5_vl import rotate_half
 from .qwen2_vl import _block_major_positions
+from .reference_tower import ReferenceTower
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
              "out_hidden_size": 65536, "num_position_embeddings": 1 << 20, "patch_size": 64,
@@ -40,8 +41,10 @@ _REQUIRED = ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidd
 
 
 @dataclass(frozen=True)
-class Qwen3VisionConfig:
+class Qwen3VisionConfig(FamilyConfig, TowerShape):
     """Shape of a Qwen3-VL vision tower (``vision_config``; ``qwen3_vl`` and ``qwen3_vl_moe``)."""
+
+    CEILINGS, REQUIRED, TUPLES = _CEILINGS, _REQUIRED, ("deepstack_visual_indexes",)
 
     depth: int = 27
     hidden_size: int = 1152
@@ -57,54 +60,19 @@ class Qwen3VisionConfig:
     in_channels: int = 3
     rope_theta: float = 10000.0
 
-    def __post_init__(self) -> None:
-        check_ints(self, _CEILINGS)
-        check_positive_number("rope_theta", self.rope_theta)
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
-            raise ValueError(f"vision_config.hidden_size ({self.hidden_size}) must split into num_heads "
-                             f"({self.num_heads}) heads whose width is divisible by 4")
+    def check(self) -> None:
         if self.grid_side ** 2 != self.num_position_embeddings:
             raise ValueError(f"vision_config.num_position_embeddings must be a square, got "
                              f"{self.num_position_embeddings}")
         check_block_indexes("deepstack_visual_indexes", self.deepstack_visual_indexes, self.depth)
-        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"vision_config.hidden_act must be one of {sorted(ACTIVATIONS)}, "
-                             f"got {self.hidden_act!r}")
-
-    @property
-    def embed_dim(self) -> int:
-        return self.hidden_size
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_width(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size ** 2
 
     @property
     def grid_side(self) -> int:
         return int(round(self.num_position_embeddings ** 0.5))
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "Qwen3VisionConfig":
-        return cls(**vision_values(raw, {f.name for f in fields(cls)}, _REQUIRED, ("deepstack_visual_indexes",)))
-
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> "Qwen3VisionConfig":
-        try:
-            return cls.from_dict(read_json(path))
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{path}: {err}") from None
-
 
 @dataclass
-class DeepstackBatch(BatchLayout):
+class DeepstackBatch(SegmentFlags, BatchLayout):
     """Metadata of one call: ``positions [T, 2]``, ``segment_ids [T]`` (-1 on padding rows),
     ``cu_seqlens [S + 1]``, and the position-table taps ``pos_index [T, 4]`` with their fp32
     weights as int32 bits ``pos_weight_bits [T, 4]`` (padding rows: index 0, weight 0)."""
@@ -116,14 +84,6 @@ class DeepstackBatch(BatchLayout):
     pos_weight_bits: torch.Tensor
     max_seqlen: int
     segment_lengths: tuple[int, ...] | None = None
-
-    @property
-    def padded(self) -> bool:
-        return self.segment_lengths is None
-
-    @property
-    def dense(self) -> bool:
-        return self.cu_seqlens.shape[0] == 2
 
 
 def _axis_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,11 +166,8 @@ def expected_shapes(cfg: Qwen3VisionConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class Qwen3VisionTower(nn.Module):
+class Qwen3VisionTower(ReferenceTower):
     """Qwen3-VL ViT, main merger and deepstack mergers, against the engine's contract."""
-
-    graph_ready = False  # its CUDA-graph path is not validated yet
-    supports_fused = False
 
     def __init__(self, cfg: Qwen3VisionConfig) -> None:
         super().__init__()
@@ -223,21 +180,8 @@ class Qwen3VisionTower(nn.Module):
         self.merger = Merger(cfg, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(Merger(cfg, postshuffle=True)
                                                    for _ in cfg.deepstack_visual_indexes)
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-        self.fused = False
-        self.gemm_backend = "cublas"
+        self._init_rotary()
 
-    def _inv_freq(self) -> torch.Tensor:
-        half = self.config.head_dim // 2
-        exponent = torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half
-        return (1.0 / (self.config.rope_theta ** exponent)).to(torch.get_default_device())
-
-    def reset_buffers(self) -> None:
-        self.inv_freq = self._inv_freq().to(self.patch_embed.proj.weight.device)
-
-    @property
-    def input_width(self) -> int:
-        return self.config.patch_width
 
     @property
     def output_parts(self) -> int:
@@ -248,21 +192,11 @@ class Qwen3VisionTower(nn.Module):
     def output_width(self) -> int:
         return self.config.out_hidden_size * self.output_parts
 
-    @property
-    def merge_unit(self) -> int:
-        return self.config.merge_unit
 
     def set_attention_backend(self, backend: str) -> None:
         for block in self.blocks:
             block.backend = backend
 
-    def set_gemm_backend(self, backend: str) -> None:
-        if backend != "cublas":
-            raise ValueError(f"gemm={backend!r}: the Qwen3-VL tower has no fused GEMM path yet")
-
-    def fuse(self, enabled: bool = True) -> None:
-        if enabled:
-            raise ValueError("fuse=True: the Qwen3-VL tower has no fused forward yet")
 
     def build_batch(self, grids: Sequence[tuple[int, int, int]], *, num_tokens: int | None = None,
                     num_segments: int | None = None, max_seqlen: int | None = None) -> DeepstackBatch:
@@ -300,10 +234,6 @@ class Qwen3VisionTower(nn.Module):
                               torch.from_numpy(pos_index), torch.from_numpy(pos_weight.view(np.int32)),
                               max(max_seqlen or longest, 1), tuple(lengths) if exact else None)
 
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = (positions.float()[..., None] * self.inv_freq.float()).flatten(1)  # [T, head_dim/2]
-        emb = torch.cat([angles, angles], dim=-1)[:, None, :]
-        return emb.cos(), emb.sin()
 
     def forward(self, pixels: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
         """``[T, input_width]`` -> ``[T / 4, out_hidden_size * output_parts]``."""
@@ -321,5 +251,3 @@ class Qwen3VisionTower(nn.Module):
                 features.append(deepstack[i](x))
         return torch.cat([self.merger(x)] + features, dim=1)
 
-    def warm_up(self, pixels: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
-        return self(pixels, batch)

@@ -37,6 +37,21 @@ class SegmentedBatch(Protocol):
     dense: bool  # exactly one segment slot
 
 
+
+
+class SegmentFlags:
+    """``padded`` and ``dense`` of a :class:`SegmentedBatch`, from its other fields."""
+
+    @property
+    def padded(self) -> bool:
+        return self.segment_lengths is None
+
+    @property
+    def dense(self) -> bool:
+        """Exactly one segment slot."""
+        return self.cu_seqlens.shape[0] == 2
+
+
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("fa4", "cudnn", "varlen", "flash", "sdpa")
