@@ -413,6 +413,7 @@ def test_out_of_memory_during_capture_drops_the_bucket(weights, monkeypatch, cap
 def test_pool_limit(weights):
     enc = make(weights, mode="graph", pool_limit_bytes=1)
     assert enc.buckets == [] and len(enc.stats()["dropped_buckets"]) == 2 * len(BUDGETS)
+    assert enc.stats()["pool_bytes"] == enc.stats()["pool_workspace_bytes"] == 0  # no pool kept for nothing
     grids = [(1, 4, 4)]
     out = enc.encode(random_pixels(grids).cuda(), grids)
     assert torch.isfinite(out).all() and enc.stats()["eager_fallbacks"] == {"no_graphs": 1}

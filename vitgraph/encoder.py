@@ -88,7 +88,7 @@ class GraphedVisionEncoder:
     backend and fusion, and captures graphs that read its weights in place.
     """
 
-    def __init__(self, tower: Qwen2VisionTower, *, device=None, dtype=None, _early_workers=None,
+    def __init__(self, tower: Qwen2VisionTower, *, device=None, dtype=None, _early_workers=None, _processor=None,
                  **options: Any) -> None:
         try:
             self.options = EngineOptions(**options)
@@ -123,7 +123,7 @@ class GraphedVisionEncoder:
         self.config: VisionConfig = tower.config
         # How encode_images turns images into rows: the checkpoint's preprocessor_config.json
         # (from_pretrained), else the family's defaults.
-        self.processor = family_of(tower.config).processor
+        self.processor = _processor or family_of(tower.config).processor
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
@@ -163,9 +163,7 @@ class GraphedVisionEncoder:
             if early is not None:
                 early.stop()
             raise
-        encoder = cls(tower, device=device, dtype=dtype, _early_workers=early, **options)
-        encoder.processor = processor
-        return encoder
+        return cls(tower, device=device, dtype=dtype, _early_workers=early, _processor=processor, **options)
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: VisionConfig | Mapping, *,
@@ -329,10 +327,8 @@ class GraphedVisionEncoder:
         return one tensor per item (images first, then videos, each in the order given)."""
         from . import preprocess
 
-        sizes = {"min_pixels": self.processor.min_pixels if min_pixels is None else min_pixels,
-                 "max_pixels": self.processor.max_pixels if max_pixels is None else max_pixels,
-                 "processor": self.processor}
-        preprocess.check_pixel_limits(sizes["min_pixels"], sizes["max_pixels"])
+        low, high = preprocess.pixel_limits(self.processor, min_pixels, max_pixels)
+        sizes = {"min_pixels": low, "max_pixels": high, "processor": self.processor}
         parts = []
         if images is not None:
             parts.append(preprocess.preprocess_images(images, **sizes))

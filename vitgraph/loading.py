@@ -7,7 +7,6 @@ the target device and dtype, one tensor at a time.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -49,10 +48,7 @@ def _vision_name(key: str) -> str | None:
 
 def _shards_from_index(index_path: Path) -> dict[str, list[str]]:
     """``shard name -> vision keys`` from a safetensors index, every name checked (see :func:`_shard_name`)."""
-    try:
-        raw = json.loads(index_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{index_path} is not valid JSON: {err}") from None
+    raw = read_json(index_path)
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index_path} is not a valid safetensors index: 'weight_map' must be a JSON object "
@@ -173,18 +169,14 @@ def find_checkpoint(source: str | os.PathLike, *, revision: str | None = None, c
 
 def read_config(files: CheckpointFiles):
     """The vision config of a checkpoint whose ``model_type`` has a family (see :mod:`vitgraph.models`)."""
-    try:
-        raw = json.loads(files.config.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{files.config} is not valid JSON: {err}") from None
+    raw = read_json(files.config)
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if model_type is not None and not isinstance(model_type, str):
         raise ValueError(f"{files.config}: model_type must be a string, got {model_type!r}")
     try:
-        family = family_for(model_type)
-    except ValueError as err:
+        return family_for(model_type).config.from_dict(raw)
+    except (TypeError, ValueError) as err:
         raise ValueError(f"{files.config}: {err}") from None
-    return family.config.from_json_file(files.config)
 
 
 def read_processor(files: CheckpointFiles, config) -> ProcessorConfig:

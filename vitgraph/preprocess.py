@@ -183,7 +183,8 @@ def check_list(items, name: str, what: str) -> None:
         raise TypeError(f"{name} must be a list of {what}, got a {kind}; wrap a single one in a list")
 
 
-def _limits(proc: ProcessorConfig, min_pixels, max_pixels) -> tuple[int, int]:
+def pixel_limits(proc: ProcessorConfig, min_pixels, max_pixels) -> tuple[int, int]:
+    """``(min_pixels, max_pixels)``: those given, else the processor's; checked."""
     limits = (proc.min_pixels if min_pixels is None else min_pixels, proc.max_pixels if max_pixels is None else max_pixels)
     check_pixel_limits(*limits)
     return limits
@@ -194,7 +195,7 @@ def preprocess_images(images: Sequence, *, min_pixels: int | None = None, max_pi
     """Images (a list) -> ``(pixels [N, C*T*P*P] float32, grid_thw [k, 3] int64)``, one grid row
     per image. ``min_pixels`` / ``max_pixels``: the processor's unless given."""
     check_list(images, "images", "images (PIL images, HxWx3 uint8 arrays or 3xHxW uint8 tensors)")
-    low, high = _limits(processor, min_pixels, max_pixels)
+    low, high = pixel_limits(processor, min_pixels, max_pixels)
     rows, grids = [], []
     for i, image in enumerate(images):
         pil = to_pil(image, f"images[{i}]")
@@ -215,7 +216,7 @@ def preprocess_video(frames: Sequence, *, min_pixels: int | None = None, max_pix
     first frame's ``smart_resize`` size; the count is padded to a multiple of the temporal patch
     by repeating the last frame; ``t = frames / temporal_patch_size``. ``name`` names the clip in errors."""
     check_list(frames, name, "frames")
-    low, high = _limits(processor, min_pixels, max_pixels)
+    low, high = pixel_limits(processor, min_pixels, max_pixels)
     pils = [to_pil(f, f"{name}[{i}]") for i, f in enumerate(frames)]
     if not pils:
         raise ValueError(f"{name} must have at least one frame")

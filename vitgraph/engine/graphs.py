@@ -238,6 +238,7 @@ class GraphBank:
         self.dropped[bucket] = why
         if not self.graphs:  # a fresh pool for the next try: the first capture reserves the arena in it
             self._primer = None
+            self.workspace_bytes = 0
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 

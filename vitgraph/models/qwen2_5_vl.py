@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from ..config import TowerShape
 from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
-from ..ops.attention import SegmentFlags, attend
+from ..ops.attention import SegmentFlags
 from .config_parsing import FamilyConfig, check_block_indexes
 from .qwen2_vl import _block_major_positions
-from .reference_tower import ReferenceTower
+from .reference_tower import ReferenceTower, rotary_attention
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
              "out_hidden_size": 65536, "patch_size": 64, "temporal_patch_size": 16, "spatial_merge_size": 8,
@@ -157,11 +157,6 @@ class SwiGLU(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class VisionBlock(nn.Module):
     def __init__(self, cfg: Qwen25VisionConfig) -> None:
         super().__init__()
@@ -172,11 +167,7 @@ class VisionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         attn = self.attn
-        q, k, v = attn.qkv(self.norm1(x)).view(x.shape[0], 3, attn.num_heads, -1).unbind(1)  # [T, H, D] each
-        dtype = q.dtype
-        q, k = ((t.float() * cos + rotate_half(t.float()) * sin).to(dtype) for t in (q, k))  # fp32 rotary
-        out = attend(attn.backend, q, k, v.contiguous(), segments)
-        x = x + attn.proj(out.reshape(x.shape[0], -1))
+        x = x + attn.proj(rotary_attention(attn.qkv(self.norm1(x)), attn.num_heads, cos, sin, attn.backend, segments))
         return x + self.mlp(self.norm2(x))
 
 

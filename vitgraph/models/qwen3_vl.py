@@ -27,11 +27,10 @@ import torch.nn.functional as F
 from ..config import TowerShape
 from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
-from ..ops.attention import SegmentFlags, attend
+from ..ops.attention import SegmentFlags
 from .config_parsing import FamilyConfig, check_block_indexes
-from .qwen2_5_vl import rotate_half
 from .qwen2_vl import _block_major_positions
-from .reference_tower import ReferenceTower
+from .reference_tower import ReferenceTower, rotary_attention
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
              "out_hidden_size": 65536, "num_position_embeddings": 1 << 20, "patch_size": 64,
@@ -121,10 +120,8 @@ class Block(nn.Module):
         self.num_heads, self.backend, self.act = cfg.num_heads, "sdpa", ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
-        q, k, v = self.attn.qkv(self.norm1(x)).view(x.shape[0], 3, self.num_heads, -1).unbind(1)  # [T, H, D]
-        dtype = q.dtype
-        q, k = ((t.float() * cos + rotate_half(t.float()) * sin).to(dtype) for t in (q, k))  # fp32 rotary
-        x = x + self.attn.proj(attend(self.backend, q, k, v.contiguous(), batch).reshape(x.shape[0], -1))
+        x = x + self.attn.proj(rotary_attention(self.attn.qkv(self.norm1(x)), self.num_heads, cos, sin, self.backend,
+                                                batch))
         return x + self.mlp.linear_fc2(self.act(self.mlp.linear_fc1(self.norm2(x))))
 
 

@@ -6,6 +6,23 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..ops.attention import attend
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_attention(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, backend: str,
+                     segments) -> torch.Tensor:
+    """A block's attention from its qkv rows ``[T, 3E]``: q and k rotated in fp32 (the reference's
+    ``rotate_half`` form, cast back), then attention within each segment: ``[T, E]``."""
+    q, k, v = qkv.view(qkv.shape[0], 3, heads, -1).unbind(1)  # [T, H, D] each
+    dtype = q.dtype
+    q, k = ((t.float() * cos + rotate_half(t.float()) * sin).to(dtype) for t in (q, k))
+    return attend(backend, q, k, v.contiguous(), segments).reshape(qkv.shape[0], -1)
+
 
 class ReferenceTower(nn.Module):
     """A base for towers whose forward is the reference one (``config``: a ``TowerShape``)."""
