@@ -124,6 +124,34 @@ def test_padded_layout_equals_the_exact_one(encoder):
     assert rel_err(got[:real // 4], exact) <= 1e-5, diff_report(got[:real // 4], exact)
 
 
+@pytest.mark.parametrize("side", [1, 2, 3, 4, 6])
+def test_window_capacity_bounds_every_frame_shape(side):
+    """No frame shape forms more windows than window_capacity allows: every a x b frame of merged
+    tokens (up to 40 a side), and the worst layouts (one-token-high strips) reach the bound."""
+    from vitgraph.models.qwen2_5_vl import frame_windows, window_capacity
+
+    for a in range(1, 41):
+        for b in range(1, 41):
+            windows = len(frame_windows(2 * a, 2 * b, 2, side)[1])
+            assert windows <= window_capacity(a * b, 1, side), (a, b, side, windows)
+    strips = [len(frame_windows(2, 2 * n, 2, side)[1]) for n in (1, side + 1, 3 * side)]
+    assert sum(strips) == window_capacity(1 + side + 1 + 3 * side, 3, side)
+
+
+def test_padded_layout_fixes_the_window_capacity_and_seqlen(encoder):
+    """A bucket's layout has the same window slots and window max_seqlen whatever it holds (a graph
+    bakes them in), and more windows than an explicit capacity are refused before any replay."""
+    from vitgraph.models.qwen2_5_vl import window_capacity
+
+    tower = encoder.tower
+    layouts = [tower.build_batch(grids, num_tokens=1024, num_segments=8, max_seqlen=1024)
+               for grids in (GRIDS["minimal"], GRIDS["mixed"], GRIDS["edge-cut windows"], [(1, 2, 2)] * 8)]
+    assert {b.window_cu.shape[0] - 1 for b in layouts} == {window_capacity(256, 8, 4)}
+    assert {b.max_window_seqlen for b in layouts} == {64} and {b.max_frame_seqlen for b in layouts} == {1024}
+    with pytest.raises(ValueError, match="windows"):
+        tower.build_batch([(1, 2, 2)] * 8, num_tokens=1024, num_segments=8, num_windows=7)
+
+
 def test_bad_qwen2_5_configs_name_the_field(tmp_path, hf_model):
     ckpt = write_checkpoint(tmp_path, hf_model)
     for field, value in (("intermediate_size", None), ("fullatt_block_indexes", [9]), ("window_size", 10),
@@ -149,22 +177,18 @@ def test_presets_and_graph_mode(caplog):
 
 
 @pytest.mark.cuda
-def test_on_cuda_it_runs_eagerly_and_every_backend_agrees(hf_model, caplog):
-    """Until its graph path is validated, auto mode runs Qwen2.5-VL eagerly on CUDA (with a
-    warning) and mode='graph' is refused; each attention backend matches the fp32 reference."""
+def test_on_cuda_every_backend_agrees_eagerly(hf_model):
+    """Eager on CUDA in bf16, each attention backend against the fp32 reference (the graphs:
+    tests/test_cuda_families.py)."""
     from vitgraph.ops.attention import available_backends
 
     state = {"visual." + k: v for k, v in hf_model.state_dict().items()}
     config = {"model_type": "qwen2_5_vl", "vision_config": TINY}
-    with pytest.raises(ValueError, match="not validated"):
-        GraphedVisionEncoder.from_state_dict(state, config, device="cuda", mode="graph")
     grids = GRIDS["mixed"] + GRIDS["edge-cut windows"]
     pixels = random_pixels(grids, seed=11)
     ref = hf_out(hf_model, pixels, grids)
     for backend in available_backends("cuda"):
-        with caplog.at_level("WARNING"):
-            enc = GraphedVisionEncoder.from_state_dict(state, config, device="cuda", attention=backend)
-        assert enc.stats()["mode"] == "eager" and "runs eagerly" in caplog.text
+        enc = GraphedVisionEncoder.from_state_dict(state, config, device="cuda", attention=backend, mode="eager")
         got = enc.encode(pixels.cuda(), grids).float().cpu()
-        print(f"\n[qwen2.5 cuda] attention={enc.attention} dtype={enc.dtype}: {diff_report(got, ref)}")
+        print(f"\n[qwen2.5 cuda eager] attention={enc.attention} dtype={enc.dtype}: {diff_report(got, ref)}")
         assert torch.isfinite(got).all() and rel_err(got, ref) <= 3e-2, (backend, diff_report(got, ref))

@@ -101,6 +101,8 @@ def kernel_jobs(tower: Qwen2VisionTower, buckets: Sequence[Bucket]) -> list[Kern
     """One job per distinct kernel the forwards of ``buckets`` run, with the smallest bucket
     that runs it; attention first (FlashAttention 4's compiles take longest)."""
     jobs: dict[tuple, KernelJob] = {}
+    if not hasattr(tower, "jit_kernels"):  # a tower without a fused forward compiles nothing ahead
+        return []
     for bucket in sorted(buckets):
         for op, key in tower.jit_kernels(padded_batch(tower, bucket)):
             jobs.setdefault(key, KernelJob(op, key, bucket))

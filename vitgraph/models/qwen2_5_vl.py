@@ -9,8 +9,8 @@ inverse on the host, with two segmentations: frames (full attention) and windows
 forward gathers by them; it never syncs with the host.
 
 This file is the reference (plain PyTorch) forward, exact against transformers'
-``Qwen2_5_VisionTransformerPretrainedModel``. It has no fused forward, and its CUDA-graph
-path is not validated yet: the encoder runs it eagerly (see ``graph_ready``).
+``Qwen2_5_VisionTransformerPretrainedModel``; it has no fused forward. Its CUDA graphs keep
+both segmentations padded to capacities that follow from a bucket's (:func:`window_capacity`).
 """
 
 from __future__ import annotations
@@ -124,6 +124,14 @@ def frame_windows(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, np
     return order, lengths
 
 
+def window_capacity(groups: int, frames: int, side: int) -> int:
+    """The most windows ``groups`` merged tokens in at most ``frames`` frames can form, with
+    windows ``side`` merged tokens a side. A frame of ``a x b`` merged tokens has
+    ``ceil(a/side) * ceil(b/side) <= ceil(a*b/side)`` windows (a one-token-high strip is the
+    worst case), so all of them have at most ``(groups + frames * (side - 1)) // side``."""
+    return min(groups, (groups + frames * (side - 1)) // side)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -231,9 +239,11 @@ class Qwen25VisionTower(ReferenceTower):
                     num_segments: int | None = None, max_seqlen: int | None = None,
                     num_windows: int | None = None) -> WindowBatch:
         """Host metadata for ``grids`` in window order, padded to ``num_tokens`` rows, ``num_segments``
-        frame slots and ``num_windows`` window slots (default: one per merged token, the most
-        ``num_tokens`` rows can hold). Padding merged tokens map to themselves, after every real one,
-        so they never join a real window. Returns CPU tensors."""
+        frame slots and ``num_windows`` window slots (default: :func:`window_capacity`, the most
+        windows such a layout can hold). A padded layout's window ``max_seqlen`` is the window's
+        area (at most ``max_seqlen``), the same for every call. Padding merged tokens map to
+        themselves, after every real one, so they never join a real window; the window count is
+        checked against its capacity here, before every replay. Returns CPU tensors."""
         cfg, merge, unit = self.config, self.config.spatial_merge_size, self.config.merge_unit
         order, frame_lengths, window_lengths, frames = [], [], [], []
         base = 0
@@ -249,8 +259,13 @@ class Qwen25VisionTower(ReferenceTower):
         real = sum(frame_lengths)
         tokens = real if num_tokens is None else num_tokens
         frame_slots = len(frame_lengths) if num_segments is None else num_segments
-        window_slots = (len(window_lengths) if num_tokens is None else tokens // unit) if num_windows is None \
-            else num_windows
+        padded = num_tokens is not None or num_segments is not None
+        if num_windows is not None:
+            window_slots = num_windows
+        elif padded:
+            window_slots = window_capacity(tokens // unit, frame_slots, cfg.window_patches)
+        else:
+            window_slots = len(window_lengths)
         if tokens < real or frame_slots < len(frame_lengths) or window_slots < len(window_lengths):
             raise ValueError(f"layout of {tokens} tokens / {frame_slots} frames / {window_slots} windows cannot hold "
                              f"{real} tokens / {len(frame_lengths)} frames / {len(window_lengths)} windows")
@@ -279,10 +294,13 @@ class Qwen25VisionTower(ReferenceTower):
         frame_ids, frame_cu = segmentation(frame_lengths, frame_slots)
         window_ids, window_cu = segmentation(window_lengths, window_slots)
         exact = tokens == real and frame_slots == len(frame_lengths) and window_slots == len(window_lengths)
+        frame_seqlen = max(max_seqlen or longest, 1)
+        # A graph bakes max_seqlen in: a padded layout's is the bound, not this call's longest window.
+        window_seqlen = (min(cfg.window_patches ** 2 * unit, frame_seqlen) if padded
+                         else max(max(window_lengths, default=0), 1))
         return WindowBatch(torch.from_numpy(window_index.astype(np.int32)),
                            torch.from_numpy(reverse_index.astype(np.int32)), torch.from_numpy(positions),
-                           frame_ids, frame_cu, window_ids, window_cu,
-                           max(max_seqlen or longest, 1), max(max(window_lengths, default=0), 1),
+                           frame_ids, frame_cu, window_ids, window_cu, frame_seqlen, window_seqlen,
                            tuple(frame_lengths) if exact else None, tuple(window_lengths) if exact else None)
 
 

@@ -9,8 +9,8 @@ built on the host (:meth:`Qwen3VisionTower.build_batch`); the weights travel as 
 of their fp32 values, so every tensor of the batch is int32 as the engine stages it.
 
 This file is the reference (plain PyTorch) forward, exact against transformers'
-``Qwen3VLVisionModel``. It has no fused forward, and its CUDA-graph path is not validated
-yet: the encoder runs it eagerly (see ``graph_ready``).
+``Qwen3VLVisionModel``; it has no fused forward. In CUDA graphs the taps are static buffers
+like every other tensor of the batch, and the deepstack features leave in the one output.
 """
 
 from __future__ import annotations
