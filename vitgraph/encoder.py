@@ -97,13 +97,6 @@ class GraphedVisionEncoder:
             if self.options.mode == "graph" and self.device.type != "cuda":
                 raise ValueError(f"mode='graph' needs a CUDA device, got {self.device}")
             self.use_graphs = uses_graphs(self.options, self.device)
-            if self.use_graphs and not getattr(tower, "graph_ready", True):
-                if self.options.mode == "graph":
-                    raise ValueError(f"mode='graph': the {type(tower).__name__}'s CUDA-graph path is not validated "
-                                     "yet; use mode='eager' (or 'auto', which runs it eagerly)")
-                logger.warning("vitgraph: %s runs eagerly: its CUDA-graph path is not validated yet",
-                               type(tower).__name__)
-                self.use_graphs = False
             # With no compiled kernel on disk, kernel-compiling workers start now (or started
             # as from_pretrained read the checkpoint's config), before this process loads the
             # kernel libraries, so that their start-up overlaps its own.

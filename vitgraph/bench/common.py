@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -229,15 +230,24 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
     return {"gemm_tflops": 2 * n ** 3 / gemm_ms / 1e9, "copy_tbps": 2 * nbytes / copy_ms / 1e9}
 
 
-def case_flops(cfg: VisionConfig, grids: list[Grid]) -> float:
-    """FLOPs of one forward: linear layers per token, attention per segment, the merger per output row."""
-    e, m = cfg.embed_dim, cfg.mlp_dim
+def case_flops(tower, grids: list[Grid]) -> float:
+    """FLOPs of one forward: every linear layer (and the patch embedding) per row it sees (a
+    merger's per output row), attention per segment of each block (a Qwen2.5 window block's
+    per window)."""
     tokens = sum(t * h * w for t, h, w in grids)
-    per_token = cfg.depth * 2 * (e * 3 * e + e * e + 2 * e * m) + 2 * cfg.patch_width * e
-    attention = cfg.depth * sum(t * 4 * (h * w) ** 2 * e for t, h, w in grids)
-    merged = cfg.embed_dim * cfg.merge_unit
-    merger = tokens // cfg.merge_unit * 2 * (merged * merged + merged * cfg.hidden_size)
-    return tokens * per_token + attention + merger
+    flops = 0
+    for name, module in tower.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv3d)):
+            rows = tokens // tower.merge_unit if "merger" in name else tokens
+            flops += 2 * rows * module.weight.numel()
+    batch = tower.build_batch(grids)
+    width = tower.blocks[0].attn.proj.weight.shape[0]
+    full = set(getattr(tower.config, "fullatt_block_indexes", range(len(tower.blocks))))
+    for i in range(len(tower.blocks)):
+        lengths = (getattr(batch, "frame_lengths", None) if i in full else batch.window_lengths) \
+            if hasattr(batch, "window_lengths") else batch.segment_lengths
+        flops += sum(4 * n * n * width for n in lengths)
+    return flops
 
 
 def floor_ms(flops: float, weight_bytes: int, ceilings: dict[str, float]) -> float:
@@ -325,21 +335,35 @@ def build_systems(args, systems: list[str], max_budget: int, **engine_options):
 
 
 def hf_tower_like(encoder: GraphedVisionEncoder):
-    """transformers' tower (sdpa) holding the same weights, or None without transformers."""
+    """transformers' tower of the encoder's family (sdpa) holding the same weights, or None
+    without transformers."""
+    cfg = encoder.config
     try:
-        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+        if isinstance(cfg, VisionConfig):
+            from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig as Config
+            from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as Model
+        elif type(cfg).__name__ == "Qwen25VisionConfig":
+            from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as Config
+            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+                Qwen2_5_VisionTransformerPretrainedModel as Model)
+        else:
+            from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig as Config
+            from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Model
     except ImportError:
         return None
-    cfg = encoder.config
-    hf_cfg = Qwen2VLVisionConfig(depth=cfg.depth, embed_dim=cfg.embed_dim, num_heads=cfg.num_heads,
-                                 mlp_ratio=int(cfg.mlp_ratio) if float(cfg.mlp_ratio).is_integer() else cfg.mlp_ratio,
-                                 hidden_size=cfg.hidden_size, hidden_act=cfg.hidden_act,
-                                 patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
-                                 spatial_merge_size=cfg.spatial_merge_size, in_channels=cfg.in_channels)
+    if isinstance(cfg, VisionConfig):
+        fields = dict(depth=cfg.depth, embed_dim=cfg.embed_dim, num_heads=cfg.num_heads,
+                      mlp_ratio=int(cfg.mlp_ratio) if float(cfg.mlp_ratio).is_integer() else cfg.mlp_ratio,
+                      hidden_size=cfg.hidden_size, hidden_act=cfg.hidden_act, patch_size=cfg.patch_size,
+                      temporal_patch_size=cfg.temporal_patch_size, spatial_merge_size=cfg.spatial_merge_size,
+                      in_channels=cfg.in_channels)
+    else:  # the reference families name their fields as transformers does
+        fields = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()
+                  if k != "rope_theta"}
+    hf_cfg = Config(**fields)
     hf_cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = Qwen2VisionTransformerPretrainedModel(hf_cfg)
+        model = Model(hf_cfg)
     model.load_state_dict(encoder.tower.state_dict(), strict=True, assign=True)
     model.rotary_pos_emb.inv_freq = encoder.tower.inv_freq.clone()
     return model.eval().requires_grad_(False)
@@ -349,7 +373,9 @@ def hf_call(model, device: torch.device):
     def run(pixels: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         with torch.inference_mode():
             out = model(pixels, grid_thw=torch.tensor(grids, device=device))
-        return getattr(out, "pooler_output", out)
+        deepstack = getattr(out, "deepstack_features", None)
+        main = getattr(out, "pooler_output", out)
+        return torch.cat([main, *deepstack], dim=1) if deepstack else main
     return run
 
 

@@ -27,7 +27,6 @@ def rotary_attention(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torc
 class ReferenceTower(nn.Module):
     """A base for towers whose forward is the reference one (``config``: a ``TowerShape``)."""
 
-    graph_ready = True  # bitwise graph = eager, NaN-poisoned pools and soaks: tests/test_cuda_families.py
     supports_fused = False
 
     def _init_rotary(self) -> None:
