@@ -167,13 +167,35 @@ def test_bad_qwen2_5_configs_name_the_field(tmp_path, hf_model):
         write_checkpoint(tmp_path, hf_model)
 
 
-def test_presets_and_graph_mode(caplog):
+def test_presets():
     from vitgraph.models import PRESETS
 
     assert {PRESETS[f"qwen2.5-vl-{s}"].out_hidden_size for s in ("3b", "7b", "32b", "72b")} == {2048, 3584, 5120, 8192}
-    with pytest.raises(ValueError, match="fuse=True"):
-        GraphedVisionEncoder.from_config(Qwen25VisionConfig(**{**TINY, "fullatt_block_indexes": (0, 3)}),
-                                         device="cpu", fuse=True)
+    assert {PRESETS[f"qwen2.5-vl-{s}"].intermediate_size for s in ("3b", "7b", "32b", "72b")} == {3420}
+
+
+def test_fused_forward_matches_transformers(hf_model, encoder):
+    """The fused forward (Triton's interpreter on a CPU: add+RMSNorm, rotary in place, SiLU * up)
+    against transformers in fp32, exact and padded with NaN in the padding rows; the padded SwiGLU
+    width adds exact zeros, and state dicts keep the checkpoint's names and shapes."""
+    state = {"visual." + k: v for k, v in hf_model.state_dict().items()}
+    fused = GraphedVisionEncoder.from_state_dict(state, {"model_type": "qwen2_5_vl", "vision_config": TINY},
+                                                 device="cpu", fuse=True)
+    assert fused.tower.fused and fused.tower.blocks[0].mlp.padded == 128
+    assert {k: v.shape for k, v in fused.tower.state_dict().items()} == {k: v.shape for k, v in hf_model.state_dict().items()}
+    for name in ("mixed", "edge-cut windows", "video"):
+        grids = GRIDS[name]
+        pixels = random_pixels(grids, seed=9)
+        ref = hf_out(hf_model, pixels, grids)
+        got = fused.encode(pixels, grids)
+        assert rel_err(got, ref) <= 1e-5, (name, diff_report(got, ref))
+    tower, grids = fused.tower, GRIDS["several images"]
+    pixels = random_pixels(grids, seed=4)
+    real = pixels.shape[0]
+    padded = tower(torch.cat([pixels, torch.full((64, pixels.shape[1]), float("nan"))]),
+                   tower.build_batch(grids, num_tokens=real + 64, num_segments=8, max_seqlen=512))
+    ref = hf_out(hf_model, pixels, grids)
+    assert torch.isfinite(padded[:real // 4]).all() and rel_err(padded[:real // 4], ref) <= 1e-5
 
 
 @pytest.mark.cuda

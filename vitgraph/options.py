@@ -114,15 +114,17 @@ def configure_tower(tower: Qwen2VisionTower, options: EngineOptions, device: tor
                     dtype: torch.dtype) -> tuple[str, str]:
     """Set ``tower``'s attention backend, fusion and GEMM backend as ``options`` ask (resolving
     "auto" for ``device`` and ``dtype``); returns (attention, gemm)."""
-    tower.inv_freq = tower.inv_freq.float()  # rotary stays fp32 whatever the weight dtype
     attention = resolve_backend(options.attention, device, dtype)
     tower.set_attention_backend(attention)
     fuse = options.fuse
     if fuse is None:
-        fuse = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and kernels.usable(device)
-                and getattr(tower, "supports_fused", True))
+        fuse = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and kernels.usable(device)
     tower.fuse(fuse)  # refuses fuse=True where the kernels cannot run
-    gemm = resolve_gemm(options.gemm, device, dtype, tower.fused)
+    # quack's GEMM epilogues are written for Qwen2-VL's MLP and rotary; other towers keep cuBLAS.
+    epilogues = isinstance(tower, Qwen2VisionTower)
+    if options.gemm == "quack" and not epilogues:
+        raise ValueError(f"gemm='quack': the {type(tower).__name__} has no quack GEMM path; use 'cublas' or 'auto'")
+    gemm = resolve_gemm(options.gemm, device, dtype, tower.fused and epilogues)
     tower.set_gemm_backend(gemm)
     return attention, gemm
 

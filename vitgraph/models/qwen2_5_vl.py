@@ -9,7 +9,7 @@ inverse on the host, with two segmentations: frames (full attention) and windows
 forward gathers by them; it never syncs with the host.
 
 This file is the reference (plain PyTorch) forward, exact against transformers'
-``Qwen2_5_VisionTransformerPretrainedModel``; it has no fused forward. Its CUDA graphs keep
+``Qwen2_5_VisionTransformerPretrainedModel``, and a fused one (vitgraph's kernels). Its CUDA graphs keep
 both segmentations padded to capacities that follow from a bucket's (:func:`window_capacity`).
 """
 
@@ -29,8 +29,9 @@ from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import SegmentFlags
 from .config_parsing import FamilyConfig, check_block_indexes
-from .qwen2_vl import _block_major_positions
-from .reference_tower import ReferenceTower, rotary_attention
+from ..ops import kernels
+from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
+from .reference_tower import ReferenceTower, fused_attention, rotary_attention
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
              "out_hidden_size": 65536, "patch_size": 64, "temporal_patch_size": 16, "spatial_merge_size": 8,
@@ -151,18 +152,56 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
         self.backend = "sdpa"
+        keep_qkv_interleaved(self, cfg.num_heads, cfg.head_dim)
+
+
+MLP_ALIGN = 64  # the SwiGLU's width is padded to this: 3420 leaves cuBLAS unaligned rows (6840 bytes)
 
 
 class SwiGLU(nn.Module):
+    """``down(act(gate x) * up x)``, kept as one ``gate_up`` GEMM (each row: gate, then up) of a
+    width padded to ``MLP_ALIGN`` with zero rows (and ``down_proj`` with zero columns), which
+    adds exact zeros. State dicts, in and out, keep the checkpoint's three projections."""
+
     def __init__(self, cfg: Qwen25VisionConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.width = cfg.intermediate_size
+        self.padded = -(-cfg.intermediate_size // MLP_ALIGN) * MLP_ALIGN
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.padded, bias=True)
+        self.down_proj = nn.Linear(self.padded, cfg.hidden_size, bias=True)
+        self.act_name = cfg.hidden_act
+        self.register_load_state_dict_pre_hook(_pad_on_load)
+        self.register_state_dict_post_hook(_unpad_on_save)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up.weight, self.gate_up.bias).split(self.padded, dim=-1)
+        return self.down_proj(ACTIVATIONS[self.act_name](gate) * up)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
+def _pad_on_load(mlp: SwiGLU, state_dict, prefix, *args) -> None:
+    names = [prefix + n for n in ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias",
+                                  "down_proj.weight")]
+    if not all(isinstance(state_dict.get(n), torch.Tensor) for n in names):
+        return  # load_state_dict reports what is missing
+    gate_w, gate_b, up_w, up_b, down_w = (state_dict.pop(n) for n in names)
+    if gate_w.shape[0] != mlp.width or down_w.shape[-1] != mlp.width:
+        state_dict.update(zip(names, (gate_w, gate_b, up_w, up_b, down_w)))
+        return  # a shape mismatch: reported under the checkpoint's names
+    state_dict[prefix + "gate_up.weight"] = torch.cat([_pad_rows(gate_w, mlp.padded), _pad_rows(up_w, mlp.padded)])
+    state_dict[prefix + "gate_up.bias"] = torch.cat([_pad_rows(gate_b, mlp.padded), _pad_rows(up_b, mlp.padded)])
+    state_dict[prefix + "down_proj.weight"] = _pad_rows(down_w.t(), mlp.padded).t().contiguous()
+
+
+def _unpad_on_save(mlp: SwiGLU, state_dict, prefix, local_metadata) -> None:
+    weight, bias = state_dict.pop(prefix + "gate_up.weight"), state_dict.pop(prefix + "gate_up.bias")
+    w, p = mlp.width, mlp.padded
+    state_dict[prefix + "gate_proj.weight"], state_dict[prefix + "up_proj.weight"] = weight[:w], weight[p:p + w]
+    state_dict[prefix + "gate_proj.bias"], state_dict[prefix + "up_proj.bias"] = bias[:w], bias[p:p + w]
+    state_dict[prefix + "down_proj.weight"] = state_dict[prefix + "down_proj.weight"][:, :w]
 
 
 class VisionBlock(nn.Module):
@@ -304,17 +343,53 @@ class Qwen25VisionTower(ReferenceTower):
                            tuple(frame_lengths) if exact else None, tuple(window_lengths) if exact else None)
 
 
-    def forward(self, pixels: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
-        """``[T, input_width]`` pixel rows (item order) -> ``[T / 4, out_hidden_size]`` (item order)."""
+    def _window_order(self, pixels: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
+        """The patch embedding, rows gathered into window order: ``[T, E]``."""
         rows, unit = pixels.shape[0], self.merge_unit
         weight = self.patch_embed.proj.weight
         x = F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))  # [T, E]
-        gather = batch.window_index.long()
-        x = x.view(rows // unit, unit, -1)[gather].view(rows, -1)  # window order
+        return x.view(rows // unit, unit, -1)[batch.window_index.long()].view(rows, -1)
+
+    def forward_reference(self, pixels: torch.Tensor, batch: WindowBatch, blocks=None) -> torch.Tensor:
+        """``[T, input_width]`` pixel rows (item order) -> ``[T / 4, out_hidden_size]`` (item order),
+        plain PyTorch ops. ``blocks``: a prefix of the blocks to run instead of all."""
         cos, sin = self.rotary(batch.positions)  # positions are in window order already
+        x = self._window_order(pixels, batch)
         frames, windows = batch.frames, batch.windows
         full = set(self.config.fullatt_block_indexes)
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.blocks if blocks is None else blocks):
             x = block(x, cos, sin, frames if i in full else windows)
         return self.merger(x)[batch.reverse_index.long()]
 
+    def forward_fused(self, pixels: torch.Tensor, batch: WindowBatch, blocks=None) -> torch.Tensor:
+        """The same math with vitgraph's kernels: each residual add joined to the RMSNorm after it
+        (the last to the merger's), the rotary in place, SiLU times up in one pass."""
+        blocks = self.blocks if blocks is None else blocks
+        cos, sin = self.rotary(batch.positions)
+        x = self._window_order(pixels, batch)
+        frames, windows = batch.frames, batch.windows
+        full = set(self.config.fullatt_block_indexes)
+        heads, merger = self.config.num_heads, self.merger
+        h = kernels.add_rmsnorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.eps)
+        for i, block in enumerate(blocks):  # each intermediate dropped as soon as it is dead
+            attn, mlp = block.attn, block.mlp
+            out = fused_attention(h, attn, heads, cos, sin, attn.backend, frames if i in full else windows)
+            del h
+            y = F.linear(out, attn.proj.weight, attn.proj.bias)
+            del out
+            h = kernels.add_rmsnorm(x, y, block.norm2.weight, block.norm2.eps)
+            del y
+            gate_up = F.linear(h, mlp.gate_up.weight, mlp.gate_up.bias)
+            del h
+            if mlp.act_name == "silu":
+                f = kernels.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.split(mlp.padded, dim=-1)
+                f = ACTIVATIONS[mlp.act_name](gate) * up
+            del gate_up
+            z = F.linear(f, mlp.down_proj.weight, mlp.down_proj.bias)
+            del f
+            norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else merger.ln_q
+            h = kernels.add_rmsnorm(x, z, norm.weight, norm.eps)
+            del z
+        return merger.mlp(h.view(-1, merger.merged_dim))[batch.reverse_index.long()]

@@ -135,21 +135,25 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.embed_dim, 3 * cfg.embed_dim, bias=True)
         self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=True)
         self.backend = "sdpa"
-        # qkv's rows are kept with q's and k's head dims interleaved (interleave_order);
-        # state dicts, in and out, keep the checkpoint's order.
-        self._head_layout = (cfg.num_heads, cfg.head_dim)
-        self.register_load_state_dict_pre_hook(_interleave_qkv_on_load)
-        self.register_state_dict_post_hook(_restore_qkv_on_save)
+        keep_qkv_interleaved(self, cfg.num_heads, cfg.head_dim)
 
 
-def _interleave_qkv_on_load(attn: VisionAttention, state_dict, prefix, *args) -> None:
+def keep_qkv_interleaved(attn: nn.Module, num_heads: int, head_dim: int) -> None:
+    """Keep ``attn.qkv``'s rows with q's and k's head dims interleaved (:func:`interleave_order`),
+    the layout the rotary kernels read; state dicts, in and out, keep the checkpoint's order."""
+    attn._head_layout = (num_heads, head_dim)
+    attn.register_load_state_dict_pre_hook(_interleave_qkv_on_load)
+    attn.register_state_dict_post_hook(_restore_qkv_on_save)
+
+
+def _interleave_qkv_on_load(attn: nn.Module, state_dict, prefix, *args) -> None:
     for name in ("qkv.weight", "qkv.bias"):
         value = state_dict.get(prefix + name)
         if isinstance(value, torch.Tensor) and value.shape[:1] == (attn.qkv.out_features,):
             state_dict[prefix + name] = value[interleave_order(*attn._head_layout, device=value.device)]
 
 
-def _restore_qkv_on_save(attn: VisionAttention, state_dict, prefix, local_metadata) -> None:
+def _restore_qkv_on_save(attn: nn.Module, state_dict, prefix, local_metadata) -> None:
     for name in ("qkv.weight", "qkv.bias"):
         value = state_dict.get(prefix + name)
         if value is not None:
@@ -246,6 +250,12 @@ class Qwen2VisionTower(FusedForward, nn.Module):
         device = self.patch_embed.proj.weight.device
         self.inv_freq = self._inv_freq().to(device)
         self._rope_columns = None
+
+    def _apply(self, fn, recurse=True):
+        # The rotary's frequencies stay fp32 whatever dtype the weights are cast to.
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+        return self
 
     # -- the engine's contract ------------------------------------------------------
 

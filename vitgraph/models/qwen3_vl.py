@@ -9,7 +9,7 @@ built on the host (:meth:`Qwen3VisionTower.build_batch`); the weights travel as 
 of their fp32 values, so every tensor of the batch is int32 as the engine stages it.
 
 This file is the reference (plain PyTorch) forward, exact against transformers'
-``Qwen3VLVisionModel``; it has no fused forward. In CUDA graphs the taps are static buffers
+``Qwen3VLVisionModel``, and a fused one (vitgraph's kernels). In CUDA graphs the taps are static buffers
 like every other tensor of the batch, and the deepstack features leave in the one output.
 """
 
@@ -29,8 +29,9 @@ from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import SegmentFlags
 from .config_parsing import FamilyConfig, check_block_indexes
-from .qwen2_vl import _block_major_positions
-from .reference_tower import ReferenceTower, rotary_attention
+from ..ops import kernels
+from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
+from .reference_tower import ReferenceTower, fused_attention, rotary_attention
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
              "out_hidden_size": 65536, "num_position_embeddings": 1 << 20, "patch_size": 64,
@@ -115,14 +116,15 @@ class Block(nn.Module):
         self.norm1, self.norm2 = nn.LayerNorm(e, eps=1e-6), nn.LayerNorm(e, eps=1e-6)
         self.attn = nn.Module()
         self.attn.qkv, self.attn.proj = nn.Linear(e, 3 * e), nn.Linear(e, e)
+        keep_qkv_interleaved(self.attn, cfg.num_heads, cfg.head_dim)
         self.mlp = nn.Module()
         self.mlp.linear_fc1, self.mlp.linear_fc2 = nn.Linear(e, cfg.intermediate_size), nn.Linear(cfg.intermediate_size, e)
-        self.num_heads, self.backend, self.act = cfg.num_heads, "sdpa", ACTIVATIONS[cfg.hidden_act]
+        self.num_heads, self.backend, self.act_name = cfg.num_heads, "sdpa", cfg.hidden_act
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
         x = x + self.attn.proj(rotary_attention(self.attn.qkv(self.norm1(x)), self.num_heads, cos, sin, self.backend,
                                                 batch))
-        return x + self.mlp.linear_fc2(self.act(self.mlp.linear_fc1(self.norm2(x))))
+        return x + self.mlp.linear_fc2(ACTIVATIONS[self.act_name](self.mlp.linear_fc1(self.norm2(x))))
 
 
 class Merger(nn.Module):
@@ -232,19 +234,64 @@ class Qwen3VisionTower(ReferenceTower):
                               max(max_seqlen or longest, 1), tuple(lengths) if exact else None)
 
 
-    def forward(self, pixels: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
-        """``[T, input_width]`` -> ``[T / 4, out_hidden_size * output_parts]``."""
+    def _embed(self, pixels: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
+        """The patch embedding plus the interpolated position embeddings (fp32 taps): ``[T, E]``."""
         proj = self.patch_embed.proj
         x = F.linear(pixels.to(proj.weight.dtype), proj.weight.view(proj.weight.shape[0], -1), proj.bias)
         weights = batch.pos_weight_bits.view(torch.float32)
         pos = (self.pos_embed.weight[batch.pos_index.long()] * weights[..., None]).sum(1)  # [T, E], fp32 taps
-        x = x + pos.to(x.dtype)
+        return x + pos.to(x.dtype)
+
+    def forward_reference(self, pixels: torch.Tensor, batch: DeepstackBatch, blocks=None) -> torch.Tensor:
+        """``[T, input_width]`` -> ``[T / 4, out_hidden_size * output_parts]``, plain PyTorch ops.
+        ``blocks``: a prefix of the blocks to run instead of all (the deepstack mergers of the
+        blocks run)."""
         cos, sin = self.rotary(batch.positions)
+        x = self._embed(pixels, batch)
         deepstack = dict(zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list))
         features = []
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.blocks if blocks is None else blocks):
             x = block(x, cos, sin, batch)
             if i in deepstack:
                 features.append(deepstack[i](x))
         return torch.cat([self.merger(x)] + features, dim=1)
 
+    def forward_fused(self, pixels: torch.Tensor, batch: DeepstackBatch, blocks=None) -> torch.Tensor:
+        """The same math with vitgraph's kernels: each residual add joined to the LayerNorm after
+        it (the last to the merger's), the rotary and GELU-tanh in place; a deepstack merger reads
+        its block's output once the next add+LayerNorm has written it into the stream."""
+        blocks = self.blocks if blocks is None else blocks
+        cos, sin = self.rotary(batch.positions)
+        x = self._embed(pixels, batch)
+        deepstack = dict(zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list))
+        heads, merger = self.config.num_heads, self.merger
+        h = kernels.add_layernorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.bias, blocks[0].norm1.eps)
+        features = []
+        for i, block in enumerate(blocks):  # each intermediate dropped as soon as it is dead
+            attn, mlp = block.attn, block.mlp
+            out = fused_attention(h, attn, heads, cos, sin, block.backend, batch)
+            del h
+            y = F.linear(out, attn.proj.weight, attn.proj.bias)
+            del out
+            h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps)
+            del y
+            f = F.linear(h, mlp.linear_fc1.weight, mlp.linear_fc1.bias)
+            del h
+            f = kernels.activation_(f, block.act_name) if block.act_name in kernels.FUSED_ACTIVATIONS \
+                else ACTIVATIONS[block.act_name](f)
+            z = F.linear(f, mlp.linear_fc2.weight, mlp.linear_fc2.bias)
+            del f
+            norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else merger.norm
+            h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps)  # x: block i's output now
+            del z
+            if i in deepstack:
+                features.append(_merge_fused(deepstack[i], x))
+        return torch.cat([merger.linear_fc2(F.gelu(merger.linear_fc1(h.view(-1, merger.merged_dim))))] + features,
+                         dim=1)
+
+
+def _merge_fused(merger: Merger, x: torch.Tensor) -> torch.Tensor:
+    """A deepstack merger (LayerNorm after the 2x2 merge) with the LayerNorm kernel."""
+    norm = merger.norm
+    h = kernels.add_layernorm(x.view(-1, merger.merged_dim), None, norm.weight, norm.bias, norm.eps)
+    return merger.linear_fc2(F.gelu(merger.linear_fc1(h)))

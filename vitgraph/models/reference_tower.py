@@ -1,33 +1,41 @@
-"""What the families with a plain-PyTorch forward only share: the 2-D rotary (fp32), the
-contract's widths, and the refusal of a fused path they do not have."""
+"""What the Qwen2.5-VL and Qwen3-VL towers share: the 2-D rotary (fp32, q's and k's head dims
+kept interleaved as Qwen2-VL's are), the contract's widths, fusion, and the attention half of
+a block in both forwards."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from ..ops import kernels
 from ..ops.attention import attend
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+from .qwen2_vl import apply_rotary
 
 
 def rotary_attention(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, backend: str,
                      segments) -> torch.Tensor:
-    """A block's attention from its qkv rows ``[T, 3E]``: q and k rotated in fp32 (the reference's
-    ``rotate_half`` form, cast back), then attention within each segment: ``[T, E]``."""
+    """A block's attention from its qkv rows ``[T, 3E]`` (q's and k's head dims interleaved): q
+    and k rotated in fp32 and cast back, as the reference does, then attention within each
+    segment: ``[T, E]``."""
     q, k, v = qkv.view(qkv.shape[0], 3, heads, -1).unbind(1)  # [T, H, D] each
-    dtype = q.dtype
-    q, k = ((t.float() * cos + rotate_half(t.float()) * sin).to(dtype) for t in (q, k))
+    q, k = apply_rotary(q, k, cos, sin)
     return attend(backend, q, k, v.contiguous(), segments).reshape(qkv.shape[0], -1)
 
 
-class ReferenceTower(nn.Module):
-    """A base for towers whose forward is the reference one (``config``: a ``TowerShape``)."""
+def fused_attention(h: torch.Tensor, attn: nn.Module, heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                    backend: str, segments) -> torch.Tensor:
+    """The same in the fused forward: qkv's GEMM, the rotary kernel in place (zeroing padding
+    rows where FlashAttention 4 reads them past a segment's end), attention on views of qkv."""
+    qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
+    zero = segments.padded and backend == "fa4"
+    q, k, v = kernels.rotary_(qkv, cos, sin, heads, segments.segment_ids if zero else None, zero_padding=zero)
+    return attend(backend, q, k, v, segments, padding_zeroed=zero).reshape(h.shape[0], -1)
 
-    supports_fused = False
+
+class ReferenceTower(nn.Module):
+    """A base for the towers without Qwen2-VL's GEMM epilogues (``config``: a ``TowerShape``):
+    a reference forward and a fused one (vitgraph's Triton kernels for the elementwise work)."""
 
     def _init_rotary(self) -> None:
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
@@ -43,6 +51,12 @@ class ReferenceTower(nn.Module):
         """Recompute non-persistent buffers (after loading weights with ``assign=True``)."""
         self.inv_freq = self._inv_freq().to(self.patch_embed.proj.weight.device)
 
+    def _apply(self, fn, recurse=True):
+        # The rotary's frequencies stay fp32 whatever dtype the weights are cast to.
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+        return self
+
     @property
     def input_width(self) -> int:
         return self.config.patch_width
@@ -53,17 +67,26 @@ class ReferenceTower(nn.Module):
 
     def set_gemm_backend(self, backend: str) -> None:
         if backend != "cublas":
-            raise ValueError(f"gemm={backend!r}: the {type(self).__name__} has no fused GEMM path yet")
+            raise ValueError(f"gemm={backend!r}: the {type(self).__name__} has no quack GEMM path; use 'cublas'")
 
     def fuse(self, enabled: bool = True) -> None:
-        if enabled:
-            raise ValueError(f"fuse=True: the {type(self).__name__} has no fused forward yet")
+        """Run the elementwise work through vitgraph's Triton kernels. Needs triton and a CUDA
+        device (or Triton's interpreter)."""
+        if enabled and not kernels.usable(self.patch_embed.proj.weight.device):
+            raise ValueError("fuse=True needs the triton package and a CUDA device (or TRITON_INTERPRET=1)")
+        self.fused = enabled
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin ``[T, 1, head_dim]`` of the angles ``[h*f | w*f | h*f | w*f]``."""
-        angles = (positions.float()[..., None] * self.inv_freq.float()).flatten(1)  # [T, head_dim/2]
-        emb = torch.cat([angles, angles], dim=-1)[:, None, :]
-        return emb.cos(), emb.sin()
+        """fp32 cos/sin ``[T, head_dim/2]`` of the angles ``[h*f | w*f]``, one per rotated pair."""
+        angles = (positions.float()[..., None] * self.inv_freq.float()).flatten(1)
+        return angles.cos(), angles.sin()
+
+    def forward(self, pixels: torch.Tensor, batch) -> torch.Tensor:
+        """``[T, input_width]`` pixel rows -> ``[T / merge_unit, output_width]``."""
+        return self.forward_fused(pixels, batch) if self.fused else self.forward_reference(pixels, batch)
 
     def warm_up(self, pixels: torch.Tensor, batch) -> torch.Tensor:
-        return self(pixels, batch)
+        """The forward through the first block only, then the merger (not the model's output):
+        the same kernels at the same shapes, for 1/depth of the work."""
+        run = self.forward_fused if self.fused else self.forward_reference
+        return run(pixels, batch, blocks=self.blocks[:1])

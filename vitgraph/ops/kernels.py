@@ -1,8 +1,8 @@
 """Triton kernels for the elementwise work of a block (the "fused" forward).
 
-Four launches per block (LayerNorm twice, rotary, QuickGELU) replace the plain forward's
+Four launches per block (LayerNorm twice, rotary, the activation) replace the plain forward's
 elementwise ops (two LayerNorms, two residual adds, the rotary's half-dozen ops, a copy
-of v, QuickGELU's three ops):
+of v, the activation's few):
 
 * :func:`add_layernorm`: ``x += y`` (in place), then ``LayerNorm(x)``. It joins each
   residual add to the LayerNorm after it, across the block boundary too (or, where the
@@ -13,7 +13,8 @@ of v, QuickGELU's three ops):
   optionally zeroed, for kernels that read past a segment's end), or writes q
   and k into a wider head dim whose extra lane masks padding keys (dense attention over
   a padded bucket, see :mod:`vitgraph.ops.attention`);
-* :func:`quick_gelu_`: ``x * sigmoid(1.702 x)`` in place;
+* :func:`activation_` (QuickGELU, GELU-tanh, SiLU) in place, and :func:`silu_mul` (SwiGLU's
+  ``silu(gate) * up``); :func:`add_rmsnorm` is add+LayerNorm's RMSNorm form;
 * :func:`prefix_sums`: the fp32 running sums of the biases a residual stream keeps aside.
 
 Arithmetic is fp32 inside; results are rounded once to the tensor dtype, where the
@@ -87,7 +88,7 @@ if available():
     def _add_layernorm_kernel(x_ptr, y_ptr, y_bias_ptr, offset_ptr, h_ptr, w_ptr, b_ptr, rows, eps,
                               N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_Y: tl.constexpr,
                               SPLITS: tl.constexpr, HAS_Y_BIAS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                              LAUNCH_DEPENDENTS: tl.constexpr):
+                              LAUNCH_DEPENDENTS: tl.constexpr, RMS: tl.constexpr = False):
         if LAUNCH_DEPENDENTS:
             tl.extra.cuda.gdc_launch_dependents()
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -108,7 +109,13 @@ if available():
         xf = x.to(tl.float32)
         if HAS_OFFSET:  # the stream's biases, kept aside in fp32 (see add_layernorm)
             xf += tl.load(offset_ptr + c, mask=c < N, other=0.0)
-        h = layernorm_rows(xf, mask, c, w_ptr, b_ptr, N, eps)
+        if RMS:
+            # RMSNorm as Qwen2.5-VL has it: fp32 statistics, rounded, then times the weight.
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1)[:, None] / N + eps)
+            w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+            h = (xf * rstd).to(h_ptr.dtype.element_ty).to(tl.float32) * w
+        else:
+            h = layernorm_rows(xf, mask, c, w_ptr, b_ptr, N, eps)
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -177,12 +184,30 @@ if available():
             tl.store(pair_ptr + src + H * half, ok, mask=mask)
 
     @triton.jit
-    def _quick_gelu_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    def _activate(xf, ACT: tl.constexpr):
+        if ACT == 0:  # quick_gelu
+            return xf * tl.sigmoid(1.702 * xf)
+        elif ACT == 1:  # gelu, tanh form: 0.5 x (1 + tanh(y)) == x * sigmoid(2 y)
+            return xf * tl.sigmoid(1.5957691216057308 * (xf + 0.044715 * xf * xf * xf))
+        else:  # silu
+            return xf * tl.sigmoid(xf)
+
+    @triton.jit
+    def _activation_kernel(x_ptr, n, BLOCK: tl.constexpr, ACT: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
         x = tl.load(x_ptr + i, mask=mask, other=0.0)
-        xf = x.to(tl.float32)
-        tl.store(x_ptr + i, (xf * tl.sigmoid(1.702 * xf)).to(x.dtype), mask=mask)
+        tl.store(x_ptr + i, _activate(x.to(tl.float32), ACT).to(x.dtype), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, n, width, BLOCK: tl.constexpr):
+        # gu [T, 2 * width]: each row's gate, then its up; out [T, width] = silu(gate) * up.
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        src = (i // width) * (2 * width) + i % width
+        g = tl.load(gu_ptr + src, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + src + width, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + i, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _prefix_sums_kernel(x_ptr, out_ptr, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -234,7 +259,7 @@ def layernorm_launch(rows: int, width: int) -> LayerNormLaunch:
 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
                   eps: float, y_bias: torch.Tensor | None = None, offset: torch.Tensor | None = None,
-                  launch: LayerNormLaunch | None = None) -> torch.Tensor:
+                  launch: LayerNormLaunch | None = None, rms: bool = False) -> torch.Tensor:
     """``x += y`` in place (when ``y`` is given), then return ``LayerNorm(x)``. ``x``: ``[T, N]``
     contiguous; ``y``: ``[T, N]``, or ``[S, T, N]`` partial products that are summed (in fp32,
     with ``y_bias [N]`` when given) before the add. ``offset``: fp32 ``[N]`` added to every row
@@ -255,7 +280,7 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
         x, y if y is not None else x, y_bias if y_bias is not None else x, offset if offset is not None else x, h,
         weight, bias, rows, eps, N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=launch.rows, HAS_Y=y is not None,
         SPLITS=y.shape[0] if y is not None and y.dim() == 3 else 1, HAS_Y_BIAS=y_bias is not None,
-        HAS_OFFSET=offset is not None, LAUNCH_DEPENDENTS=_launches_dependents(x), num_warps=launch.warps)
+        HAS_OFFSET=offset is not None, LAUNCH_DEPENDENTS=_launches_dependents(x), RMS=rms, num_warps=launch.warps)
     return h
 
 
@@ -302,13 +327,39 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
     return q_out, k_out, views[2]
 
 
-def quick_gelu_(x: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid(1.702 x)`` in place; ``x`` contiguous."""
+FUSED_ACTIVATIONS = {"quick_gelu": 0, "gelu_pytorch_tanh": 1, "silu": 2}  # what activation_ computes
+
+
+def activation_(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``name`` (one of ``FUSED_ACTIVATIONS``) of ``x`` in place, in fp32; ``x`` contiguous."""
     n = x.numel()
     if n:
         block = 4096
-        _quick_gelu_kernel[(triton.cdiv(n, block),)](x, n, BLOCK=block, num_warps=8)
+        _activation_kernel[(triton.cdiv(n, block),)](x, n, BLOCK=block, ACT=FUSED_ACTIVATIONS[name], num_warps=8)
     return x
+
+
+def quick_gelu_(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(1.702 x)`` in place; ``x`` contiguous."""
+    return activation_(x, "quick_gelu")
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2W]`` (contiguous; each row's gate, then its up),
+    in fp32 and rounded once: ``[T, W]``."""
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, width, device=gate_up.device, dtype=gate_up.dtype)
+    n = out.numel()
+    if n:
+        block = 4096
+        _silu_mul_kernel[(triton.cdiv(n, block),)](gate_up, out, n, width, BLOCK=block, num_warps=8)
+    return out
+
+
+def add_rmsnorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += y`` in place (when ``y [T, N]`` is given), then return ``RMSNorm(x)``: fp32
+    statistics, the normalized row rounded to x's dtype, then times ``weight`` (Qwen2.5-VL's)."""
+    return add_layernorm(x, y, weight, weight, eps, rms=True)
 
 
 def prefix_sums(x: torch.Tensor) -> torch.Tensor:
