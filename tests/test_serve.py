@@ -166,17 +166,24 @@ def test_the_cli_serves_until_interrupted(tmp_path):
 
 
 def test_the_saturation_benchmark_drives_the_app_over_http(tmp_path):
-    """``vitgraph bench-serving --closed-loop --target serve`` (in its own process: its own Ray)."""
+    """``vitgraph bench-serving --closed-loop --target serve --replicas 2`` (in its own process: its own
+    Ray): both replicas answer as the benchmark's own encoder does, and report themselves."""
     import subprocess
     import sys
 
     out = tmp_path / "saturation.json"
     proc = subprocess.run([sys.executable, "-m", "vitgraph", "bench-serving", "--preset", "tiny", "--device", "cpu",
                            "--closed-loop", "2", "--requests", "4", "--systems", "vitgraph_eager", "--target", "serve",
-                           "--port", str(free_port()), "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--replicas", "2", "--port", str(free_port()), "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    systems = {r["system"]: r for r in json.loads(out.read_text())["closed_loop"]}
-    assert set(systems) == {"vitgraph_eager", "ray_serve"} and systems["ray_serve"]["throughput_rps"] > 0
+    result = json.loads(out.read_text())
+    systems = {r["system"]: r for r in result["closed_loop"]}
+    assert set(systems) == {"vitgraph_eager", "ray_serve", "ray_handle"}
+    assert systems["ray_serve"]["throughput_rps"] > 0 and systems["ray_handle"]["throughput_rps"] > 0
+    assert len(result["serve_agreement"]) == 2, result["serve_agreement"]  # both replicas answered
+    assert all(diff <= 1e-4 for diff in result["serve_agreement"].values()), result["serve_agreement"]
+    assert set(result["replicas"]) == set(result["serve_agreement"])
+    assert all(r["device"] == "cpu" and r["memory"] == {} for r in result["replicas"].values())
 
 
 def test_two_replicas_share_the_requests(app, direct):

@@ -92,7 +92,9 @@ class VisionEncoderDeployment:
             raise BadRequest(str(err)) from None
         if not grids:
             raise BadRequest("grid_thw holds no item")
-        return _Request(pixels.detach().to("cpu", torch.float32).contiguous(), [tuple(g) for g in grids])
+        # In the encoder's dtype at once (the cast encode would make): a batch concatenates
+        # fewer bytes, and a caller that sends bf16 rows sends half of fp32's.
+        return _Request(pixels.detach().to("cpu", enc.dtype).contiguous(), [tuple(g) for g in grids])
 
     # -- encoding ---------------------------------------------------------------------
 
@@ -123,12 +125,23 @@ class VisionEncoderDeployment:
         return await self._encode(self._validated(pixels, grid_thw))
 
     def stats(self) -> dict[str, Any]:
-        """Requests and patch tokens of each batch so far, requests encoded alone, and the encoder's stats."""
+        """Requests and patch tokens of each batch so far, requests encoded alone, GPU memory
+        (empty on a CPU) and the encoder's stats."""
         with self._lock:
             batches = list(self._batches)
             alone = self._alone
         return {"replica": self.replica, "device": str(self.encoder.device), "max_batch_tokens": self.max_batch_tokens,
-                "batches": batches, "encoded_alone": alone, "encoder": self.encoder.stats()}
+                "batches": batches, "encoded_alone": alone, "memory": self._memory(), "encoder": self.encoder.stats()}
+
+    def _memory(self) -> dict[str, Any]:
+        """This replica's share of its GPU (bytes): what its process holds, and the device's use."""
+        device = self.encoder.device
+        if device.type != "cuda":
+            return {}
+        free, total = torch.cuda.mem_get_info(device)
+        return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
+                "peak_allocated": torch.cuda.max_memory_allocated(device),
+                "graph_pool": self.encoder.stats()["pool_bytes"], "device_used": total - free, "device_total": total}
 
     # -- HTTP -------------------------------------------------------------------------
 

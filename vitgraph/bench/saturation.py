@@ -61,8 +61,33 @@ def closed_loop(run, pixels_for, grids, clients: int, max_tokens: int, device: t
 
 def http_closed_loop(url: str, pixels_for, grids, clients: int) -> dict:
     """``clients`` threads posting the requests ``grids`` to the Ray Serve app (wall clock)."""
-    payloads = [save_safetensors({"pixels": pixels_for(g).float().cpu().contiguous(), "grid_thw": torch.tensor([g])})
+    # Rows in the encoder's dtype, as a serving stack that preprocesses into bf16 sends them.
+    payloads = [save_safetensors({"pixels": pixels_for(g).cpu().contiguous(), "grid_thw": torch.tensor([g])})
                 for g in grids]
+
+    def send(i: int) -> None:
+        request = urllib.request.Request(url, data=payloads[i], method="POST",
+                                         headers={"Content-Type": "application/octet-stream"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            response.read()
+            if response.status != 200:
+                raise RuntimeError(f"request {i}: HTTP {response.status}")
+
+    return _threaded_closed_loop(send, grids, clients)
+
+
+def handle_closed_loop(handle, pixels_for, grids, clients: int) -> dict:
+    """``clients`` threads calling the deployment's ``encode`` through a Python handle (the
+    in-cluster interface: no HTTP, rows as tensors through Ray's object transfer)."""
+    rows = [pixels_for(g).cpu().contiguous() for g in grids]
+
+    def send(i: int) -> None:
+        handle.encode.remote(rows[i], [grids[i]]).result()
+
+    return _threaded_closed_loop(send, grids, clients)
+
+
+def _threaded_closed_loop(send, grids, clients: int) -> dict:
     lock, next_index, latencies = threading.Lock(), [0], []
 
     def client():
@@ -70,15 +95,10 @@ def http_closed_loop(url: str, pixels_for, grids, clients: int) -> dict:
             with lock:
                 i = next_index[0]
                 next_index[0] += 1
-            if i >= len(payloads):
+            if i >= len(grids):
                 return
-            request = urllib.request.Request(url, data=payloads[i], method="POST",
-                                             headers={"Content-Type": "application/octet-stream"})
             start = time.perf_counter()
-            with urllib.request.urlopen(request, timeout=600) as response:
-                response.read()
-                if response.status != 200:
-                    raise RuntimeError(f"request {i}: HTTP {response.status}")
+            send(i)
             with lock:
                 latencies.append((time.perf_counter() - start) * 1e3)
 
@@ -90,8 +110,44 @@ def http_closed_loop(url: str, pixels_for, grids, clients: int) -> dict:
     return _summary(latencies, len(grids), sum(t * h * w for t, h, w in grids), seconds, [])
 
 
+def post_rows(url: str, pixels: torch.Tensor, grid) -> tuple[str, torch.Tensor]:
+    """One request of rows; returns (the replica that answered, its embeddings)."""
+    from safetensors.torch import load as load_safetensors
+
+    body = save_safetensors({"pixels": pixels.cpu().contiguous(), "grid_thw": torch.tensor([grid])})
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/octet-stream"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return response.headers["X-Vitgraph-Replica"], load_safetensors(response.read())["embeddings"]
+
+
+def serve_agreement(url: str, encode, pixels_for, grids, repeats: int) -> dict:
+    """Each of ``grids`` posted alone ``repeats`` times (one request at a time, so each is its
+    own encode call) against ``encode`` in this process with the same weights: the largest
+    difference per replica that answered (0.0: the same bits)."""
+    worst: dict[str, float] = {}
+    for grid in grids:
+        expected = encode(pixels_for(grid), [grid]).float().cpu()
+        for _ in range(repeats):
+            replica, got = post_rows(url, pixels_for(grid), grid)
+            worst[replica] = max(worst.get(replica, 0.0), (got.float() - expected).abs().max().item())
+    return worst
+
+
+def replica_stats(handle, replicas: int, tries: int = 64) -> dict[str, dict]:
+    """Each replica's ``stats()`` (batches dropped: long), asked through the handle until every
+    replica has answered or ``tries`` run out."""
+    found: dict[str, dict] = {}
+    for _ in range(tries):
+        stats = handle.stats.remote().result()
+        stats.pop("batches")
+        found[stats["replica"]] = stats
+        if len(found) >= replicas:
+            break
+    return found
+
+
 def start_serve_app(args, port: int, max_budget: int):
-    """Ray and the vitgraph app on this machine, for ``--target serve``; returns (url, stop)."""
+    """Ray and the vitgraph app on this machine, for ``--target serve``; returns (url, handle, stop)."""
     import ray
     from ray import serve
 
@@ -99,11 +155,12 @@ def start_serve_app(args, port: int, max_budget: int):
 
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype, max_budget=max_budget),
-              name="vitgraph-bench", route_prefix="/")
+    handle = serve.run(build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype,
+                                 num_replicas=args.replicas, num_gpus=args.gpus_per_replica, max_budget=max_budget),
+                       name="vitgraph-bench", route_prefix="/")
 
     def stop():
         serve.shutdown()
         ray.shutdown()
 
-    return f"http://127.0.0.1:{port}/encode", stop
+    return f"http://127.0.0.1:{port}/encode", handle, stop

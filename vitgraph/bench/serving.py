@@ -127,9 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of the open-loop loads: C concurrent clients with no think time each, "
                         "reporting throughput at saturation (images/s, patch tokens/s) and p50/p99")
     p.add_argument("--target", choices=("process", "serve"), default="process",
-                   help="with --closed-loop: the in-process systems, or also the Ray Serve app over HTTP "
+                   help="with --closed-loop: the in-process systems, or also the Ray Serve app over HTTP and through its handle "
                         "(needs vitgraph[serve]; started on this machine)")
     p.add_argument("--port", type=common.positive_int, default=8765, help="the Ray Serve app's port (--target serve)")
+    p.add_argument("--replicas", type=common.positive_int, default=1, help="the Ray Serve app's replicas (--target serve)")
+    p.add_argument("--gpus-per-replica", type=common.positive_float, default=None,
+                   help="GPUs each replica takes (--target serve; default 1 on CUDA, 0.5: two replicas per GPU)")
     p.add_argument("--json", help="write the full result here")
     return p
 
@@ -219,8 +222,16 @@ def _saturation(args, result, runners, systems, streams, pixels_for, max_budget,
 
     result["closed_loop"] = []
     targets = [(name, runners[name]) for name in systems if name in runners]
-    url, stop = saturation.start_serve_app(args, args.port, max_budget) if args.target == "serve" else (None, None)
+    url, handle, stop = (saturation.start_serve_app(args, args.port, max_budget) if args.target == "serve"
+                         else (None, None, None))
     try:
+        if url is not None:  # every replica answers as this process's encoder does, before any load
+            probe = list(dict.fromkeys(g for grids in streams.values() for g in grids))[:4]
+            reference = runners.get("vitgraph_graph") or runners["vitgraph_eager"]
+            result["serve_agreement"] = saturation.serve_agreement(url, reference, pixels_for, probe,
+                                                                   repeats=2 * args.replicas)
+            print(f"  ray_serve agreement (max |difference| per replica): {result['serve_agreement']}",
+                  file=sys.stderr)
         for seed, grids in streams.items():
             for clients in args.closed_loop:
                 rows = [(name, saturation.closed_loop(run, pixels_for, grids, clients, max_budget, device))
@@ -228,8 +239,14 @@ def _saturation(args, result, runners, systems, streams, pixels_for, max_budget,
                 if url is not None:
                     saturation.http_closed_loop(url, pixels_for, grids[:clients], clients)  # warm-up
                     rows.append(("ray_serve", saturation.http_closed_loop(url, pixels_for, grids, clients)))
+                    saturation.handle_closed_loop(handle, pixels_for, grids[:clients], clients)  # warm-up
+                    rows.append(("ray_handle", saturation.handle_closed_loop(handle, pixels_for, grids, clients)))
                 for name, stats in rows:
                     result["closed_loop"].append({"system": name, "clients": clients, "seed": seed, **stats})
+        if handle is not None:
+            result["replicas"] = saturation.replica_stats(handle, args.replicas)
+            for name, stats in result["replicas"].items():
+                print(f"  replica {name} on {stats['device']}: memory {stats['memory']}", file=sys.stderr)
     finally:
         if stop is not None:
             stop()
