@@ -210,3 +210,11 @@ def test_two_replicas_share_the_requests(app, direct):
         assert rel_err(load_safetensors(body)["embeddings"], direct.encode(pixels, [(1, 8, 8)])) <= 1e-5
     assert len(replicas) == 2, replicas
     serve.delete("two")
+
+
+def test_build_app_refuses_a_bad_max_ongoing_requests():
+    from vitgraph.serve import build_app
+
+    for bad in (0, -1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="max_ongoing_requests"):
+            build_app(preset="tiny", device="cpu", max_ongoing_requests=bad)

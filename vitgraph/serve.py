@@ -33,6 +33,10 @@ from .encoder import GraphedVisionEncoder
 from .validation import check_pixels, check_rows, normalize_grid
 
 DEFAULT_WAIT_S = 0.005  # how long a batch waits for more requests once its first arrives
+# Requests a replica holds at once. Ray's default (5) starves the GPU: a batch then holds at
+# most five requests and the next ones are only sent once it returns (on an H200 one replica
+# served 17 req/s of the serving mix against 62 in process).
+DEFAULT_MAX_ONGOING = 64
 
 
 class _Request:
@@ -102,7 +106,9 @@ class VisionEncoderDeployment:
         enc = self.encoder
         return enc.encode(pixels.to(enc.device, enc.dtype), grids).to("cpu")
 
-    @serve.batch(max_batch_size=16384, batch_wait_timeout_s=DEFAULT_WAIT_S, batch_size_fn=_tokens)
+    # Two batches at once: one stages and plans on the host while the other runs on the GPU.
+    @serve.batch(max_batch_size=16384, batch_wait_timeout_s=DEFAULT_WAIT_S, batch_size_fn=_tokens,
+                 max_concurrent_batches=2)
     async def _batched(self, requests: list[_Request]) -> list[torch.Tensor]:
         pixels = torch.cat([r.pixels for r in requests])
         grids = [g for r in requests for g in r.grids]
@@ -215,18 +221,22 @@ class VisionEncoderDeployment:
 def build_app(model: str | None = None, *, preset: str | None = None, device: str | None = None,
               dtype: str | None = None, num_replicas: int | str = 1, num_gpus: float | None = None,
               autoscaling_config: dict | None = None, batch_wait_timeout_s: float = DEFAULT_WAIT_S,
-              num_cpus: float | None = None, **engine_options):
+              num_cpus: float | None = None, max_ongoing_requests: int = DEFAULT_MAX_ONGOING, **engine_options):
     """The Ray Serve application: ``num_replicas`` replicas (or ``autoscaling_config``), each
     holding one encoder on ``num_gpus`` GPUs (default: 1 where CUDA is present, else 0). With
     ``num_gpus=1`` Ray places one replica per GPU and gives each only its own device
     (``CUDA_VISIBLE_DEVICES``): the encoder runs on it, and nothing crosses GPUs. Fractions
-    (``0.5``) put several replicas on one GPU, each with its own encoder and graphs."""
+    (``0.5``) put several replicas on one GPU, each with its own encoder and graphs.
+    ``max_ongoing_requests``: requests each replica holds at once (queued for its batches)."""
     if num_gpus is None:
         num_gpus = 1 if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else 0
     actor = {"num_gpus": num_gpus}
     if num_cpus is not None:
         actor["num_cpus"] = num_cpus
     scale = {"autoscaling_config": autoscaling_config} if autoscaling_config else {"num_replicas": num_replicas}
-    return VisionEncoderDeployment.options(ray_actor_options=actor, **scale).bind(
+    if isinstance(max_ongoing_requests, bool) or not isinstance(max_ongoing_requests, int) or max_ongoing_requests < 1:
+        raise ValueError(f"max_ongoing_requests must be a positive int, got {max_ongoing_requests!r}")
+    return VisionEncoderDeployment.options(ray_actor_options=actor, max_ongoing_requests=max_ongoing_requests,
+                                           **scale).bind(
         model=model, preset=preset, device=device, dtype=dtype, batch_wait_timeout_s=batch_wait_timeout_s,
         engine_options=engine_options)
