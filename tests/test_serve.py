@@ -174,7 +174,8 @@ def test_the_saturation_benchmark_drives_the_app_over_http(tmp_path):
     out = tmp_path / "saturation.json"
     proc = subprocess.run([sys.executable, "-m", "vitgraph", "bench-serving", "--preset", "tiny", "--device", "cpu",
                            "--closed-loop", "2", "--requests", "4", "--systems", "vitgraph_eager", "--target", "serve",
-                           "--replicas", "2", "--port", str(free_port()), "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--replicas", "2", "--port", str(free_port()), "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     systems = {r["system"]: r for r in result["closed_loop"]}

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from . import common
@@ -59,21 +60,25 @@ def closed_loop(run, pixels_for, grids, clients: int, max_tokens: int, device: t
     return _summary([(done[i] - arrivals[i]) * 1e3 for i in range(n)], n, sum(size), clock, batches)
 
 
+def _rows_payload(pixels: torch.Tensor, grid) -> bytes:
+    """A ``POST /encode`` body of one item's rows (in their own dtype) and its grid."""
+    return save_safetensors({"pixels": pixels.cpu().contiguous(), "grid_thw": torch.tensor([grid])})
+
+
+def _post(url: str, body: bytes, what: str) -> tuple[str, bytes]:
+    """POST a rows payload; returns (the replica that answered, the response body)."""
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/octet-stream"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{what}: HTTP {response.status}")
+        return response.headers["X-Vitgraph-Replica"], response.read()
+
+
 def http_closed_loop(url: str, pixels_for, grids, clients: int) -> dict:
     """``clients`` threads posting the requests ``grids`` to the Ray Serve app (wall clock)."""
     # Rows in the encoder's dtype, as a serving stack that preprocesses into bf16 sends them.
-    payloads = [save_safetensors({"pixels": pixels_for(g).cpu().contiguous(), "grid_thw": torch.tensor([g])})
-                for g in grids]
-
-    def send(i: int) -> None:
-        request = urllib.request.Request(url, data=payloads[i], method="POST",
-                                         headers={"Content-Type": "application/octet-stream"})
-        with urllib.request.urlopen(request, timeout=600) as response:
-            response.read()
-            if response.status != 200:
-                raise RuntimeError(f"request {i}: HTTP {response.status}")
-
-    return _threaded_closed_loop(send, grids, clients)
+    payloads = [_rows_payload(pixels_for(g), g) for g in grids]
+    return _threaded_closed_loop(lambda i: _post(url, payloads[i], f"request {i}"), grids, clients)
 
 
 def handle_closed_loop(handle, pixels_for, grids, clients: int) -> dict:
@@ -110,16 +115,6 @@ def _threaded_closed_loop(send, grids, clients: int) -> dict:
     return _summary(latencies, len(grids), sum(t * h * w for t, h, w in grids), seconds, [])
 
 
-def post_rows(url: str, pixels: torch.Tensor, grid) -> tuple[str, torch.Tensor]:
-    """One request of rows; returns (the replica that answered, its embeddings)."""
-    from safetensors.torch import load as load_safetensors
-
-    body = save_safetensors({"pixels": pixels.cpu().contiguous(), "grid_thw": torch.tensor([grid])})
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/octet-stream"})
-    with urllib.request.urlopen(request, timeout=600) as response:
-        return response.headers["X-Vitgraph-Replica"], load_safetensors(response.read())["embeddings"]
-
-
 def serve_agreement(url: str, encode, pixels_for, grids, repeats: int) -> dict:
     """Each of ``grids`` posted alone ``repeats`` times (one request at a time, so each is its
     own encode call) against ``encode`` in this process with the same weights: the largest
@@ -128,7 +123,8 @@ def serve_agreement(url: str, encode, pixels_for, grids, repeats: int) -> dict:
     for grid in grids:
         expected = encode(pixels_for(grid), [grid]).float().cpu()
         for _ in range(repeats):
-            replica, got = post_rows(url, pixels_for(grid), grid)
+            replica, body = _post(url, _rows_payload(pixels_for(grid), grid), f"grid {grid}")
+            got = load_safetensors(body)["embeddings"]
             worst[replica] = max(worst.get(replica, 0.0), (got.float() - expected).abs().max().item())
     return worst
 
