@@ -1,13 +1,13 @@
-"""A/B of module-level settings of vitgraph, end to end, in one process.
+"""A/B of tuning settings of vitgraph (:mod:`vitgraph.tuning`), end to end, in one process.
 
-    python benchmarks/ab_setting.py vitgraph.ops.gemm.QUACK_QKV_MIN_ROWS=10**9   # qkv back on cuBLAS
-    python benchmarks/ab_setting.py vitgraph.ops.gemm.QUACK_MIN_ROWS=256 --cases 1x256 --rounds 7
-    python benchmarks/ab_setting.py vitgraph.ops.attention.FA4_SHORT_SEQLEN=0 --cases --frames 40x40 44x46   # single frames
-    python benchmarks/ab_setting.py vitgraph.ops.gemm.SPLIT_K=4 --both-orders   # both build orders in one run
-    python benchmarks/ab_setting.py vitgraph.ops.gemm.SPLIT_K=4 --both-orders --control   # and an A/A beside it
+    python benchmarks/ab_setting.py gemm.qkv_min_rows=10**9   # qkv back on cuBLAS
+    python benchmarks/ab_setting.py gemm.fc1_min_rows=256 --cases 1x256 --rounds 7
+    python benchmarks/ab_setting.py attention.short_seqlen=0 --cases --frames 40x40 44x46   # single frames
+    python benchmarks/ab_setting.py gemm.split_k=4 --both-orders   # both build orders in one run
+    python benchmarks/ab_setting.py gemm.split_k=4 --both-orders --control   # and an A/A beside it
 
 Two graph encoders of the 2B model with the same random weights: ``default`` and
-``changed``, the second built (captured) and called with the settings changed. Each round
+``changed``, the second built with the settings changed (``EngineOptions(tuning=...)``). Each round
 times every case on both (median wall ms of ``--iters`` synchronised ``encode`` calls, as
 ``benchmarks/latency.py``), the two strictly alternating; the table shows the median over
 rounds and the relative difference of the two outputs.
@@ -27,26 +27,29 @@ runs the second alone).
 import argparse
 import ast
 import gc
-import importlib
 
 import torch
 
 from vitgraph import GraphedVisionEncoder
 from vitgraph.bench.common import PREHEAT_SECONDS, alternating_ab, print_table
 from vitgraph.bench.latency import CASES, select_cases
+from vitgraph.models import PRESETS
+from vitgraph.tuning import derive_tuning
 
 
-def parse_settings(texts: list[str]) -> list[tuple]:
-    """``module.NAME=value`` texts -> ``(module, name, default, changed)``."""
-    settings = []
+def parse_settings(texts: list[str], preset: str, device: torch.device) -> dict:
+    """``group.field=value`` texts -> the tuning changes ``{name: value}``."""
+    settings = {}
     for text in texts:
-        target, value = text.split("=", 1)
-        module_name, attr = target.rsplit(".", 1)
-        module = importlib.import_module(module_name)
+        name, value = text.split("=", 1)
         base, _, power = value.partition("**")
-        changed = ast.literal_eval(base) ** int(power) if power else ast.literal_eval(value)
-        settings.append((module, attr, getattr(module, attr), changed))
-        print(f"{target}: default {getattr(module, attr)!r}, changed {changed!r}")
+        settings[name] = ast.literal_eval(base) ** int(power) if power else ast.literal_eval(value)
+    derived = derive_tuning(PRESETS[preset], device)
+    changed = derive_tuning(PRESETS[preset], device, settings)  # refuses unknown names
+    for name in settings:
+        group, field = name.split(".")
+        print(f"{name}: default {getattr(getattr(derived, group), field)!r}, "
+              f"changed {getattr(getattr(changed, group), field)!r}")
     return settings
 
 
@@ -54,18 +57,14 @@ def run_order(args, settings, order: tuple[str, ...], cases: dict, device: torch
     """Build the encoders in ``order`` and time ``cases`` on each: :func:`alternating_ab`'s rows
     (keys default, changed, then control where ``order`` has it: a second encoder with the
     default settings)."""
-    def apply(key):
-        for module, attr, default, changed in settings:
-            setattr(module, attr, changed if key == "changed" else default)
-
     encoders = {}
     print("build order:", ", ".join(order))
     for key in order:
-        apply(key)
-        encoders[key] = GraphedVisionEncoder.from_config(args.preset, device=device, seed=0, progress=False)
+        encoders[key] = GraphedVisionEncoder.from_config(args.preset, device=device, seed=0, progress=False,
+                                                         tuning=settings if key == "changed" else None)
     # Steps are routed by timings taken at capture: one routing for both, unless the settings
     # change which buckets exist or how routing is timed (then each keeps the routing it measured).
-    routing_changed = any(module.__name__ == "vitgraph.engine.routing" for module, *_ in settings)
+    routing_changed = any(name.startswith("routing.") for name in settings)
     if encoders["changed"].buckets == encoders["default"].buckets and not routing_changed:
         for key in set(encoders) - {"default"}:
             encoders[key]._packed_single_below = dict(encoders["default"]._packed_single_below)
@@ -78,7 +77,6 @@ def run_order(args, settings, order: tuple[str, ...], cases: dict, device: torch
               f"{enc._routing_seconds:.2f} s")
 
     def encode(key, pixels, grids):
-        apply(key)  # eager calls (1x9604) read settings at call time
         return encoders[key].encode(pixels, grids)
 
     try:
@@ -86,7 +84,6 @@ def run_order(args, settings, order: tuple[str, ...], cases: dict, device: torch
         return alternating_ab(encode, keys, cases, encoders["default"].config.patch_width, device,
                               args.rounds, args.iters, args.preheat)
     finally:
-        apply("default")
         encoders.clear()  # free the graphs and their pool before the next order builds its own
         gc.collect()
         if device.type == "cuda":
@@ -95,7 +92,7 @@ def run_order(args, settings, order: tuple[str, ...], cases: dict, device: torch
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("settings", nargs="+", help="module.NAME=value (an int, float or string literal, or 10**N)")
+    p.add_argument("settings", nargs="+", help="group.field=value of vitgraph.tuning (a Python literal, or 10**N)")
     p.add_argument("--cases", nargs="*", default=list(CASES))
     p.add_argument("--frames", nargs="*", default=[], help="more cases: one frame of HxW patches each")
     p.add_argument("--rounds", type=int, default=5)
@@ -112,8 +109,8 @@ def main() -> None:
     p.add_argument("--preset", default="qwen2-vl-2b", help="the model shape (a vitgraph preset; random weights)")
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
-    settings = parse_settings(args.settings)
     device = torch.device(args.device)
+    settings = parse_settings(args.settings, args.preset, device)
     cases = select_cases(args.cases, args.frames)
     if args.both_orders:
         orders = [("default", "changed"), ("changed", "default")]

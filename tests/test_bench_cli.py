@@ -175,23 +175,26 @@ def test_call_timer_counts_every_call_and_keeps_the_result():
 def test_ab_setting_runs_both_build_orders():
     """benchmarks/ab_setting.py on the tiny preset (CPU, eager), both build orders with new
     encoders and the two deltas side by side. The setting changes nothing on the CPU (split-K
-    runs on Hopper only), so both encoders give the same output."""
+    runs on Hopper only), so both encoders give the same output; an unknown setting is refused."""
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_setting.py"
-    proc = subprocess.run([sys.executable, str(script), "vitgraph.ops.gemm.SPLIT_K=4", "--both-orders", "--preset", "tiny",
+    proc = subprocess.run([sys.executable, str(script), "gemm.split_k=4", "--both-orders", "--preset", "tiny",
                            "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256", "--frames", "8x10",
                            "--preheat", "0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert "vitgraph.ops.gemm.SPLIT_K: default 2, changed 4" in out
+    assert "gemm.split_k: default 2, changed 4" in out
     assert out.index("build order: default, changed") < out.index("build order: changed, default")
     assert "default built first:" in out and "changed built first:" in out
     last = out.split("both orders (delta ms = changed - default):")[1].splitlines()
     assert last[1].split()[:1] == ["case"] and last[2].split()[0] == "1x256" and last[2].split()[-1] in ("yes", "no")
     assert last[3].split()[:3] == ["1", "frame", "8x10"]  # --frames: one frame of 8x10 patches
     assert "0.0e+00" in out  # the same output either way
+    bad = subprocess.run([sys.executable, str(script), "gemm.no_such_field=1", "--preset", "tiny", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "unknown setting 'gemm.no_such_field'" in bad.stderr
 
 
 def test_window_medians_take_the_samples_inside_the_window():
@@ -234,7 +237,7 @@ def test_ab_setting_control_encoder_reports_an_a_a():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_setting.py"
-    proc = subprocess.run([sys.executable, str(script), "vitgraph.ops.gemm.SPLIT_K=4", "--both-orders", "--control",
+    proc = subprocess.run([sys.executable, str(script), "gemm.split_k=4", "--both-orders", "--control",
                            "--preset", "tiny", "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256",
                            "--preheat", "0"],
                           capture_output=True, text=True, timeout=300)

@@ -17,6 +17,7 @@ from vitgraph import GraphedVisionEncoder
 from vitgraph.ops import kernels
 from vitgraph.ops.attention import available_backends
 from vitgraph.engine.planner import Bucket
+from vitgraph.config import PRESETS
 from vitgraph.ops.gemm import linear_qkv, linear_quick_gelu, quack_available
 
 pytestmark = pytest.mark.cuda
@@ -62,14 +63,12 @@ def random_grids(rng, n, max_frames=3, max_side=16):
              2 * rng.randint(1, max_side // 2)) for _ in range(n)]
 
 
-def test_fp32_parity_every_backend(weights, hf_gpu, monkeypatch):
+def test_fp32_parity_every_backend(weights, hf_gpu):
     grids = [(1, 8, 12), (2, 4, 4), (1, 2, 2)]
     pixels = random_pixels(grids, seed=1)
     ref = hf_forward(hf_gpu, pixels, grids)  # fp32 on CPU
     # These grids are small: lower quack's row thresholds so every quack GEMM really runs.
-    for threshold in ("QUACK_MIN_ROWS", "QUACK_QKV_MIN_ROWS", "QUACK_ROPE_MIN_ROWS"):
-        monkeypatch.setattr(vitgraph.ops.gemm, threshold, 0)
-    split_k_default = vitgraph.ops.gemm.SPLIT_K_MAX_ROWS  # read once: the loop below sets it
+    low = {"gemm.fc1_min_rows": 0, "gemm.qkv_min_rows": 0, "gemm.rope_min_rows": 0}
     for backend in available_backends("cuda"):
         for dtype in (torch.float32, torch.bfloat16):
             if dtype == torch.float32 and backend != "sdpa":
@@ -79,10 +78,11 @@ def test_fp32_parity_every_backend(weights, hf_gpu, monkeypatch):
                     continue
                 # fused: also with the biases out of the residual stream (above the split-K rows,
                 # which these grids are not: lowered)
-                for split_k_max in ((split_k_default, 0) if fuse else (None,)):
-                    if split_k_max is not None:
-                        monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_MAX_ROWS", split_k_max)
-                    enc = make(weights, mode="eager", dtype=dtype, attention=backend, fuse=fuse, gemm=gemm)
+                for split_k_max in ((None, 0) if fuse else (None,)):
+                    tuning = {**low, **({} if split_k_max is None else {"gemm.split_k_max_rows": split_k_max})}
+                    enc = make(weights, mode="eager", dtype=dtype, attention=backend, fuse=fuse, gemm=gemm,
+                               tuning=tuning)
+                    split_k_max = enc.tuning.gemm.split_k_max_rows
                     got = enc.encode(pixels.cuda(), grids).float().cpu()
                     err = rel_err(got, ref)
                     print(f"\n[parity] backend={backend:6s} dtype={str(dtype):14s} fused={fuse!s:5} gemm={gemm:6s} "
@@ -105,44 +105,51 @@ def test_every_bucket_replay_is_bitwise_equal_to_eager_on_the_same_buffers(graph
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="griddepcontrol needs compute capability 9+")
-def test_layernorm_launching_its_dependents_changes_no_bit(graph_enc, monkeypatch):
+def test_layernorm_launching_its_dependents_changes_no_bit(graph_enc):
     """On Hopper add+LayerNorm lets the kernel after it launch early (quack's GEMMs then run
     their prologue while it finishes, and wait for its results): every bucket's replay equals
     an eager run on the same buffers with every kernel launched the plain way."""
-    assert kernels._launches_dependents(torch.empty(BUDGETS[-1], 1, device="cuda"))
-    assert not kernels._launches_dependents(torch.empty(kernels.LAUNCH_DEPENDENTS_MAX_ROWS + 1, 1, device="cuda"))
-    bank = graph_enc.bank
+    norms = graph_enc.tuning.norms
+    assert kernels._launches_dependents(torch.empty(BUDGETS[-1], 1, device="cuda"), norms)
+    assert not kernels._launches_dependents(torch.empty(norms.launch_dependents_max_rows + 1, 1, device="cuda"), norms)
+    bank, tuned = graph_enc.bank, graph_enc.tower.tuning
+    plain_way = dataclasses.replace(tuned, norms=dataclasses.replace(norms, launch_dependents_max_rows=0))
     rng = random.Random(1)
-    for bucket in bank.buckets:
-        _, tokens = load_random_frames(bank, bucket, rng)
-        replayed = bank.replay(bucket)[:tokens // 4].clone()
-        monkeypatch.setattr(kernels, "LAYERNORM_LAUNCHES_DEPENDENTS", False)
-        plain = bank.run_eager(bucket)[:tokens // 4]
-        monkeypatch.setattr(kernels, "LAYERNORM_LAUNCHES_DEPENDENTS", True)
-        assert torch.equal(replayed, plain), f"bucket {bucket.name}: {diff_report(replayed, plain)}"
+    try:
+        for bucket in bank.buckets:
+            _, tokens = load_random_frames(bank, bucket, rng)
+            replayed = bank.replay(bucket)[:tokens // 4].clone()
+            graph_enc.tower.set_tuning(plain_way)
+            plain = bank.run_eager(bucket)[:tokens // 4]
+            graph_enc.tower.set_tuning(tuned)
+            assert torch.equal(replayed, plain), f"bucket {bucket.name}: {diff_report(replayed, plain)}"
+    finally:
+        graph_enc.tower.set_tuning(tuned)
 
 
 @pytest.mark.parametrize("long_splits", [None, 1, 2])
-def test_split_k_partials_summed_by_layernorm_at_every_split_size(monkeypatch, long_splits):
-    """proj and fc2 at the real widths, split in K up to SPLIT_K_MAX_ROWS rows on Hopper (fc2 in
-    SPLIT_K_LONG slices at SPLIT_K_LONG_ROWS rows, or there unsplit or in two): the
+def test_split_k_partials_summed_by_layernorm_at_every_split_size(long_splits):
+    """proj and fc2 at the real widths, split in K up to split_k_max_rows rows on Hopper (fc2 in
+    split_k_long slices at split_k_long_rows rows, or there unsplit or in two): the
     add+LayerNorm that sums the partials (one row per program, or several above
-    LAYERNORM_ONE_ROW_MAX_ROWS) matches the unsplit GEMM plus add and LayerNorm in fp32."""
+    one_row_max_rows) matches the unsplit GEMM plus add and LayerNorm in fp32."""
+    from vitgraph.tuning import derive_tuning
+
     torch.manual_seed(0)
     width = 1280
     gamma = torch.rand(width, device="cuda", dtype=torch.bfloat16) + 0.5
     beta = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
-    split = vitgraph.ops.gemm._split_k_device(torch.device("cuda"))
+    tuning = derive_tuning(PRESETS["qwen2-vl-2b"], torch.device("cuda")).gemm
     if long_splits is not None:
-        monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_LONG", long_splits)
-    for rows in (256, 288, 320, 416, 704, vitgraph.ops.gemm.SPLIT_K_MAX_ROWS):
+        tuning = dataclasses.replace(tuning, split_k_long=long_splits)
+    for rows in (256, 288, 320, 416, 704, 896):
         for k in (width, 4 * width):  # proj, fc2
-            splits = vitgraph.ops.gemm.split_k_count(rows, k) if split else 1
+            splits = vitgraph.ops.gemm.split_k_count(rows, k, tuning)
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             weight = torch.randn(width, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
             bias = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
             residual = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
-            y, y_bias = vitgraph.ops.gemm.linear_split_k(x, weight, bias)
+            y, y_bias = vitgraph.ops.gemm.linear_split_k(x, weight, bias, tuning)
             assert (y_bias is not None) == (splits > 1), (rows, k)
             assert tuple(y.shape) == ((splits, rows, width) if splits > 1 else (rows, width)), (rows, k)
             got_x = residual.clone()
@@ -420,16 +427,15 @@ def test_pool_limit(weights):
 
 
 @pytest.mark.parametrize("bias_free", [True, False], ids=["bias-free", "bias-in-stream"])
-def test_graph_pool_stays_near_one_eager_forward(weights, monkeypatch, bias_free):
+def test_graph_pool_stays_near_one_eager_forward(weights, bias_free):
     """Every bucket's graph shares one pool the size of the largest forward's activation peak
     plus its margin (the 1.2x target): an allocation order that leaves fc1's output no gap
     to fit in would grow the pool by a segment of that size. Buckets of 4096-16384 rows, so
     that every activation comes from the caching allocator's large pool, as in the real tower."""
     from vitgraph.bench.common import eager_peak_bytes
 
-    monkeypatch.setattr(vitgraph.ops.gemm, "BIAS_FREE_STREAM", bias_free)
-    enc = make(weights, mode="graph", budgets=[4096, 8192, 16384], max_items=4)
-    assert vitgraph.ops.gemm.bias_free_stream(4096) == bias_free
+    enc = make(weights, mode="graph", budgets=[4096, 8192, 16384], max_items=4, tuning={"gemm.bias_free": bias_free})
+    assert vitgraph.ops.gemm.bias_free_stream(4096, enc.tower.tuning.gemm) == bias_free
     # The pool also holds the capture stream's cuBLAS workspaces, which are no activations
     # (the eager peak leaves out the eager stream's too).
     stats = enc.stats()
@@ -454,10 +460,16 @@ def test_thousand_random_calls(graph_enc, eager_enc):
     assert not mismatches, mismatches[:3]
 
 
-def test_cached_plans_stage_the_right_metadata(graph_enc, monkeypatch):
-    import vitgraph.encoder as encoder_module
+def test_cached_plans_stage_the_right_metadata(graph_enc):
+    plans = graph_enc.tuning.plans
+    graph_enc.tuning = dataclasses.replace(graph_enc.tuning, plans=dataclasses.replace(plans, cache_bytes=4096))
+    try:
+        _check_cached_plans(graph_enc)  # a few plans: forces eviction
+    finally:
+        graph_enc.tuning = dataclasses.replace(graph_enc.tuning, plans=plans)
 
-    monkeypatch.setattr(encoder_module, "PLAN_CACHE_BYTES", 4096)  # a few plans: forces eviction
+
+def _check_cached_plans(graph_enc):
     pool_bytes, routing = graph_enc.stats()["pool_bytes"], graph_enc.stats()["single_frame_packed_below"]
     routing_s = graph_enc._routing_seconds
     graph_enc.capture()  # nothing new to capture; empties the plan cache, keeps the routing timings
@@ -487,9 +499,16 @@ def test_stats_report(graph_enc):
 # vitgraph.ops.gemm's quack paths: (function, output width, the cuBLAS path it replaces, row threshold, more rows)
 QUACK_LAYERS = {
     "fc1+quick_gelu": (linear_quick_gelu, 5120, lambda x, w, b: kernels.quick_gelu_(F.linear(x, w, b)),
-                       "QUACK_MIN_ROWS", (256, 1000, 1152, 4096)),
-    "qkv": (linear_qkv, 3840, F.linear, "QUACK_QKV_MIN_ROWS", (4000,)),
+                       "fc1_min_rows", (256, 1000, 1152, 4096)),
+    "qkv": (linear_qkv, 3840, F.linear, "qkv_min_rows", (4000,)),
 }
+
+
+def quack_2b():
+    """The GEMM tuning of Qwen2-VL's tower on this GPU, quack's backend."""
+    from vitgraph.tuning import derive_tuning
+
+    return dataclasses.replace(derive_tuning(PRESETS["qwen2-vl-2b"], torch.device("cuda")).gemm, backend="quack")
 
 
 @pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")
@@ -499,31 +518,34 @@ def test_quack_gemm_against_cublas_in_and_out_of_a_graph(layer):
     replaces, at the real widths, eagerly and replayed on new inputs; below its row threshold
     the function is the cuBLAS path, bit for bit."""
     fn, width, cublas, threshold, more_rows = QUACK_LAYERS[layer]
-    threshold = getattr(vitgraph.ops.gemm, threshold)
+    quack = quack_2b()
+    threshold = getattr(quack, threshold)
     torch.manual_seed(0)
     weight = torch.randn(width, 1280, device="cuda", dtype=torch.bfloat16) * 0.03
     bias = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
     for rows in (threshold, *more_rows):
         x = torch.randn(rows, 1280, device="cuda", dtype=torch.bfloat16)
-        ref, got = cublas(x, weight, bias), fn(x, weight, bias, "quack")
+        ref, got = cublas(x, weight, bias), fn(x, weight, bias, quack)
         print(f"\n[quack {layer}] rows={rows}: {diff_report(got.float(), ref.float())}")
         assert rel_err(got.float(), ref.float()) <= 1e-2
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            replayed = fn(x, weight, bias, "quack")
+            replayed = fn(x, weight, bias, quack)
         x.copy_(torch.randn_like(x))  # new input: the replay must really run the GEMM
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(replayed, fn(x, weight, bias, "quack"))
+        assert torch.equal(replayed, fn(x, weight, bias, quack))
     small = torch.randn(threshold - 1, 1280, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(fn(small, weight, bias, "quack"), cublas(small, weight, bias))
+    assert torch.equal(fn(small, weight, bias, quack), cublas(small, weight, bias))
 
 
 @pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")
 def test_fc1_tiles_give_the_same_bits():
-    """fc1's tile follows a wave model (128x128 at 1152 rows on an H200, QUACK_TILE at 4096):
+    """fc1's tile follows a wave model (128x128 at 1152 rows on an H200, the default tile at 4096):
     every candidate gives the bits the picked one gives."""
-    from vitgraph.ops.gemm import QUACK_FC1_SMALL_TILE, QUACK_FC1_TILES, QUACK_TILE, _gemm_config, _quack
+    from vitgraph.ops.gemm import _gemm_config, _quack
+
+    quack = quack_2b()
 
     gemm_act, _, name = _quack()
     torch.manual_seed(0)
@@ -531,10 +553,10 @@ def test_fc1_tiles_give_the_same_bits():
     bias = torch.randn(5120, device="cuda", dtype=torch.bfloat16) * 0.1
     for rows in (256, 1152, 4096):
         x = torch.randn(rows, 1280, device="cuda", dtype=torch.bfloat16)
-        got = linear_quick_gelu(x, weight, bias, "quack")
-        for tile in [QUACK_TILE, QUACK_FC1_SMALL_TILE] + [tile for tile, _ in QUACK_FC1_TILES]:
+        got = linear_quick_gelu(x, weight, bias, quack)
+        for tile in [quack.tile, quack.fc1_small_tile] + [tile for tile, _ in quack.fc1_tiles]:
             other = torch.empty_like(got)
-            gemm_act(x, weight.t(), None, other, None, bias, name, config=_gemm_config(tuple(tile.items())))
+            gemm_act(x, weight.t(), None, other, None, bias, name, config=_gemm_config(tile))
             assert torch.equal(other, got), (rows, tile)
 
 
@@ -544,11 +566,11 @@ def test_qkv_rope_epilogue_against_gemm_plus_triton_rotary():
     the real widths, positions far from 0 (angles up to ~1000 rad), NaN in the padding rows'
     inputs; eagerly and replayed on new inputs."""
     from vitgraph.config import PRESETS
-    from vitgraph.ops.gemm import QUACK_ROPE_SMALL_TILE, QUACK_ROPE_TILES, QUACK_TILE, _gemm_config, linear_qkv_rope
+    from vitgraph.ops.gemm import _gemm_config, linear_qkv_rope
     from vitgraph.ops.gemm_rope import qkv_rope
     from vitgraph.models.qwen2_vl import Qwen2VisionTower
 
-    cfg = PRESETS["qwen2-vl-2b"]
+    cfg, quack = PRESETS["qwen2-vl-2b"], quack_2b()
     tower = Qwen2VisionTower(dataclasses.replace(cfg, depth=1)).cuda()  # for its rotary frequencies
     freq_h, freq_w = tower.rope_columns()
     inv_freq = tower.inv_freq
@@ -566,24 +588,24 @@ def test_qkv_rope_epilogue_against_gemm_plus_triton_rotary():
         angles = (positions.float()[..., None] * inv_freq).flatten(1)
         ref = F.linear(x, weight, bias)
         kernels.rotary_(ref, angles.cos(), angles.sin(), heads, segment_ids, zero_padding=True)
-        got = linear_qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w)
+        got = linear_qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, quack)
         print(f"\n[qkv rope epilogue] rows={rows}: {diff_report(got[:real].float(), ref[:real].float())}")
         assert torch.equal(got[real:], torch.zeros_like(got[real:]))  # padding rows zeroed, NaN inputs or not
         assert rel_err(got[:real].float(), ref[:real].float()) <= 1e-2
         # Whichever tile the wave model picks (128x240 for 1024 rows on an H200), the others
         # give the same bits: the tiles differ in N, not in the order K is summed.
-        for tile in [QUACK_TILE, QUACK_ROPE_SMALL_TILE] + [tile for tile, _ in QUACK_ROPE_TILES]:
-            other = qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, _gemm_config(tuple(tile.items())))
+        for tile in [quack.tile, quack.rope_small_tile] + [tile for tile, _ in quack.rope_tiles]:
+            other = qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, _gemm_config(tile))
             assert torch.equal(other, got), tile
         v = slice(2 * heads * head_dim, None)  # v is not rotated
         assert rel_err(got[:real, v].float(), ref[:real, v].float()) <= 1e-2
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            replayed = linear_qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w)
+            replayed = linear_qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, quack)
         x[:real].copy_(torch.randn_like(x[:real]))  # new input: the replay must really run the GEMM
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(replayed, linear_qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w))
+        assert torch.equal(replayed, linear_qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, quack))
 
 
 def test_cudnn_ragged_attention_in_a_graph_follows_new_layouts():
@@ -626,21 +648,23 @@ def test_cudnn_ragged_attention_in_a_graph_follows_new_layouts():
 
 def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):
     """FlashAttention 4 with its 128-row tiles (batches whose max_seqlen is at most
-    FA4_SHORT_SEQLEN) and with its default tiles, against FA2 varlen, padding rows zeroed."""
+    short_seqlen) and with its default tiles, against FA2 varlen, padding rows zeroed."""
     from torch.nn.attention.varlen import varlen_attn
 
     import vitgraph.ops.attention
     from vitgraph.ops.attention import attend, fa4_tile, fa4_tile_kwargs
     from vitgraph.models.qwen2_vl import VisionBatch
+    from vitgraph.tuning import derive_tuning
 
     if "fa4" not in available_backends("cuda"):
         pytest.skip("flash-attn-4 is not installed")
-    short, long, tiny = (fa4_tile_kwargs(getattr(vitgraph.ops.attention, name))
-                         for name in ("FA4_SHORT_TILE", "FA4_LONG_TILE", "FA4_TINY_TILE"))
-    dev = torch.device("cuda")
-    assert fa4_tile(1024, 16, dev) == short and short["tile_mn"][0] == 128  # see test_fa4_short_tile_rule_on_an_h200
-    assert fa4_tile(vitgraph.ops.attention.FA4_SHORT_SEQLEN + 1, 16, dev) == long
-    assert fa4_tile(512, 16, dev, rows=512) == tiny and fa4_tile(512, 16, dev, rows=1024) == short
+    tuning = derive_tuning(PRESETS["qwen2-vl-2b"], torch.device("cuda")).attention
+    if tuning.sm_count is None:
+        pytest.skip("FlashAttention 4's tiles follow the batch on Hopper only")
+    short, long, tiny = (fa4_tile_kwargs(t) for t in (tuning.short_tile, tuning.long_tile, tuning.tiny_tile))
+    assert fa4_tile_kwargs(fa4_tile(1024, 16, None, tuning)) == short and short["tile_mn"][0] == 128
+    assert fa4_tile_kwargs(fa4_tile(tuning.short_seqlen + 1, 16, None, tuning)) == long
+    assert fa4_tile(512, 16, 512, tuning) == tuning.tiny_tile and fa4_tile(512, 16, 1024, tuning) == tuning.short_tile
     calls = []
     forward = vitgraph.ops.attention._fa4_forward()
     monkeypatch.setattr(vitgraph.ops.attention, "_fa4_forward",
@@ -658,27 +682,24 @@ def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):
     # 640 rows, 4 heads: 64-row tiles fit one wave (40 CTAs), unless turned off.
     for cap, tiny_tile, tile in ((tokens, tiny["tile_mn"], tiny["tile_mn"]), (tokens, None, short["tile_mn"]),
                                  (tokens - 1, tiny["tile_mn"], long.get("tile_mn"))):
-        monkeypatch.setattr(vitgraph.ops.attention, "FA4_SHORT_SEQLEN", cap)
-        monkeypatch.setattr(vitgraph.ops.attention, "FA4_TINY_TILE", tiny_tile)
+        case = dataclasses.replace(tuning, short_seqlen=cap, tiny_tile=tiny_tile)
         batch = VisionBatch(torch.zeros(tokens, 2, device="cuda", dtype=torch.int32), ids, cu, tokens)
         v_poisoned = v.clone()
         v_poisoned[real:] = float("nan")  # attend zeroes padding rows of v for FA4
-        got = attend("fa4", q, k, v_poisoned, batch)[:real]
+        got = attend("fa4", q, k, v_poisoned, batch, tuning=case)[:real]
         assert calls[-1] == tile
         assert torch.isfinite(got).all() and rel_err(got, ref) <= 1e-2, (tile, diff_report(got, ref))
         print(f"\n[fa4] tile {tile or 'default'}: {diff_report(got, ref)}")
 
 
-def test_short_frame_buckets_replay_bitwise_and_take_short_steps(weights, eager_enc, monkeypatch):
-    """With a low FA4_SHORT_SEQLEN every budget above it gets a short-frame bucket (128-row
+def test_short_frame_buckets_replay_bitwise_and_take_short_steps(weights, eager_enc):
+    """With a low short_seqlen every budget above it gets a short-frame bucket (128-row
     FA4 tiles) beside its packed one (default tiles): both replay bitwise equal to eager on
     the same buffers, steps of short frames go to the short bucket, and results match."""
-    import vitgraph.ops.attention
-
     if "fa4" not in available_backends("cuda"):
         pytest.skip("flash-attn-4 is not installed")
-    monkeypatch.setattr(vitgraph.ops.attention, "FA4_SHORT_SEQLEN", 128)
-    enc = make(weights, mode="graph", attention="fa4", budgets=[128, 256, 512], dense_buckets=False)
+    enc = make(weights, mode="graph", attention="fa4", budgets=[128, 256, 512], dense_buckets=False,
+               tuning={"attention.short_seqlen": 128})
     assert [b.name for b in enc.buckets] == ["128x8", "256x8s128", "256x8", "512x8s128", "512x8"]
     assert enc.stats()["buckets"]["256x8s128"]["max_seqlen"] == 128 and enc.stats()["buckets"]["256x8"]["max_seqlen"] == 256
     rng = random.Random(5)

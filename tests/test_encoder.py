@@ -1,5 +1,6 @@
 """The encoder on CPU: padded static-buffer semantics, validation, empty input, stats, backends."""
 
+import dataclasses
 import random
 
 import numpy as np
@@ -12,7 +13,9 @@ from vitgraph.ops.attention import available_backends, resolve_backend
 from vitgraph.engine.planner import make_buckets, plan_call
 from vitgraph.config import TINY
 from vitgraph.options import EngineOptions, dense_limit, short_cap_rule
+from vitgraph.ops.attention import attention_tuning
 from vitgraph.ops.gemm import resolve_gemm
+from vitgraph.tuning import Tuning, derive_tuning
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +266,7 @@ def test_random_weights_are_seeded_and_leave_the_global_rng_alone():
 
 @pytest.mark.parametrize("options, attention, limit", [
     (dict(), "cudnn", 8192),  # exact_eager_above
-    (dict(), "fa4", 0),  # FA4_DENSE_MAX_TOKENS: none
+    (dict(), "fa4", 0),  # tuning plans.fa4_dense_max_tokens: none
     (dict(dense_max_tokens=4096), "fa4", 4096),  # an explicit limit wins over the fa4 default
     (dict(dense_max_tokens=16384), "cudnn", 8192),  # never above exact_eager_above
     (dict(exact_eager_above=None), "sdpa", None),
@@ -272,7 +275,7 @@ def test_random_weights_are_seeded_and_leave_the_global_rng_alone():
     (dict(exact_eager_above=1024, dense_max_tokens=2048), "fa4", 1024),
 ])
 def test_dense_bucket_limit(options, attention, limit):
-    assert dense_limit(EngineOptions(**options), attention) == limit
+    assert dense_limit(EngineOptions(**options), attention, Tuning()) == limit
 
 
 def test_dense_buckets_follow_the_limit():
@@ -281,40 +284,67 @@ def test_dense_buckets_follow_the_limit():
 
 
 def test_short_frame_buckets_only_with_fa4_on_cuda():
-    assert short_cap_rule(EngineOptions(), "fa4", 16, torch.device("cpu"), 4) is None
-    assert short_cap_rule(EngineOptions(short_frame_buckets=False), "fa4", 16, torch.device("cpu"), 4) is None
+    h200 = Tuning(attention=attention_tuning(9, 132, 80))
+    assert short_cap_rule(EngineOptions(), "fa4", 16, torch.device("cpu"), 4, h200) is None
+    assert short_cap_rule(EngineOptions(short_frame_buckets=False), "fa4", 16, torch.device("cpu"), 4, h200) is None
     # On CPU (sdpa) the ladder gets no short buckets.
     enc = GraphedVisionEncoder.from_config("tiny", device="cpu", budgets=[64, 128, 256])
     assert all(b.max_seqlen == b.tokens for b in enc.requested_buckets)
 
 
-def test_fa4_short_tile_rule_on_an_h200(monkeypatch):
+def test_fa4_short_tile_rule_on_an_h200():
     """132 SMs, 16 heads, 192-row default tiles. One frame of n tokens: ceil(16 * ceil(n / m) / 132)
     waves of m-row tiles. Worked by hand: 1024 -> 128-row tiles 1 wave (128 CTAs) x 128 against
     1 x 192; 1152 -> 2 waves (144) x 128 = 256 against 1 wave (96) x 192; 1536 -> 2 x 128 against
     1 wave (128 CTAs) x 192; 1664 -> 2 x 128 against 2 waves (144) x 192."""
-    import vitgraph.ops.attention
-    from vitgraph.ops.attention import fa4_prefers_short_tile, fa4_short_cap, fa4_tile_kwargs
+    from vitgraph.ops.attention import fa4_prefers_short_tile, fa4_prefers_tiny_tile, fa4_short_cap, fa4_tile_kwargs
 
-    monkeypatch.setattr(vitgraph.ops.attention, "FA4_SHORT_TILE", (128, 128))
-    monkeypatch.setattr(vitgraph.ops.attention, "FA4_LONG_TILE", None)
-    monkeypatch.setattr(vitgraph.ops.attention, "FA4_SHORT_SEQLEN", 2048)
-    short = {n: fa4_prefers_short_tile(n, 16, 132) for n in (256, 576, 1024, 1028, 1152, 1536, 1540, 1664, 2048, 2052)}
+    h200 = attention_tuning(9, 132, 80)
+    assert (h200.short_tile, h200.long_tile, h200.short_seqlen, h200.own_tile_m) == ((128, 128), None, 2048, 192)
+    short = {n: fa4_prefers_short_tile(n, 16, h200) for n in (256, 576, 1024, 1028, 1152, 1536, 1540, 1664, 2048, 2052)}
     assert short == {256: True, 576: True, 1024: True, 1028: False, 1152: False, 1536: False, 1540: True,
                      1664: True, 2048: True, 2052: False}
-    assert fa4_short_cap(1024, 16, 132, 4) is None and fa4_short_cap(2048, 16, 132, 4) is None
-    assert fa4_short_cap(1152, 16, 132, 4) == 1024 and fa4_short_cap(1536, 16, 132, 4) == 1024
-    assert fa4_short_cap(4096, 16, 132, 4) == 2048
-    monkeypatch.setattr(vitgraph.ops.attention, "FA4_SHORT_SEQLEN", 0)  # short tiles off: no short buckets
-    assert fa4_short_cap(4096, 16, 132, 4) is None
-    monkeypatch.setattr(vitgraph.ops.attention, "FA4_SHORT_SEQLEN", 2048)
+    assert fa4_short_cap(1024, 16, 4, h200) is None and fa4_short_cap(2048, 16, 4, h200) is None
+    assert fa4_short_cap(1152, 16, 4, h200) == 1024 and fa4_short_cap(1536, 16, 4, h200) == 1024
+    assert fa4_short_cap(4096, 16, 4, h200) == 2048
+    assert fa4_short_cap(4096, 16, 4, dataclasses.replace(h200, short_seqlen=0)) is None  # short tiles off
     # 64-row tiles: one wave while 16 * ceil(n / 64) <= 132, i.e. n <= 8 * 64 = 512 (528 is 9
     # tiles: 144 CTAs, 2 waves x 64 = 128, a tie with one wave of 128-row tiles: no).
-    tiny = {n: vitgraph.ops.attention.fa4_prefers_tiny_tile(n, 16, 132) for n in (64, 256, 384, 512, 516, 768, 1024, 1540)}
+    tiny = {n: fa4_prefers_tiny_tile(n, 16, h200) for n in (64, 256, 384, 512, 516, 768, 1024, 1540)}
     assert tiny == {64: True, 256: True, 384: True, 512: True, 516: False, 768: False, 1024: False, 1540: False}
-    monkeypatch.setattr(vitgraph.ops.attention, "FA4_TINY_TILE", None)
-    assert not vitgraph.ops.attention.fa4_prefers_tiny_tile(256, 16, 132)
+    assert not fa4_prefers_tiny_tile(256, 16, dataclasses.replace(h200, tiny_tile=None))
+    # Elsewhere FA4 keeps its own tiles; at head_dim 128 its own Hopper tile is 128 rows already.
+    assert attention_tuning(10, 148, 80).sm_count is None and attention_tuning(None, None, 80).sm_count is None
+    assert not fa4_prefers_short_tile(1024, 16, attention_tuning(8, 108, 80))
+    assert attention_tuning(9, 132, 128).own_tile_m == 128
     assert fa4_tile_kwargs(None) == {}
     assert fa4_tile_kwargs((128, 128)) == {"tile_mn": (128, 128)}
     assert fa4_tile_kwargs((192, 144, False, True)) == {"tile_mn": (192, 144), "mma_pv_is_rs": False,
                                                         "intra_wg_overlap": True}
+
+
+def test_tuning_is_data_each_encoder_holds():
+    """Settings changed by name reach the encoder's tower and the plans; another encoder in the
+    same process keeps the derived ones; a bad name or value is refused before any build."""
+    changed = GraphedVisionEncoder.from_config("tiny", device="cpu", tuning={
+        "gemm.split_k_max_rows": 64, "norms.one_row_max_rows": 8, "plans.cache_entries": 1,
+        "attention.tiny_tile": [64, 64]})  # a list, as JSON gives it: read as a tuple
+    plain = GraphedVisionEncoder.from_config("tiny", device="cpu")
+    assert plain.tuning == derive_tuning(TINY, torch.device("cpu"))
+    assert changed.tuning.gemm.split_k_max_rows == 64 and plain.tuning.gemm.split_k_max_rows == 0
+    assert changed.tower.tuning == changed.tuning.kernels and plain.tower.tuning == plain.tuning.kernels
+    assert changed.tuning.attention.tiny_tile == (64, 64)
+    assert changed.tower.blocks[0].attn.attention_tuning is changed.tuning.attention
+    assert changed.tuning.plans.cache_entries == 1 and plain.tuning.plans.cache_entries == 4096
+    x = random_pixels([(1, 4, 4)], changed.tower.input_width)
+    assert torch.equal(changed.encode(x, [(1, 4, 4)]), plain.encode(x, [(1, 4, 4)]))  # same seed, same math here
+    with pytest.raises(ValueError, match="unknown setting 'gemm.tile_k'"):
+        GraphedVisionEncoder.from_config("tiny", device="cpu", tuning={"gemm.tile_k": 1})
+    with pytest.raises(ValueError, match="unknown setting 'gemm.backend'"):  # that is EngineOptions.gemm
+        EngineOptions(tuning={"gemm.backend": "quack"})
+    with pytest.raises(ValueError, match="routing.margin"):
+        EngineOptions(tuning={"routing.margin": "big"})
+    with pytest.raises(ValueError, match="capture.warm_up_one_block"):
+        EngineOptions(tuning={"capture.warm_up_one_block": 1})  # a bool setting takes a bool
+    with pytest.raises(ValueError, match="tuning must be a mapping"):
+        EngineOptions(tuning=[("gemm.split_k", 4)])

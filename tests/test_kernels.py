@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 from helpers import rel_err
 
-import vitgraph.ops.gemm
 from vitgraph.ops import kernels
 from vitgraph.config import PRESETS
-from vitgraph.ops.gemm import rope_in_gemm
+from vitgraph.ops.gemm import TILE, Tile, gemm_tuning, rope_in_gemm
 from vitgraph.models.qwen2_vl import Qwen2VisionTower, apply_rotary
 from vitgraph.ops.activations import quick_gelu
 
@@ -45,10 +44,10 @@ def test_add_layernorm(dtype, rows, width):
 
 
 @pytest.mark.parametrize("launch", [(1, 2), (2, 2), (4, 8), (8, 4)])
-def test_add_layernorm_layouts(launch, monkeypatch):
+def test_add_layernorm_layouts(launch):
     """Every layout of rows per program and warps normalizes every row, including a last
-    program that is only partly filled (37 rows); the wide-row setting picks the layout from
-    ``LAYERNORM_WIDE_MIN_ROWS``."""
+    program that is only partly filled (37 rows); the tuning picks the layout from
+    ``wide_min_rows`` for widths in ``wide_widths``."""
     rows, width = 37, 80
     g = torch.Generator().manual_seed(6)
     x, y = (torch.randn(rows, width, generator=g).to(DEVICE) for _ in range(2))
@@ -57,13 +56,26 @@ def test_add_layernorm_layouts(launch, monkeypatch):
     got = kernels.add_layernorm(got_x, y, w, b, 1e-6, launch=kernels.LayerNormLaunch(*launch))
     assert torch.equal(got_x, x + y)
     assert rel_err(got, F.layer_norm(x + y, (width,), w, b, eps=1e-6)) <= TOL[torch.float32]
-    monkeypatch.setattr(kernels, "LAYERNORM_WIDE_LAYOUT", launch)
-    wide = kernels.LAYERNORM_WIDE_MIN_ROWS
-    assert kernels.layernorm_launch(wide, width) == kernels.LayerNormLaunch(*launch)
-    assert kernels.layernorm_launch(wide - 1, width) == kernels.LayerNormLaunch(kernels._rows_per_program(wide - 1, width), 8)
-    assert kernels.layernorm_launch(kernels.LAYERNORM_ONE_ROW_MAX_ROWS, width) == kernels.LayerNormLaunch(1, 8)
-    monkeypatch.setattr(kernels, "LAYERNORM_WIDE_LAYOUT", None)
-    assert kernels.layernorm_launch(wide, width) == kernels.LayerNormLaunch(kernels._rows_per_program(wide, width), 8)
+    tuning = kernels.NormTuning(wide_layout=launch, wide_widths=(64, 1024))
+    wide = tuning.wide_min_rows
+    assert kernels.layernorm_launch(wide, width, tuning) == kernels.LayerNormLaunch(*launch)
+    assert kernels.layernorm_launch(wide - 1, width, tuning) == kernels.LayerNormLaunch(
+        kernels._rows_per_program(wide - 1, width), 8)
+    assert kernels.layernorm_launch(tuning.one_row_max_rows, width, tuning) == kernels.LayerNormLaunch(1, 8)
+    width_rule = kernels.LayerNormLaunch(kernels._rows_per_program(wide, width), 8)
+    assert kernels.layernorm_launch(wide, width, dataclasses.replace(tuning, wide_layout=None)) == width_rule
+    assert kernels.layernorm_launch(wide, width, dataclasses.replace(tuning, wide_widths=(81, 1024))) == width_rule
+
+
+def test_norm_tuning_follows_the_device():
+    """Early launch of the next kernel only from compute capability 9; the wide layout for rows
+    of 1025-2048 values (Qwen2-VL's 1280, Qwen3-VL-8B's 1152), not Qwen3-VL-2B's 1024 or a merger's 4608."""
+    assert kernels.norm_tuning(9).launch_dependents_max_rows == 2048
+    assert kernels.norm_tuning(8).launch_dependents_max_rows == kernels.norm_tuning(None).launch_dependents_max_rows == 0
+    tuning = kernels.norm_tuning(9)
+    rows = tuning.wide_min_rows
+    assert all(kernels.layernorm_launch(rows, w, tuning) == kernels.LayerNormLaunch(2, 2) for w in (1152, 1280))
+    assert all(kernels.layernorm_launch(rows, w, tuning).warps == 8 for w in (1024, 4608))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -192,75 +204,92 @@ def test_rotary_rejects_other_float_widths():
         kernels.rotary_(qkv.double(), cos, sin, 2)
 
 
+H200_2B = gemm_tuning("quack", 9, 132, 1280, 5120)  # the tower and GPU its rows and tiles were measured on
+
+
 def test_rope_epilogue_only_where_it_was_measured_to_win():
     weight = torch.empty(3 * 1280, 1280)
-    rows = vitgraph.ops.gemm.QUACK_ROPE_MIN_ROWS
-    assert rope_in_gemm(rows, weight, "quack") and rope_in_gemm(4 * rows, weight, "quack")
-    assert not rope_in_gemm(rows - 4, weight, "quack")  # below the threshold: cuBLAS + the Triton pass
-    assert not rope_in_gemm(rows + 2, weight, "quack")  # per-row fp32 vectors need rows % 4 == 0
-    assert not rope_in_gemm(rows, weight, "cublas")
-    assert not rope_in_gemm(rows, weight[:, :1276], "quack")  # not contiguous
+    rows = H200_2B.rope_min_rows
+    assert rows == 576
+    assert rope_in_gemm(rows, weight, H200_2B) and rope_in_gemm(4 * rows, weight, H200_2B)
+    assert not rope_in_gemm(rows - 4, weight, H200_2B)  # below the threshold: cuBLAS + the Triton pass
+    assert not rope_in_gemm(rows + 2, weight, H200_2B)  # per-row fp32 vectors need rows % 4 == 0
+    assert not rope_in_gemm(rows, weight, dataclasses.replace(H200_2B, backend="cublas"))
+    assert not rope_in_gemm(rows, weight[:, :1276], H200_2B)  # not contiguous
 
 
 def test_the_256_row_bucket_takes_quacks_64_row_tiles():
-    from vitgraph.ops.gemm import QUACK_FC1_SMALL_TILE, QUACK_ROPE_SMALL_TILE, fc1_kernel, fc1_tile, rope_tile
+    from vitgraph.ops.gemm import fc1_kernel, fc1_tile, rope_tile
 
     qkv, fc1 = torch.empty(3 * 1280, 1280), torch.empty(5120, 1280)
-    assert rope_in_gemm(256, qkv, "quack") and not rope_in_gemm(256, qkv, "cublas")
-    assert rope_tile(256, 3 * 1280, 132) == QUACK_ROPE_SMALL_TILE
-    assert fc1_tile(256, 5120, 132) == QUACK_FC1_SMALL_TILE
-    assert vitgraph.ops.gemm._quack_rows(256, fc1, vitgraph.ops.gemm.QUACK_MIN_ROWS, small=vitgraph.ops.gemm._small)
+    assert rope_in_gemm(256, qkv, H200_2B) and not rope_in_gemm(256, qkv, dataclasses.replace(H200_2B, backend="cublas"))
+    assert rope_tile(256, qkv, H200_2B) == H200_2B.rope_small_tile == Tile(64, 128, True, 2, 1)
+    assert fc1_tile(256, fc1, H200_2B) == H200_2B.fc1_small_tile == Tile(64, 160, True, 2, 1)
+    assert fc1_kernel(256, fc1, H200_2B) is not None
     for rows in (64, 252, 260, 288, 480):  # next to it cuBLAS and the Triton passes stay (measured slower)
-        assert not rope_in_gemm(rows, qkv, "quack") and fc1_kernel(rows, fc1, "quack") is None, rows
+        assert not rope_in_gemm(rows, qkv, H200_2B) and fc1_kernel(rows, fc1, H200_2B) is None, rows
 
 
 def test_the_512_row_bucket_takes_the_64_row_tile_for_qkv_only():
-    from vitgraph.ops.gemm import QUACK_ROPE_SMALL_TILE, QUACK_TILE, fc1_tile, rope_tile
+    from vitgraph.ops.gemm import fc1_tile, rope_tile
 
     qkv = torch.empty(3 * 1280, 1280)
-    assert rope_in_gemm(512, qkv, "quack") and not rope_in_gemm(512, qkv, "cublas")
-    assert rope_tile(512, 3 * 1280, 132) == QUACK_ROPE_SMALL_TILE
-    # fc1 keeps the 128-row tile there (quack from QUACK_MIN_ROWS = 512, by the wave model)
-    assert fc1_tile(512, 5120, 132) == QUACK_TILE
+    assert rope_in_gemm(512, qkv, H200_2B)
+    assert rope_tile(512, qkv, H200_2B) == H200_2B.rope_small_tile
+    # fc1 keeps the 128-row tile there (quack from fc1_min_rows = 512, by the wave model)
+    assert H200_2B.fc1_min_rows == 512 and fc1_tile(512, torch.empty(5120, 1280), H200_2B) == TILE
     for rows in (448, 480, 508, 516, 544):  # next to it: cuBLAS and the Triton rotary pass
-        assert not rope_in_gemm(rows, qkv, "quack"), rows
+        assert not rope_in_gemm(rows, qkv, H200_2B), rows
 
 
-def test_rope_tile_follows_the_wave_model(monkeypatch):
-    from vitgraph.ops.gemm import QUACK_ROPE_TILES, QUACK_TILE, rope_tile
+def test_rope_tile_follows_the_wave_model():
+    from vitgraph.ops.gemm import rope_tile
 
-    wide, wider = (dict(tile) for tile, _ in QUACK_ROPE_TILES)
-    assert (wide["tile_n"], wider["tile_n"]) == (192, 240)
-    qkv = 3 * 1280
+    (wide, _), (wider, _) = H200_2B.rope_tiles
+    assert (wide.tile_n, wider.tile_n) == (192, 240)
+    qkv = torch.empty(3 * 1280, 1280)
     # The row counts measured: 1024 rows take 8 x 16 = 128 tiles of 240 (one wave on 132 SMs)
     # against 8 x 24 = 192 of 160; 1536 rows 12 x 20 = 240 of 192 (two waves) against 288 (three).
-    assert rope_tile(1024, qkv, 132) == wider
-    assert rope_tile(1536, qkv, 132) == wide
-    for rows in (1152, 1280, 2048, 3584, 4096):  # QUACK_TILE was the fastest there too
-        assert rope_tile(rows, qkv, 132) == QUACK_TILE, rows
-    monkeypatch.setattr(vitgraph.ops.gemm, "QUACK_ROPE_SMALL_ROWS", (0, 0))  # the wave model alone at 512:
-    assert rope_tile(512, qkv, 132) == QUACK_TILE  # 96 tiles of 160 already fit one wave
-    # From QUACK_ROPE_MIN_ROWS (576) to 1024 rows, each pick was the fastest 128-row tile measured
+    assert rope_tile(1024, qkv, H200_2B) == wider
+    assert rope_tile(1536, qkv, H200_2B) == wide
+    for rows in (1152, 1280, 2048, 3584, 4096):  # the default tile was the fastest there too
+        assert rope_tile(rows, qkv, H200_2B) == TILE, rows
+    assert rope_tile(512, qkv, dataclasses.replace(H200_2B, rope_small_rows=None)) == TILE  # 96 tiles fit one wave
+    # From rope_min_rows (576) to 1024 rows, each pick was the fastest 128-row tile measured
     # after the LayerNorm: 160 wide at 576-640 rows, 192 at 704-768, 240 at 832-896.
-    assert rope_tile(640, qkv, 132) == QUACK_TILE and rope_tile(768, qkv, 132) == wide
-    assert rope_tile(896, qkv, 132) == wider
-    assert rope_tile(1024, qkv, 114) == QUACK_TILE  # fewer SMs: the 128 tiles of 240 take two waves
-    monkeypatch.setattr(vitgraph.ops.gemm, "QUACK_ROPE_TILES", ())
-    assert rope_tile(1024, qkv, 132) == rope_tile(1536, qkv, 132) == QUACK_TILE
+    assert rope_tile(640, qkv, H200_2B) == TILE and rope_tile(768, qkv, H200_2B) == wide
+    assert rope_tile(896, qkv, H200_2B) == wider
+    assert rope_tile(1024, qkv, dataclasses.replace(H200_2B, sm_count=114)) == TILE  # the 128 tiles of 240: two waves
+    alone = dataclasses.replace(H200_2B, rope_tiles=())
+    assert rope_tile(1024, qkv, alone) == rope_tile(1536, qkv, alone) == TILE
 
 
-def test_fc1_tile_follows_the_wave_model(monkeypatch):
-    from vitgraph.ops.gemm import QUACK_FC1_TILES, QUACK_TILE, fc1_tile
+def test_fc1_tile_follows_the_wave_model():
+    from vitgraph.ops.gemm import fc1_tile
 
-    (narrow, _), = QUACK_FC1_TILES
-    fc1 = 5120
+    (narrow, _), = H200_2B.fc1_tiles
+    fc1 = torch.empty(5120, 1280)
     # 1152 rows: 9 x 40 = 360 tiles of 128 and 9 x 32 = 288 of 160, three waves either way;
     # 1664 rows: 520 of 128 and 416 of 160, four waves either way.
-    assert fc1_tile(1152, fc1, 132) == fc1_tile(1664, fc1, 132) == narrow
-    for rows in (1024, 1280, 1536, 2304, 4096):  # QUACK_TILE measured fastest (or within 2%) there
-        assert fc1_tile(rows, fc1, 132) == QUACK_TILE, rows
-    monkeypatch.setattr(vitgraph.ops.gemm, "QUACK_FC1_TILES", ())
-    assert fc1_tile(1152, fc1, 132) == QUACK_TILE
+    assert fc1_tile(1152, fc1, H200_2B) == fc1_tile(1664, fc1, H200_2B) == narrow
+    for rows in (1024, 1280, 1536, 2304, 4096):  # the default tile measured fastest (or within 2%) there
+        assert fc1_tile(rows, fc1, H200_2B) == TILE, rows
+    assert fc1_tile(1152, fc1, dataclasses.replace(H200_2B, fc1_tiles=())) == TILE
+
+
+def test_gemm_tuning_follows_the_widths_and_the_device():
+    """The measured rows and bands only for the tower and GPU they were measured on; other widths
+    get thresholds from how their output tiles fill the SMs, and no GPU gets no split K."""
+    assert (H200_2B.split_k_max_rows, H200_2B.qkv_min_rows, H200_2B.small_rows, H200_2B.split_k_long_rows) == (
+        896, 2048, (256, 256), (320, 416))
+    qwen3 = gemm_tuning("cublas", 9, 132, 1152, 4304)  # 9 column tiles of 128: split K up to 8 row tiles
+    assert qwen3.split_k_max_rows == 1024 and qwen3.small_rows is None and qwen3.split_k_long_rows == ()
+    assert gemm_tuning("cublas", 9, 132, 1024, 4096).split_k_max_rows == 1152
+    assert qwen3.fc1_min_rows == 128 * 5  # 34 column tiles of 160: 4 row tiles fill 132 SMs
+    assert qwen3.fc1_wave_us == pytest.approx(H200_2B.fc1_wave_us * 1152 / 1280)  # a wave's work grows with K
+    assert gemm_tuning("cublas", 9, 114, 1280, 5120).small_rows is None  # other SM counts: not measured
+    for arch, sms in ((8, 108), (None, None)):
+        assert gemm_tuning("cublas", arch, sms, 1280, 5120).split_k_max_rows == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -271,47 +300,47 @@ def test_quick_gelu_in_place(dtype):
     assert got.data_ptr() == x.data_ptr() and rel_err(got, expect) <= TOL[dtype] / 2
 
 
-def test_linear_split_k(monkeypatch):
-    """Below SPLIT_K_MAX_ROWS rows (where measured): two partial products over K's halves plus
-    the bias, which sum to the plain linear; above it, or where not measured, the plain linear."""
+def test_linear_split_k():
+    """Up to split_k_max_rows rows: two partial products over K's halves plus the bias, which
+    sum to the plain linear; above it, or where it is 0 (no Hopper), the plain linear."""
+    from vitgraph.ops.gemm import GemmTuning, linear_split_k
+
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(24, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(32, generator=g)
     x, w, b = x.to(DEVICE), w.to(DEVICE), b.to(DEVICE)
-    monkeypatch.setattr(vitgraph.ops.gemm, "_split_k_device", lambda device: True)
-    parts, bias = vitgraph.ops.gemm.linear_split_k(x, w, b)
+    tuning = GemmTuning(split_k_max_rows=512)
+    parts, bias = linear_split_k(x, w, b, tuning)
     assert parts.shape == (2, 24, 32) and bias is b
     torch.testing.assert_close(parts.sum(0) + b, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_MAX_ROWS", 16)
-    y, bias = vitgraph.ops.gemm.linear_split_k(x, w, b)
+    y, bias = linear_split_k(x, w, b, dataclasses.replace(tuning, split_k_max_rows=16))
     assert bias is None and torch.equal(y, F.linear(x, w, b))
-    monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_MAX_ROWS", 512)
-    # Long K at SPLIT_K_LONG_ROWS rows: four partials; shorter K, or other rows: SPLIT_K.
-    monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_LONG_ROWS", (24,))
-    monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_LONG_MIN_K", 64)
-    parts, bias = vitgraph.ops.gemm.linear_split_k(x, w, b)
+    # Long K at split_k_long_rows rows: four partials; shorter K, or other rows: split_k.
+    long = dataclasses.replace(tuning, split_k_long_rows=(24,), split_k_long_min_k=64)
+    parts, bias = linear_split_k(x, w, b, long)
     assert parts.shape == (4, 24, 32) and bias is b
     torch.testing.assert_close(parts.sum(0) + b, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert vitgraph.ops.gemm.linear_split_k(x[:20], w, b)[0].shape == (2, 20, 32)  # other rows
+    assert linear_split_k(x[:20], w, b, long)[0].shape == (2, 20, 32)  # other rows
     short_x, short_w = x[:, :32].contiguous(), w[:, :32].contiguous()
-    assert vitgraph.ops.gemm.linear_split_k(short_x, short_w, b)[0].shape == (2, 24, 32)  # K below the minimum
-    monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_LONG", 1)  # a split of 1: the plain linear
-    y, bias = vitgraph.ops.gemm.linear_split_k(x, w, b)
+    assert linear_split_k(short_x, short_w, b, long)[0].shape == (2, 24, 32)  # K below the minimum
+    y, bias = linear_split_k(x, w, b, dataclasses.replace(long, split_k_long=1))  # a split of 1: the plain linear
     assert bias is None and torch.equal(y, F.linear(x, w, b))
-    monkeypatch.setattr(vitgraph.ops.gemm, "_split_k_device", lambda device: False)
-    assert vitgraph.ops.gemm.linear_split_k(x, w, b)[1] is None
+    assert linear_split_k(x, w, b, GemmTuning())[1] is None  # the default: never split
 
 
 @pytest.mark.parametrize("padded, split_k, bias_free", [(False, False, False), (True, False, False),
                                                         (True, True, False), (False, False, True), (True, False, True)])
-def test_fused_forward_matches_reference(padded, split_k, bias_free, monkeypatch):
+def test_fused_forward_matches_reference(padded, split_k, bias_free):
     """The whole fused forward (fp32, sdpa attention) against the plain one, unpadded and in a
     padded packed layout whose padding rows hold NaN; also with proj and fc2 split in K, and
     with their biases kept out of the residual stream (what runs above the split-K rows)."""
-    monkeypatch.setattr(vitgraph.ops.gemm, "_split_k_device", lambda device: split_k)
-    if bias_free:
-        monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_MAX_ROWS", 0)
+    from vitgraph.ops.gemm import GemmTuning
+    from vitgraph.ops.tuning import KernelTuning
+
     torch.manual_seed(0)
     tower = Qwen2VisionTower(PRESETS["tiny"]).to(DEVICE).eval()
+    # Rows up to 512 split K (or none); bias_free: the stream is bias free where they do not.
+    gemm = GemmTuning(split_k_max_rows=512 if split_k else 0, bias_free=bias_free)
+    tower.set_tuning(KernelTuning(gemm=gemm))
     with torch.no_grad():
         for p in tower.parameters():
             p.add_(0.05 * torch.randn_like(p))

@@ -182,7 +182,7 @@ def test_measured_thresholds_send_small_single_frames_to_the_packed_bucket():
 
 
 def test_routing_thresholds_follow_the_measured_times():
-    from vitgraph.engine import routing
+    from vitgraph.engine.routing import RoutingTuning
     from vitgraph.engine.routing import single_frame_thresholds
 
     class FakeBank:  # replay time: dense flat; packed = 1 + (frame tokens / 1000)^2 ms
@@ -195,7 +195,7 @@ def test_routing_thresholds_follow_the_measured_times():
             self.calls.append((bucket.name, h * w))
             return self.dense_ms[bucket.tokens] if bucket.max_segments == 1 else 1 + (h * w / 1000) ** 2
 
-    margin = 1 - routing.MARGIN  # packed must beat dense x (1 - MARGIN)
+    margin = 1 - RoutingTuning().margin  # packed must beat dense x (1 - margin)
     bank = FakeBank({1024: 1.5 / margin, 2048: 5.0 / margin, 4096: 100.0})
     got = single_frame_thresholds(bank, lambda n: (1, 2, n // 2), unit=4)
     # 1024 (frames of 4..1024 tokens land there: no smaller budget): packed wins below
@@ -228,9 +228,8 @@ def test_steps_of_a_bucket_the_next_one_beats_replay_there():
                      faster_next=few_slots).steps[0].bucket.name == "128x8"  # 3 frames > 2 slots
 
 
-def test_faster_next_buckets_follow_the_measured_times(monkeypatch):
-    from vitgraph.engine import routing
-    from vitgraph.engine.routing import faster_next_buckets
+def test_faster_next_buckets_follow_the_measured_times():
+    from vitgraph.engine.routing import RoutingTuning, faster_next_buckets
 
     class FakeBank:  # replay time per bucket, whatever the input; records what was timed
         def __init__(self, ms):
@@ -242,23 +241,23 @@ def test_faster_next_buckets_follow_the_measured_times(monkeypatch):
             self.calls.append((bucket.name, t * h * w))
             return self.ms[bucket.tokens]
 
-    margin = 1 - routing.FASTER_NEXT_MARGIN
+    tuning = RoutingTuning(faster_next_max_tokens=2048)
+    margin = 1 - tuning.faster_next_margin
     bank = FakeBank({256: 1.0, 320: 1.2, 352: 1.1, 384: 1.2 * margin * 1.001, 416: 1.2 * margin, 4096: 9.0,
                      4608: 1.0})
-    got = faster_next_buckets(bank, lambda n: (1, 2, n // 2), max_tokens=2048)
+    got = faster_next_buckets(bank, lambda n: (1, 2, n // 2), tuning)
     # 320 -> 352 (8% faster); 352 -> 384 no (slower); 384 -> 416 by exactly the margin, not enough;
-    # 416 -> 4096 no (slower); 4096 -> 4608 is above max_tokens: not timed at all.
+    # 416 -> 4096 no (slower); 4096 -> 4608 is above faster_next_max_tokens: not timed at all.
     assert got == {Bucket(320, 16): Bucket(352, 16)}
     assert all(name.endswith("x16") for name, _ in bank.calls)  # packed buckets only
     assert ("352x16", 320) in bank.calls and ("320x16", 320) in bank.calls  # the pair on the smaller's input
     assert ("4096x16", 416) in bank.calls and not any(n == 4096 or name.startswith("4608") for name, n in bank.calls)
-    assert len([c for c in bank.calls if c == ("320x16", 320)]) == routing.FASTER_NEXT_REPS
+    assert len([c for c in bank.calls if c == ("320x16", 320)]) == tuning.faster_next_reps
     assert faster_next_buckets(FakeBank({256: 1.0, 512: 2.0}), lambda n: (1, 2, n // 2)) == {}
-    # The module's limit is read when called (benchmarks/ab_setting.py switches it off so).
     slow_first = {256: 2.0, 512: 1.0}
     assert faster_next_buckets(FakeBank(slow_first), lambda n: (1, 2, n // 2)) == {Bucket(256, 16): Bucket(512, 16)}
-    monkeypatch.setattr(routing, "FASTER_NEXT_MAX_TOKENS", 0)
-    assert faster_next_buckets(FakeBank(slow_first), lambda n: (1, 2, n // 2)) == {}
+    off = RoutingTuning(faster_next_max_tokens=0)  # what ab_setting.py routing.faster_next_max_tokens=0 builds
+    assert faster_next_buckets(FakeBank(slow_first), lambda n: (1, 2, n // 2), off) == {}
 
 
 def test_large_single_frames_run_eagerly_at_their_exact_shape():
@@ -299,10 +298,10 @@ def test_default_h200_ladder_plans_the_serving_mix():
     """The fa4 defaults on an H200 (132 SMs, 16 heads): 41 packed buckets plus the short-frame
     ones the tile rule asks for; every step of the serving benchmark's traffic, batched as its
     loop batches it, lands in the least bucket that holds it, within every capacity."""
-    from vitgraph.ops.attention import fa4_short_cap
+    from vitgraph.ops.attention import attention_tuning, fa4_short_cap
     from vitgraph.bench.serving import request_grids
 
-    buckets = make_buckets(budget_ladder(256, 16384), 16, 4, short_cap=lambda b: fa4_short_cap(b, 16, 132, 4))
+    buckets = make_buckets(budget_ladder(256, 16384), 16, 4, short_cap=lambda b: fa4_short_cap(b, 16, 4, attention_tuning(9, 132, 80)))
     assert len(buckets) == 64 and sum(b.max_seqlen < b.tokens for b in buckets) == 23
     grids = request_grids(300, 0, 12845056)
     used = set()

@@ -17,43 +17,59 @@ import vitgraph.ops.gemm
 import vitgraph.models.qwen2_vl
 import vitgraph.models.qwen2_vl_fused
 import vitgraph.precompile
-from vitgraph.engine.planner import Bucket, budget_ladder, make_buckets
+from vitgraph.engine.planner import Bucket
 from vitgraph.config import VisionConfig
-from vitgraph.options import EngineOptions, buckets_for, dense_limit
+from vitgraph.ops.attention import attention_tuning
+from vitgraph.ops.gemm import gemm_tuning
+from vitgraph.ops.kernels import norm_tuning
+from vitgraph.options import EngineOptions, buckets_for
+from vitgraph.tuning import Tuning, derive_tuning
 from vitgraph.loading import build_tower
-from vitgraph.precompile import (EarlyWorkers, KernelJob, _persists, _spawn, _spec, _tail, kernel_jobs, precompile,
+from vitgraph.precompile import (EarlyWorkers, KernelJob, PrecompileTuning, _persists, _spawn, _spec, _tail, kernel_jobs, precompile,
                                  start_early, worker_main)
 
 H200_SMS = 132
 
 
-@pytest.fixture
-def hopper(monkeypatch):
-    """Kernel choices as on an H200 with the fa4 extra, on any machine."""
-    for module in (vitgraph.ops.attention, vitgraph.ops.gemm):
-        monkeypatch.setattr(module, "arch_and_sm_count", lambda device: (9, H200_SMS))
+@pytest.fixture(autouse=True)
+def fa4_disk_cache(monkeypatch):
+    """FlashAttention 4's disk cache on, as a serving process sets it (FA4 reads the variable as
+    it is imported, so where it is loaded already its switch is set as well)."""
+    set_fa4_cache(monkeypatch, True)
+
+
+def set_fa4_cache(monkeypatch, on: bool) -> None:
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1" if on else "0")
+    if "flash_attn.cute.cache_utils" in sys.modules:
+        monkeypatch.setattr(sys.modules["flash_attn.cute.cache_utils"], "CUTE_DSL_CACHE_ENABLED", on)
+
+
+def h200(config, gemm="quack") -> Tuning:
+    """The tuning an encoder derives on an H200, on any machine."""
+    return dataclasses.replace(derive_tuning(config, torch.device("cpu")),
+                               gemm=gemm_tuning(gemm, 9, H200_SMS, config.embed_dim, config.mlp_dim),
+                               norms=norm_tuning(9), attention=attention_tuning(9, H200_SMS, config.head_dim))
 
 
 def tower(attention="fa4", gemm="quack", fused=True, **config):
     t = build_tower(VisionConfig(**{"depth": 1, **config}), torch.device("cpu"), torch.bfloat16)
     t.set_attention_backend(attention)
-    t.fused, t.gemm_backend = fused, gemm  # as on a GPU; nothing here runs a kernel
+    t.fused = fused  # as on a GPU; nothing here runs a kernel
+    t.set_tuning(h200(t.config, gemm).kernels)
     return t
 
 
 def default_buckets(t):
     """The buckets an encoder captures by default with FlashAttention 4 on an H200."""
-    options, heads, unit = EngineOptions(), t.config.num_heads, t.merge_unit
-    return make_buckets(budget_ladder(options.min_budget, options.max_budget, unit), options.max_items, unit,
-                        dense=options.dense_buckets, dense_up_to=dense_limit(options, "fa4"),
-                        short_cap=lambda b: vitgraph.ops.attention.fa4_short_cap(b, heads, H200_SMS, unit))
+    options = EngineOptions()
+    return buckets_for(t, options, "fa4", torch.device("cuda"), h200(t.config))
 
 
 def layout(t, bucket):
     return t.build_batch([], num_tokens=bucket.tokens, num_segments=bucket.max_segments, max_seqlen=bucket.max_seqlen)
 
 
-def test_one_job_per_kernel_of_the_default_ladder_each_on_its_smallest_bucket(hopper):
+def test_one_job_per_kernel_of_the_default_ladder_each_on_its_smallest_bucket():
     t = tower()
     buckets = default_buckets(t)
     jobs = kernel_jobs(t, buckets)
@@ -70,17 +86,16 @@ def test_one_job_per_kernel_of_the_default_ladder_each_on_its_smallest_bucket(ho
     # Every tile the wave models and the attention rules can pick is in use by default, and
     # each is its own kernel.
     tiles = {op: {j.key[2:] if op == "attention" else j.key[2] for j in jobs if j.op == op} for op in set(ops)}
-    g, a = vitgraph.ops.gemm, vitgraph.ops.attention
-    items = lambda tiles: {tuple(tile.items()) for tile in tiles}
-    assert tiles["fc1"] == items([g.QUACK_TILE, g.QUACK_FC1_SMALL_TILE] + [tile for tile, _ in g.QUACK_FC1_TILES])
-    assert tiles["qkv_rope"] == items([g.QUACK_TILE, g.QUACK_ROPE_SMALL_TILE] + [tile for tile, _ in g.QUACK_ROPE_TILES])
-    assert tiles["attention"] == {(a.FA4_LONG_TILE,), (a.FA4_SHORT_TILE,), (a.FA4_TINY_TILE,)}
+    g, a = t.tuning.gemm, t.tuning.attention
+    assert tiles["fc1"] == {g.tile, g.fc1_small_tile} | {tile for tile, _ in g.fc1_tiles}
+    assert tiles["qkv_rope"] == {g.tile, g.rope_small_tile} | {tile for tile, _ in g.rope_tiles}
+    assert tiles["attention"] == {(a.long_tile,), (a.short_tile,), (a.tiny_tile,)}
     assert "qkv" not in tiles  # every default bucket rotates in qkv's epilogue
-    # start_early cannot count the kernels before the libraries load: its constant must match.
-    assert vitgraph.precompile.EARLY_WORKERS == len(jobs)
+    # start_early cannot count the kernels before the libraries load: its setting must match.
+    assert PrecompileTuning().early_workers == len(jobs)
 
 
-def test_jit_kernels_follow_the_forward_paths(hopper):
+def test_jit_kernels_follow_the_forward_paths():
     packed, dense = Bucket(2304, 16), Bucket(2304, 1)
     ops = lambda t, bucket: [op for op, _ in t.jit_kernels(layout(t, bucket))]
     assert ops(tower(), packed) == ["qkv_rope", "attention", "fc1"]
@@ -101,7 +116,7 @@ def record_triton_calls(monkeypatch) -> set:
     qwen = vitgraph.models.qwen2_vl_fused  # the fused forward calls these through its module
     calls = set()
 
-    def add_layernorm(x, y, weight, bias, eps, y_bias=None, offset=None):
+    def add_layernorm(x, y, weight, bias, eps, y_bias=None, offset=None, tuning=None):
         calls.add(("add_layernorm", tuple(x.shape), None if y is None else tuple(y.shape), y_bias is not None,
                    offset is not None))
         return torch.zeros_like(x)
@@ -129,7 +144,7 @@ def record_triton_calls(monkeypatch) -> set:
         calls.add(("jit", name))
         return out.zero_()
 
-    def attend(backend, q, k, v, batch, padding_zeroed):
+    def attend(backend, q, k, v, batch, padding_zeroed, tuning):
         return jit("attention", torch.zeros_like(v)) if backend == "fa4" else torch.zeros_like(v)
 
     monkeypatch.setattr(qwen, "attend", attend)
@@ -140,19 +155,20 @@ def record_triton_calls(monkeypatch) -> set:
                         lambda x, weight, *args: jit("qkv_rope", torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype)))
     monkeypatch.setattr(vitgraph.ops.gemm, "_quack", lambda: (lambda x, w, _, out, *args, **kwargs: jit("fc1", out),
                                                           lambda x, w, out, **kwargs: jit("qkv", out), "quick_gelu"))
-    monkeypatch.setattr(vitgraph.ops.gemm, "_config", lambda *args: None)
     monkeypatch.setattr(vitgraph.ops.gemm, "_gemm_config", lambda *args: None)
-    monkeypatch.setattr(vitgraph.ops.gemm, "_split_k_device", lambda device: True)  # as on an H200
     return calls
 
 
 @pytest.mark.parametrize("attention, gemm", [("fa4", "quack"), ("fa4", "cublas"), ("cudnn", "quack"),
                                              ("cudnn", "cublas"), ("varlen", "cublas"), ("sdpa", "cublas")])
-def test_run_triton_kernels_compiles_what_the_forward_runs(hopper, monkeypatch, attention, gemm):
+def test_run_triton_kernels_compiles_what_the_forward_runs(monkeypatch, attention, gemm):
     """What precompile runs while the workers compile: every Triton kernel variant the fused
     forward runs for a layout, and only those."""
     calls = record_triton_calls(monkeypatch)
     t = tower(attention, gemm, embed_dim=160, num_heads=2, hidden_size=64, patch_size=2)  # small: CPU GEMMs
+    # The 2B's GEMM rows (a 160-wide tower would split K up to 4608 rows and take quack from
+    # 4224): the buckets run every path.
+    t.set_tuning(dataclasses.replace(t.tuning, gemm=gemm_tuning(gemm, 9, H200_SMS, 1280, 5120)))
     seen = set()
     for bucket in [Bucket(256, 16), Bucket(384, 16), Bucket(512, 16), Bucket(1024, 16), Bucket(1152, 16, 1024), Bucket(2304, 16),
                    Bucket(256, 1), Bucket(2304, 1), Bucket(4096, 16)]:
@@ -181,26 +197,27 @@ def test_run_triton_kernels_runs_nothing_for_the_plain_forward(monkeypatch):
     assert calls == set()
 
 
-def test_precompile_with_no_workers_or_no_kernels_does_nothing(hopper):
+def test_precompile_with_no_workers_or_no_kernels_does_nothing():
     t = tower()
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=0)
-    assert (report.kernels, report.workers, report.cold) == (vitgraph.precompile.EARLY_WORKERS, 0, False)
+    assert (report.kernels, report.workers, report.cold) == (PrecompileTuning().early_workers, 0, False)
     report = precompile(tower(attention="varlen", gemm="cublas"), [Bucket(256, 16)], torch.device("cpu"))
     assert (report.kernels, report.workers) == (0, 0)
 
 
 @pytest.mark.parametrize("files, started", [(7, 0), (0, 2)], ids=["kernels-on-disk", "empty-caches"])
-def test_warm_caches_leave_every_kernel_to_capture(hopper, monkeypatch, files, started):
+def test_warm_caches_leave_every_kernel_to_capture(monkeypatch, files, started):
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)  # a kernel loaded from disk
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: files)  # and no new file
     report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
     # With no kernel on disk the workers start before the first kernel, and are stopped after it.
-    assert (report.kernels, report.workers, report.cold, report.failures) == (vitgraph.precompile.EARLY_WORKERS, started, False, [])
+    assert (report.kernels, report.workers, report.cold, report.failures) == (PrecompileTuning().early_workers, started,
+                                                                             False, [])
 
 
 @pytest.mark.parametrize("files_before", [0, 5], ids=["empty-caches", "kernels-on-disk"])
-def test_failed_or_missing_workers_leave_the_kernels_to_capture(hopper, monkeypatch, caplog, files_before):
+def test_failed_or_missing_workers_leave_the_kernels_to_capture(monkeypatch, caplog, files_before):
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
     files = iter(range(files_before, 100))
@@ -220,7 +237,7 @@ def test_failed_or_missing_workers_leave_the_kernels_to_capture(hopper, monkeypa
     assert report.workers == 0 and report.failures == ["could not start a worker: fork refused"]
 
 
-def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_here(hopper, monkeypatch, caplog):
+def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_here(monkeypatch, caplog):
     t = tower()
     buckets = default_buckets(t)
     order = []
@@ -256,22 +273,26 @@ def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_he
 
 @pytest.mark.parametrize("switch, kept", [("QUACK_CACHE_ENABLED", {"attention"}),
                                           ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", {"fc1", "qkv_rope"})])
-def test_workers_only_compile_kernels_whose_cache_is_on(hopper, monkeypatch, switch, kept):
+def test_workers_only_compile_kernels_whose_cache_is_on(monkeypatch, switch, kept):
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
     files = iter(range(100))
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: next(files))  # cold
     started = []
     monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, shares, device, report: started.extend(shares) or [])
-    monkeypatch.setenv(switch, "0")
+    if switch == "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED":
+        set_fa4_cache(monkeypatch, False)  # FA4's default
+    else:
+        monkeypatch.setenv(switch, "0")
     jobs = kernel_jobs(t, default_buckets(t))
     precompile(t, default_buckets(t), torch.device("cpu"), workers=16)
-    assert [job for share in started for job in share] == [j for j in jobs[1:] if j.op in kept]
+    # The first kept kernel runs here; a kernel whose cache is off compiles at capture.
+    assert [job for share in started for job in share] == [j for j in jobs if j.op in kept][1:]
 
 
 @pytest.mark.parametrize("attention, caches", [("fa4", ["flash_attn.cute.cache_utils", "quack.cache.jit"]),
                                                ("cudnn", ["quack.cache.jit"])])
-def test_only_the_caches_of_the_kernels_in_use_are_read(hopper, monkeypatch, attention, caches):
+def test_only_the_caches_of_the_kernels_in_use_are_read(monkeypatch, attention, caches):
     t = tower(attention=attention)
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
     read = []
@@ -340,7 +361,11 @@ def test_workers_start_with_the_encoder_only_where_no_kernel_is_on_disk(empty_ca
     assert specs[0]["config"]["depth"] == 1 and specs[0]["dtype"] == "bfloat16" and specs[0]["device"] == "cuda"
     assert specs[0]["options"] == dataclasses.asdict(EngineOptions(compile_workers=3))
     monkeypatch.setattr(vitgraph.precompile, "_usable_cpus", lambda: 64)
-    assert len(start().procs) == vitgraph.precompile.EARLY_WORKERS
+    assert len(start().procs) == PrecompileTuning().early_workers
+    assert len(start_early(VisionConfig(), torch.device("cuda"), torch.bfloat16, dataclasses.asdict(EngineOptions()),
+                           PrecompileTuning(early_workers=4)).procs) == 4
+    assert start_early(VisionConfig(), torch.device("cuda"), torch.bfloat16, dataclasses.asdict(EngineOptions()),
+                       PrecompileTuning(start_with_encoder=False)) is None
     monkeypatch.setattr(vitgraph.precompile, "_usable_cpus", lambda: 3)
     assert len(start().procs) == 2
     specs.clear()
@@ -356,7 +381,7 @@ def test_workers_start_with_the_encoder_only_where_no_kernel_is_on_disk(empty_ca
     assert specs == []
 
 
-def test_early_workers_are_adopted_only_where_the_libraries_keep_their_kernels(hopper, empty_caches, monkeypatch):
+def test_early_workers_are_adopted_only_where_the_libraries_keep_their_kernels(empty_caches, monkeypatch):
     roots, _ = empty_caches
     t = tower()
     ran = []
@@ -382,17 +407,21 @@ def test_early_workers_are_adopted_only_where_the_libraries_keep_their_kernels(h
     assert stopped == [True, True]  # no precompiling at all: stopped too
 
 
-def test_an_early_worker_compiles_its_share_of_the_kernels_the_encoder_will_run(hopper, monkeypatch, capsys):
+def test_an_early_worker_compiles_its_share_of_the_kernels_the_encoder_will_run(monkeypatch, capsys):
     t = tower()
     options = EngineOptions(compile_workers=3)
-    every = [j for j in kernel_jobs(t, buckets_for(t, options, "fa4", torch.device("cpu"))) if _persists(j.op)]
+    every = [j for j in kernel_jobs(t, default_buckets(t)) if _persists(j.op)]
     assert len(every) >= 7
 
-    def as_on_a_gpu(tower, options, device, dtype):  # the backends an H200 resolves to
+    def as_on_a_gpu(tower, options, tuning, device, dtype):  # the backends and tuning an H200 resolves to
         tower.set_attention_backend("fa4")
-        tower.fused, tower.gemm_backend = True, "quack"
-        return "fa4", "quack"
+        tower.fused = True
+        tuning = h200(tower.config)
+        tower.set_tuning(tuning.kernels)
+        return "fa4", tuning
 
+    monkeypatch.setattr(vitgraph.options, "buckets_for",
+                        lambda tower, options, attention, device, tuning: default_buckets(tower))
     monkeypatch.setattr(vitgraph.options, "configure_tower", as_on_a_gpu)
     ran = []
     monkeypatch.setattr(vitgraph.models.qwen2_vl.Qwen2VisionTower, "run_jit_kernel",
@@ -453,7 +482,7 @@ COLD_START = textwrap.dedent("""
 def test_cold_caches_are_filled_by_workers_and_capture_compiles_nothing(tmp_path):
     caches = {"FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": tmp_path / "fa4", "QUACK_CACHE_DIR": tmp_path / "quack"}
     env = {**os.environ, **{k: str(v) for k, v in caches.items()}, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    env.pop("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", None)
+    env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"  # FA4's disk cache is off unless the process asks
     env.pop("QUACK_CACHE_ENABLED", None)
 
     def run():

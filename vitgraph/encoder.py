@@ -22,27 +22,16 @@ from .loading import build_tower, find_checkpoint, load_tower, read_config, read
 from .models.qwen2_vl import Qwen2VisionTower
 from .options import EngineOptions, buckets_for, configure_tower, resolve_device, resolve_dtype, uses_graphs
 from .precompile import PrecompileReport, precompile, start_early
+from .tuning import Tuning, derive_tuning
 from .validation import check_out, check_pixels, check_rows, normalize_grid
 
 logger = logging.getLogger(__name__)
 
-# Plans kept per encoder, keyed by the call's grids (reset by capture()), with each graph
-# step's staged metadata: a repeated image size then costs no host-side metadata work.
-PLAN_CACHE_SIZE = 4096
-PLAN_CACHE_BYTES = 64 << 20  # staged metadata is 12 bytes per token
-# A step of several frames above exact_eager_above runs eagerly when its bucket would pad it
-# by at least this share. On an H200 with FlashAttention 4, eager took about 2.8% longer
-# than a replay of the same rows, and each 1% of padding cost the replay about 0.73%
-# (benchmarks/eager_crossover.py over 19 batches of 8-16k tokens): even at about 3.8%.
-EAGER_MIN_PADDING = 0.04
-# Backends whose packed graphs attend through another kernel than eager calls do: with
-# "cudnn" the graphs use cuDNN's ragged attention and eager calls FA2 varlen, 15-22% slower
-# end to end at 8-15k tokens, so no padding pays for eager there.
-PACKED_EAGER_SLOWER = ("cudnn",)
 
 
 def _start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype, options: EngineOptions):
-    return start_early(config, device, dtype, asdict(options))
+    tuning = derive_tuning(config, device, options.tuning).precompile
+    return start_early(config, device, dtype, asdict(options), tuning)
 
 
 @dataclass
@@ -97,6 +86,8 @@ class GraphedVisionEncoder:
             if self.options.mode == "graph" and self.device.type != "cuda":
                 raise ValueError(f"mode='graph' needs a CUDA device, got {self.device}")
             self.use_graphs = uses_graphs(self.options, self.device)
+            # Every threshold, tile and switch this encoder runs by (see vitgraph.tuning).
+            self.tuning: Tuning = derive_tuning(tower.config, self.device, self.options.tuning)
             # With no compiled kernel on disk, kernel-compiling workers start now (or started
             # as from_pretrained read the checkpoint's config), before this process loads the
             # kernel libraries, so that their start-up overlaps its own.
@@ -106,8 +97,10 @@ class GraphedVisionEncoder:
                 _early_workers.stop()
                 _early_workers = None
             self.tower = tower.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
-            self.attention, self.gemm = configure_tower(self.tower, self.options, self.device, self.dtype)
-            self.requested_buckets = buckets_for(self.tower, self.options, self.attention, self.device)
+            self.attention, self.tuning = configure_tower(self.tower, self.options, self.tuning, self.device,
+                                                          self.dtype)
+            self.gemm = self.tuning.gemm.backend
+            self.requested_buckets = buckets_for(self.tower, self.options, self.attention, self.device, self.tuning)
         except BaseException:
             if _early_workers is not None:
                 _early_workers.stop()
@@ -129,7 +122,7 @@ class GraphedVisionEncoder:
         self._precompile_seconds = 0.0
         self._counters = _Counters()
         if self.use_graphs:
-            self.bank = GraphBank(self.tower, self.requested_buckets, self.device, self.dtype)
+            self.bank = GraphBank(self.tower, self.requested_buckets, self.device, self.dtype, self.tuning.capture)
             if self.options.capture:
                 self.capture()
 
@@ -197,7 +190,7 @@ class GraphedVisionEncoder:
             todo = self.bank.uncaptured
             if todo:
                 self._precompile = precompile(self.tower, todo, self.device, self.options.compile_workers,
-                                              early=self._early_workers)
+                                              early=self._early_workers, tuning=self.tuning.precompile)
                 self._early_workers = None
                 self._precompile_seconds += self._precompile.seconds
             self.bank.capture(pool_limit_bytes=self.options.pool_limit_bytes, progress=self.options.progress)
@@ -209,9 +202,10 @@ class GraphedVisionEncoder:
                     return 1, merge, tokens // merge
 
                 if self.options.route_single_frames:
-                    self._packed_single_below = single_frame_thresholds(self.bank, frame, self.tower.merge_unit)
+                    self._packed_single_below = single_frame_thresholds(self.bank, frame, self.tower.merge_unit,
+                                                                        self.tuning.routing)
                 if self.options.route_to_faster_buckets:
-                    self._faster_next = faster_next_buckets(self.bank, frame)
+                    self._faster_next = faster_next_buckets(self.bank, frame, self.tuning.routing)
                 self._routing_seconds += time.perf_counter() - start
             self._prepared.clear()
             self._prepared_bytes = 0
@@ -240,7 +234,8 @@ class GraphedVisionEncoder:
             prepared = self._prepared.get(key)
         if prepared is not None:
             return prepared
-        eager_padding = None if self.attention in PACKED_EAGER_SLOWER else EAGER_MIN_PADDING
+        plans = self.tuning.plans
+        eager_padding = None if self.attention in plans.packed_eager_slower else plans.eager_min_padding
         plan = plan_call(grids, self.buckets, self.options.exact_eager_above, self._packed_single_below,
                          eager_padding, self._faster_next)
         staged = [None if step.bucket is None else self.bank.stage_grids(step.bucket, step.grids)
@@ -250,7 +245,7 @@ class GraphedVisionEncoder:
             if key not in self._prepared:
                 self._prepared[key] = prepared
                 self._prepared_bytes += prepared.nbytes
-                while len(self._prepared) > PLAN_CACHE_SIZE or self._prepared_bytes > PLAN_CACHE_BYTES:
+                while len(self._prepared) > plans.cache_entries or self._prepared_bytes > plans.cache_bytes:
                     self._prepared_bytes -= self._prepared.popitem(last=False)[1].nbytes
         return prepared
 

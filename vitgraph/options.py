@@ -3,25 +3,22 @@ the options, the device and the tower: its backends and its buckets."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from .engine.planner import Bucket, budget_ladder, make_buckets
 from .models.qwen2_vl import Qwen2VisionTower
-from .ops import attention as attention_kernels
 from .ops import kernels
-from .ops.attention import resolve_backend
+from .ops.attention import fa4_short_cap, resolve_backend
 from .ops.gemm import GEMM_BACKENDS, resolve_gemm
+from .tuning import Tuning, check_overrides
 
 MODES = ("auto", "graph", "eager")
-# With the fa4 backend no dense bucket above this is captured by default, so none: on an
-# H200, FlashAttention 4's packed buckets (128-row tiles for frames of up to 2048 tokens) beat
-# the dense cuDNN buckets end to end for single frames of 256 and 1024 tokens (1x256 2.04 ->
-# 1.89 ms, 1x1024 3.59 -> 3.44), and the routing timed at capture already sent every single
-# frame above 2048 tokens to the packed buckets.
-FA4_DENSE_MAX_TOKENS = 0
+
+
 @dataclass
 class EngineOptions:
     """How the encoder buckets, captures and runs. Every field is validated."""
@@ -40,10 +37,10 @@ class EngineOptions:
     # A step holding one frame of more tokens runs eagerly at its exact shape (GPU-bound there:
     # on an H200 a 9604-token image took 69.1 ms eager against 73.2 ms replayed in the
     # 10496-token bucket); so does a step of several frames whose bucket would pad it by
-    # EAGER_MIN_PADDING or more. None: never. Dense buckets above it are not captured.
+    # tuning plans.eager_min_padding (4%) or more. None: never. Dense buckets above it are not captured.
     exact_eager_above: int | None = 8192
-    # The largest dense bucket. None: none with the fa4 backend (FA4_DENSE_MAX_TOKENS: its
-    # packed buckets beat dense cuDNN for single frames on an H200), else exact_eager_above.
+    # The largest dense bucket. None: none with the fa4 backend (tuning plans.fa4_dense_max_tokens:
+    # its packed buckets beat dense cuDNN for single frames on an H200), else exact_eager_above.
     dense_max_tokens: int | None = None
     # With the fa4 backend on Hopper, also capture a packed bucket for short frames in each
     # budget whose own bucket attends with FlashAttention 4's default 192-row tiles: it takes
@@ -60,13 +57,16 @@ class EngineOptions:
     capture: bool = True  # capture on construction; else call encoder.capture()
     # Before capture, where FlashAttention 4's or quack's kernel caches are cold, compile those
     # kernels in up to this many worker processes at once (None: one per kernel, up to the CPU
-    # count less one, and at most precompile.EARLY_WORKERS (10) where the caches hold no kernel
+    # count less one, and at most tuning precompile.early_workers (10) where the caches hold no kernel
     # at all and the workers start with the encoder; 0: none, each compiles in this process
     # when capture first meets it).
     # See vitgraph.precompile.
     compile_workers: int | None = None
     pool_limit_bytes: int | None = None
     progress: bool = True
+    # Changes to the tuning derived from the device and the tower's widths, by dotted name
+    # ({"gemm.split_k_max_rows": 0, "attention.short_seqlen": 0}; see vitgraph.tuning).
+    tuning: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -84,36 +84,37 @@ class EngineOptions:
         for name in ("dense_buckets", "short_frame_buckets", "route_single_frames", "route_to_faster_buckets"):
             if not isinstance(getattr(self, name), bool):  # not "in (True, False)": 1 == True
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.tuning is not None:
+            check_overrides(self.tuning)
         if self.budgets is not None and (isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence)
                                          or len(self.budgets) == 0
                                          or any(isinstance(b, bool) or not isinstance(b, int) for b in self.budgets)):
             raise ValueError(f"budgets must be a non-empty list of ints or None, got {self.budgets!r}")
 
 
-def dense_limit(options: EngineOptions, attention: str) -> int | None:
+def dense_limit(options: EngineOptions, attention: str, tuning: Tuning) -> int | None:
     """Tokens of the largest dense bucket to capture (None: no limit)."""
     limits = [options.exact_eager_above, options.dense_max_tokens]
     if options.dense_max_tokens is None and attention == "fa4":
-        limits.append(FA4_DENSE_MAX_TOKENS)
+        limits.append(tuning.plans.fa4_dense_max_tokens)
     limits = [n for n in limits if n is not None]
     return min(limits) if limits else None
 
 
 def short_cap_rule(options: EngineOptions, attention_backend: str, heads: int, device: torch.device,
-                   unit: int) -> Callable[[int], int | None] | None:
+                   unit: int, tuning: Tuning) -> Callable[[int], int | None] | None:
     """``budget -> frame cap`` of the short-frame bucket to capture for it (None: none)."""
-    if not options.short_frame_buckets or attention_backend != "fa4" or device.type != "cuda":
+    if (not options.short_frame_buckets or attention_backend != "fa4" or device.type != "cuda"
+            or tuning.attention.sm_count is None):
         return None
-    sm_count = attention_kernels.short_tile_sm_count(device)
-    if sm_count is None:
-        return None
-    return lambda budget: attention_kernels.fa4_short_cap(budget, heads, sm_count, unit)
+    return lambda budget: fa4_short_cap(budget, heads, unit, tuning.attention)
 
 
-def configure_tower(tower: Qwen2VisionTower, options: EngineOptions, device: torch.device,
-                    dtype: torch.dtype) -> tuple[str, str]:
-    """Set ``tower``'s attention backend, fusion and GEMM backend as ``options`` ask (resolving
-    "auto" for ``device`` and ``dtype``); returns (attention, gemm)."""
+def configure_tower(tower: Qwen2VisionTower, options: EngineOptions, tuning: Tuning, device: torch.device,
+                    dtype: torch.dtype) -> tuple[str, Tuning]:
+    """Set ``tower``'s attention backend, fusion, GEMM backend and kernel tuning as ``options``
+    and ``tuning`` ask (resolving "auto" for ``device`` and ``dtype``); returns the attention
+    backend and the tuning with the GEMM backend chosen."""
     attention = resolve_backend(options.attention, device, dtype)
     tower.set_attention_backend(attention)
     fuse = options.fuse
@@ -125,20 +126,21 @@ def configure_tower(tower: Qwen2VisionTower, options: EngineOptions, device: tor
     if options.gemm == "quack" and not epilogues:
         raise ValueError(f"gemm='quack': the {type(tower).__name__} has no quack GEMM path; use 'cublas' or 'auto'")
     gemm = resolve_gemm(options.gemm, device, dtype, tower.fused and epilogues)
-    tower.set_gemm_backend(gemm)
-    return attention, gemm
+    tuning = dataclasses.replace(tuning, gemm=dataclasses.replace(tuning.gemm, backend=gemm))
+    tower.set_tuning(tuning.kernels)
+    return attention, tuning
 
 
 def buckets_for(tower: Qwen2VisionTower, options: EngineOptions, attention: str,
-                device: torch.device) -> list[Bucket]:
+                device: torch.device, tuning: Tuning) -> list[Bucket]:
     """The buckets an encoder with these options asks to capture."""
     budgets = options.budgets
     if budgets is None:
         budgets = budget_ladder(options.min_budget, options.max_budget, align=tower.merge_unit)
     return make_buckets(list(budgets), options.max_items, tower.merge_unit, dense=options.dense_buckets,
-                        dense_up_to=dense_limit(options, attention),
+                        dense_up_to=dense_limit(options, attention, tuning),
                         short_cap=short_cap_rule(options, attention, tower.config.num_heads, device,
-                                                 tower.merge_unit))
+                                                 tower.merge_unit, tuning))
 
 
 def uses_graphs(options: EngineOptions, device: torch.device) -> bool:

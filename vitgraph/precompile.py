@@ -32,11 +32,13 @@ capture would otherwise compile one after another after the wait.
 
 from __future__ import annotations
 
+import base64
 import getpass
 import importlib
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -48,34 +50,28 @@ from typing import Sequence
 import torch
 
 from .ops import kernels
-from .ops.attention import FA4_CACHE_SWITCH, _has_fa4, enable_fa4_disk_cache
+from .ops.attention import FA4_CACHE_SWITCH, _has_fa4
 from .engine.graphs import padded_batch
 from .engine.planner import Bucket
 from .config import VisionConfig
 from .ops.gemm import quack_available
 from .models.qwen2_vl import Qwen2VisionTower
+from .tuning import PrecompileTuning
 
 logger = logging.getLogger(__name__)
 
 WORKER_TIMEOUT_S = 600.0
-# Per op: the module whose get_cache_path() holds its compiled kernels (*.o files), and the
-# switch of that disk cache ("1": on; vitgraph turns FA4's on unless it is set). A worker's
+# Per op: the module whose get_cache_path() holds its compiled kernels (*.o files), the switch
+# of that disk cache ("1": on) and the library's default (FA4's is off, quack's on). A worker's
 # compile only helps where the kernel persists.
-_FA4_CACHE = ("flash_attn.cute.cache_utils", FA4_CACHE_SWITCH)
-_QUACK_CACHE = ("quack.cache.jit", "QUACK_CACHE_ENABLED")
+_FA4_CACHE = ("flash_attn.cute.cache_utils", FA4_CACHE_SWITCH, "0")
+_QUACK_CACHE = ("quack.cache.jit", "QUACK_CACHE_ENABLED", "1")
 _DISK_CACHE = {"attention": _FA4_CACHE, "qkv": _QUACK_CACHE, "qkv_rope": _QUACK_CACHE, "fc1": _QUACK_CACHE}
 # Where each library puts its disk cache (its variable, else <tempdir>/<user>/<name>), known
 # without importing it: start_early looks there before anything is imported, and precompile
 # adopts the early workers only where the imported libraries name the same directories.
 _CACHE_DIR_DEFAULTS = {_FA4_CACHE[0]: ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "flash_attention_cute_dsl_cache"),
                        _QUACK_CACHE[0]: ("QUACK_CACHE_DIR", "quack_cache")}
-# Most workers start_early starts when compile_workers is None (it cannot count the kernels
-# before the libraries load): one per kernel of the default buckets.
-EARLY_WORKERS = 10
-START_WITH_ENCODER = True  # False: workers start only in precompile, after the build (for A/Bs)
-# While cold-cache workers compile, this process compiles the buckets' Triton kernels (else
-# capture compiles them, one after another, after the wait). False: for A/Bs.
-TRITON_WHILE_WAITING = True
 
 
 @dataclass(frozen=True)
@@ -110,7 +106,12 @@ def kernel_jobs(tower: Qwen2VisionTower, buckets: Sequence[Bucket]) -> list[Kern
 
 
 def _persists(op: str) -> bool:
-    return os.environ.get(_DISK_CACHE[op][1], "1") == "1"
+    """The op's library keeps compiled kernels on disk (FA4 reads its switch once, at import)."""
+    module, switch, default = _DISK_CACHE[op]
+    loaded = sys.modules.get(module)
+    if loaded is not None and hasattr(loaded, "CUTE_DSL_CACHE_ENABLED"):
+        return bool(loaded.CUTE_DSL_CACHE_ENABLED)
+    return os.environ.get(switch, default) == "1"
 
 
 def _shares(jobs: Sequence[KernelJob], workers: int) -> list[list[KernelJob]]:
@@ -129,14 +130,14 @@ def _spec(tower: Qwen2VisionTower, jobs: Sequence[KernelJob], device: torch.devi
     block = tower.blocks[0]
     return json.dumps({
         **_base_spec(tower.config, device, block.attn.qkv.weight.dtype),
-        "attention": block.attn.backend, "gemm": tower.gemm_backend, "fused": tower.fused,
+        "attention": block.attn.backend, "gemm": tower.tuning.gemm.backend, "fused": tower.fused,
+        "kernel_tuning": base64.b64encode(pickle.dumps(tower.tuning)).decode(),  # from this process: trusted
         "jobs": [[j.op, j.bucket.tokens, j.bucket.max_segments, j.bucket.max_seqlen] for j in jobs],
     })
 
 
 def _cache_roots(modules: Sequence[str]) -> dict[str, Path]:
     """The disk-cache directory of each of ``modules`` that loads (see ``_DISK_CACHE``; imports them)."""
-    enable_fa4_disk_cache()  # before FA4 is imported here, and inherited by the workers
     roots = {}
     for name in modules:
         try:
@@ -235,20 +236,20 @@ def _early_caches(device: torch.device, dtype: torch.dtype, options: dict) -> li
     return caches
 
 
-def start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype, options: dict) -> EarlyWorkers | None:
+def start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype, options: dict,
+                tuning: PrecompileTuning = PrecompileTuning()) -> EarlyWorkers | None:
     """Where no compiled kernel of FlashAttention 4's or quack's is on disk, start the workers
     now, before the encoder loads those libraries (seconds of imports each process spends,
     workers included): each works out the encoder's kernels from ``options`` (the encoder's,
     as a dict) and compiles its share. None where the caches hold kernels (or none can be
     used here): then :func:`precompile` decides, after one kernel."""
     workers = options["compile_workers"]
-    if workers == 0 or device.type != "cuda" or not START_WITH_ENCODER:
+    if workers == 0 or device.type != "cuda" or not tuning.start_with_encoder:
         return None
-    enable_fa4_disk_cache()  # inherited by the workers, as precompile would have it
     roots = {m: _default_root(m) for m in _early_caches(device, dtype, options)}
     if not roots or None in roots.values() or _count_kernel_files(roots.values()) > 0:
         return None
-    count = workers if workers is not None else min(EARLY_WORKERS, max(0, _usable_cpus() - 1))
+    count = workers if workers is not None else min(tuning.early_workers, max(0, _usable_cpus() - 1))
     if count == 0:
         return None
     early = EarlyWorkers([], roots)
@@ -269,7 +270,8 @@ def _tail(log) -> str:
 
 
 def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch.device,
-               workers: int | None = None, early: EarlyWorkers | None = None) -> PrecompileReport:
+               workers: int | None = None, early: EarlyWorkers | None = None,
+               tuning: PrecompileTuning = PrecompileTuning()) -> PrecompileReport:
     """Compile, in parallel processes when the disk caches are cold, the kernels the forwards of
     ``buckets`` run (see the module). ``workers``: most processes (None: one per kernel after
     the first, up to the CPU count less one; 0: none, kernels compile at capture as they are
@@ -279,12 +281,13 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
     start = time.perf_counter()
     jobs = kernel_jobs(tower, buckets)
     report = PrecompileReport(kernels=len(jobs))
+    jobs = [j for j in jobs if _persists(j.op)]  # the others compile at capture: a worker's would be lost
     if workers == 0 or not jobs:
         if early is not None:
             early.stop()
         report.seconds = time.perf_counter() - start
         return report
-    first, rest = jobs[0], [j for j in jobs[1:] if _persists(j.op)]
+    first, rest = jobs[0], jobs[1:]
     if workers is None:
         workers = max(0, _usable_cpus() - 1)
     shares = _shares(rest, min(workers, len(rest)))
@@ -312,7 +315,7 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
                 proc.kill()
         elif procs is None:  # kernels on disk, but not this one (another release, other buckets)
             procs = _start(tower, shares, device, report)
-        if report.cold and procs and TRITON_WHILE_WAITING and _triton_compiles(device):
+        if report.cold and procs and tuning.triton_while_waiting and _triton_compiles(device):
             # Idle here until the workers finish: compile the Triton kernels capture would.
             t0 = time.perf_counter()
             try:
@@ -375,16 +378,22 @@ def worker_main(spec_json: str) -> None:
     dtype = getattr(torch, spec["dtype"])
     tower = build_tower(VisionConfig(**spec["config"]), device, dtype)
     from .options import EngineOptions, buckets_for, configure_tower
+    from .tuning import derive_tuning
 
     if "options" in spec:  # started before the encoder chose anything: choose as it will
+        # The tuning as the encoder derives it: from the device and the widths (which a
+        # one-block tower shares), with the encoder's changes by name.
         options = EngineOptions(**spec["options"])
-        attention, _ = configure_tower(tower, options, device, dtype)
+        attention, tuning = configure_tower(tower, options, derive_tuning(tower.config, device, options.tuning),
+                                            device, dtype)
         index, count = spec["share"]
-        every = [j for j in kernel_jobs(tower, buckets_for(tower, options, attention, device)) if _persists(j.op)]
+        every = [j for j in kernel_jobs(tower, buckets_for(tower, options, attention, device, tuning))
+                 if _persists(j.op)]
         jobs = [(j.op, j.bucket) for j in every[index::count]]
     else:  # the encoder's choices, already resolved
-        configure_tower(tower, EngineOptions(attention=spec["attention"], gemm=spec["gemm"], fuse=spec["fused"]),
-                        device, dtype)
+        resolved = EngineOptions(attention=spec["attention"], gemm=spec["gemm"], fuse=spec["fused"])
+        configure_tower(tower, resolved, derive_tuning(tower.config, device), device, dtype)
+        tower.set_tuning(pickle.loads(base64.b64decode(spec["kernel_tuning"])))  # the encoder's, exactly
         jobs = [(op, Bucket(tokens, segments, max_seqlen)) for op, tokens, segments, max_seqlen in spec["jobs"]]
     timings["build_s"] = round(time.perf_counter() - lap, 2)
     with torch.inference_mode():

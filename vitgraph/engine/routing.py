@@ -16,23 +16,36 @@ The packed graph's time grows with the frame's attention, about as ``n**2``; bet
 two measured sizes it is interpolated in ``n**2``. The result, per budget: single frames
 of fewer tokens than the threshold replay in the packed bucket. Each time is one replay
 (about 1 s for the default ladder on an H200); the packed bucket must win by
-``MARGIN``, so that timing noise never moves a frame that fills its dense bucket.
+a margin (:class:`RoutingTuning`), so that timing noise never moves a frame that fills its dense bucket.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 from .graphs import GraphBank
 from .planner import Bucket, Grid
 
-MIN_TOKENS = 1024  # below it attention is a few percent of a replay: not worth the capture time
-MARGIN = 0.01  # the packed bucket must be predicted this much faster than the dense one
+@dataclass(frozen=True)
+class RoutingTuning:
+    """What routing times at capture, and by how much a faster graph must win."""
+
+    min_tokens: int = 1024  # below it attention is a few percent of a replay: not worth the capture time
+    margin: float = 0.01  # the packed bucket must be predicted this much faster than the dense one
+    # Packed buckets of up to this many tokens may hand their steps to the next larger one (see
+    # faster_next_buckets). Below it the GEMM kernels a library picks per shape can make a
+    # bucket slower than the next one: on an H200 with the default ladder the 320-, 480- and
+    # 704-token buckets, in each of six captures. From 1024 rows every GEMM's tiles fill the
+    # GPU and its time grows with the rows, so larger buckets are not timed.
+    faster_next_max_tokens: int = 1024
+    faster_next_margin: float = 0.02  # the larger bucket must be this much faster, on the smaller one's input
+    faster_next_reps: int = 3  # interleaved replays of each, the least kept
 
 
 def single_frame_thresholds(bank: GraphBank, frame_grid: Callable[[int], Grid], unit: int,
-                            min_tokens: int = MIN_TOKENS) -> dict[int, int]:
+                            tuning: RoutingTuning = RoutingTuning()) -> dict[int, int]:
     """``{budget: n}``: a single frame of fewer than ``n`` tokens replays faster in the packed
     bucket of that budget than in its dense one. Budgets without both graphs, or where the
     dense one always wins, are left out. ``frame_grid(n)`` is a one-frame grid of ``n`` tokens
@@ -46,10 +59,10 @@ def single_frame_thresholds(bank: GraphBank, frame_grid: Callable[[int], Grid], 
     for tokens in sorted(pairs):
         low, previous = -(-(previous + 1) // unit) * unit, tokens
         pair = pairs[tokens]
-        if tokens < min_tokens or len(pair) != 2:
+        if tokens < tuning.min_tokens or len(pair) != 2:
             continue
         dense, packed = pair[True], pair[False]
-        d = bank.time_replay(dense, [frame_grid(tokens)], reps=1) * (1 - MARGIN)
+        d = bank.time_replay(dense, [frame_grid(tokens)], reps=1) * (1 - tuning.margin)
         p_full = bank.time_replay(packed, [frame_grid(tokens)], reps=1)
         if p_full <= d:
             thresholds[tokens] = tokens + 1  # packed wins even for a frame that fills the bucket
@@ -62,37 +75,25 @@ def single_frame_thresholds(bank: GraphBank, frame_grid: Callable[[int], Grid], 
     return thresholds
 
 
-# Packed buckets of up to this many tokens may hand their steps to the next larger one (see
-# faster_next_buckets). Below it the GEMM kernels a library picks per shape can make a bucket
-# slower than the next one: on an H200 with the default ladder the 320-, 480- and 704-token
-# buckets, every time in six captures timed up to 2048 tokens (0.45 s). From 1024 rows every
-# GEMM's tiles fill the GPU and its time grows with the rows (no other split or tile won
-# there, BENCHMARKS.md), so larger buckets are not timed.
-FASTER_NEXT_MAX_TOKENS = 1024
-FASTER_NEXT_MARGIN = 0.02  # the larger bucket must be this much faster, on the smaller one's input
-FASTER_NEXT_REPS = 3  # interleaved replays of each, the least kept
-
-
 def faster_next_buckets(bank: GraphBank, frame_grid: Callable[[int], Grid],
-                        max_tokens: int | None = None) -> dict[Bucket, Bucket]:
-    """``{bucket: larger}``: packed buckets of up to ``max_tokens`` tokens (default
-    ``FASTER_NEXT_MAX_TOKENS``) whose filling input (one frame, ``frame_grid(bucket.tokens)``)
-    replays at least ``FASTER_NEXT_MARGIN`` faster in the next larger packed bucket, which
-    holds every step the smaller one does. Each pair is timed on the same input, its replays
-    interleaved so that both see the same clock."""
-    max_tokens = FASTER_NEXT_MAX_TOKENS if max_tokens is None else max_tokens
+                        tuning: RoutingTuning = RoutingTuning()) -> dict[Bucket, Bucket]:
+    """``{bucket: larger}``: packed buckets of up to ``tuning.faster_next_max_tokens`` tokens
+    whose filling input (one frame, ``frame_grid(bucket.tokens)``) replays at least
+    ``tuning.faster_next_margin`` faster in the next larger packed bucket, which holds every
+    step the smaller one does. Each pair is timed on the same input, its replays interleaved
+    so that both see the same clock."""
     packed = sorted(b for b in bank.buckets if b.max_seqlen == b.tokens and b.max_segments > 1)
     faster = {}
     for small, large in zip(packed, packed[1:]):
-        if small.tokens > max_tokens:
+        if small.tokens > tuning.faster_next_max_tokens:
             break
         if large.max_segments < small.max_segments:
             continue
         grids = [frame_grid(small.tokens)]
         times = {small: [], large: []}
-        for _ in range(FASTER_NEXT_REPS):
+        for _ in range(tuning.faster_next_reps):
             for bucket in (small, large):
                 times[bucket].append(bank.time_replay(bucket, grids, reps=1))
-        if min(times[large]) < min(times[small]) * (1 - FASTER_NEXT_MARGIN):
+        if min(times[large]) < min(times[small]) * (1 - tuning.faster_next_margin):
             faster[small] = large
     return faster

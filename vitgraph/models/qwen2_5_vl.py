@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..config import TowerShape
 from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
-from ..ops.attention import SegmentFlags
+from ..ops.attention import DEFAULT_ATTENTION, SegmentFlags
 from .config_parsing import FamilyConfig, check_block_indexes
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
@@ -152,6 +152,7 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
         self.backend = "sdpa"
+        self.attention_tuning = DEFAULT_ATTENTION
         keep_qkv_interleaved(self, cfg.num_heads, cfg.head_dim)
 
 
@@ -214,7 +215,8 @@ class VisionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         attn = self.attn
-        x = x + attn.proj(rotary_attention(attn.qkv(self.norm1(x)), attn.num_heads, cos, sin, attn.backend, segments))
+        x = x + attn.proj(rotary_attention(attn.qkv(self.norm1(x)), attn.num_heads, cos, sin, attn.backend, segments,
+                                          attn.attention_tuning))
         return x + self.mlp(self.norm2(x))
 
 
@@ -272,6 +274,11 @@ class Qwen25VisionTower(ReferenceTower):
     def set_attention_backend(self, backend: str) -> None:
         for block in self.blocks:
             block.attn.backend = backend
+
+    def set_tuning(self, tuning) -> None:
+        super().set_tuning(tuning)
+        for block in self.blocks:
+            block.attn.attention_tuning = tuning.attention
 
 
     def build_batch(self, grids: Sequence[tuple[int, int, int]], *, num_tokens: int | None = None,
@@ -370,14 +377,15 @@ class Qwen25VisionTower(ReferenceTower):
         frames, windows = batch.frames, batch.windows
         full = set(self.config.fullatt_block_indexes)
         heads, merger = self.config.num_heads, self.merger
-        h = kernels.add_rmsnorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.eps)
+        h = kernels.add_rmsnorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.eps, tuning=self.tuning.norms)
         for i, block in enumerate(blocks):  # each intermediate dropped as soon as it is dead
             attn, mlp = block.attn, block.mlp
-            out = fused_attention(h, attn, heads, cos, sin, attn.backend, frames if i in full else windows)
+            out = fused_attention(h, attn, heads, cos, sin, attn.backend, frames if i in full else windows,
+                                  self.tuning.attention)
             del h
             y = F.linear(out, attn.proj.weight, attn.proj.bias)
             del out
-            h = kernels.add_rmsnorm(x, y, block.norm2.weight, block.norm2.eps)
+            h = kernels.add_rmsnorm(x, y, block.norm2.weight, block.norm2.eps, tuning=self.tuning.norms)
             del y
             gate_up = F.linear(h, mlp.gate_up.weight, mlp.gate_up.bias)
             del h
@@ -390,6 +398,6 @@ class Qwen25VisionTower(ReferenceTower):
             z = F.linear(f, mlp.down_proj.weight, mlp.down_proj.bias)
             del f
             norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else merger.ln_q
-            h = kernels.add_rmsnorm(x, z, norm.weight, norm.eps)
+            h = kernels.add_rmsnorm(x, z, norm.weight, norm.eps, tuning=self.tuning.norms)
             del z
         return merger.mlp(h.view(-1, merger.merged_dim))[batch.reverse_index.long()]

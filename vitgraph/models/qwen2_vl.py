@@ -25,7 +25,8 @@ from ..config import VisionConfig
 from ..engine.contract import BatchLayout
 from ..ops import kernels
 from ..ops.activations import ACTIVATIONS
-from ..ops.attention import attend
+from ..ops.attention import DEFAULT_ATTENTION, attend
+from ..ops.tuning import KernelTuning
 from .qwen2_vl_fused import FusedForward
 
 Grid = tuple[int, int, int]
@@ -107,7 +108,7 @@ def block_forward(x, cos, sin, batch, block: "VisionBlock") -> torch.Tensor:
     h = F.layer_norm(x, x.shape[-1:], block.norm1.weight, block.norm1.bias, eps=block.norm1.eps)
     q, k, v = F.linear(h, attn.qkv.weight, attn.qkv.bias).view(x.shape[0], 3, attn.num_heads, -1).unbind(1)
     q, k = apply_rotary(q, k, cos, sin)
-    out = attend(attn.backend, q, k, v.contiguous(), batch)  # [T, H, D]
+    out = attend(attn.backend, q, k, v.contiguous(), batch, tuning=attn.attention_tuning)  # [T, H, D]
     x = x + F.linear(out.reshape(x.shape[0], -1), attn.proj.weight, attn.proj.bias)
     h = F.layer_norm(x, x.shape[-1:], block.norm2.weight, block.norm2.bias, eps=block.norm2.eps)
     return x + F.linear(ACTIVATIONS[block.act_name](F.linear(h, mlp.fc1.weight, mlp.fc1.bias)),
@@ -135,6 +136,7 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.embed_dim, 3 * cfg.embed_dim, bias=True)
         self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=True)
         self.backend = "sdpa"
+        self.attention_tuning = DEFAULT_ATTENTION
         keep_qkv_interleaved(self, cfg.num_heads, cfg.head_dim)
 
 
@@ -236,7 +238,7 @@ class Qwen2VisionTower(FusedForward, nn.Module):
         self.merger = PatchMerger(cfg)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         self.fused = False
-        self.gemm_backend = "cublas"  # qkv and fc1 + QuickGELU in the fused forward: see vitgraph.ops.gemm
+        self.tuning = KernelTuning()  # the kernels' (vitgraph.ops.tuning): the plain paths until set
 
     def _inv_freq(self) -> torch.Tensor:
         half = self.config.head_dim // 2  # h and w each rotate half of the head
@@ -281,9 +283,12 @@ class Qwen2VisionTower(FusedForward, nn.Module):
         for block in self.blocks:
             block.attn.backend = backend
 
-    def set_gemm_backend(self, backend: str) -> None:
-        self.gemm_backend = backend
-        if backend == "quack":
+    def set_tuning(self, tuning: KernelTuning) -> None:
+        """The kernels' tuning: GEMM backend and tiles, LayerNorm layouts, FlashAttention 4's tiles."""
+        self.tuning = tuning
+        for block in self.blocks:
+            block.attn.attention_tuning = tuning.attention
+        if tuning.gemm.backend == "quack":
             self.rope_columns()  # built now, never inside a capture
 
     def fuse(self, enabled: bool = True) -> None:

@@ -69,10 +69,10 @@ class FusedForward:
         lane = self.config.head_dim + LANE_PAD if batch.dense and batch.padded and backend in FLASH_BACKENDS else None
         return FusedPaths(
             lane=lane,
-            rope_epilogue=lane is None and rope_in_gemm(rows, self.blocks[0].attn.qkv.weight, self.gemm_backend),
+            rope_epilogue=lane is None and rope_in_gemm(rows, self.blocks[0].attn.qkv.weight, self.tuning.gemm),
             ragged=batch.padded and not batch.dense and backend == "cudnn",
             zero_padding=batch.padded and lane is None and backend == "fa4",
-            bias_free=bias_free_stream(rows))
+            bias_free=bias_free_stream(rows, self.tuning.gemm))
 
     def jit_kernels(self, batch: VisionBatch) -> list[tuple[str, tuple]]:
         """The kernels compiled on first use (FlashAttention 4's, quack's) that :meth:`forward`
@@ -84,14 +84,14 @@ class FusedForward:
         found = []
         paths = self.fused_paths(batch) if self.fused else FusedPaths(None, False, False, False)
         if paths.rope_epilogue:
-            found.append(("qkv_rope", qkv_rope_kernel(rows, weight)))
-        elif self.fused and (key := qkv_kernel(rows, weight, self.gemm_backend)) is not None:
+            found.append(("qkv_rope", qkv_rope_kernel(rows, weight, self.tuning.gemm)))
+        elif self.fused and (key := qkv_kernel(rows, weight, self.tuning.gemm)) is not None:
             found.append(("qkv", key))
         if attn.backend == "fa4" and paths.lane is None and not paths.ragged:
-            found.append(("attention", fa4_kernel(batch.max_seqlen, self.config.num_heads, weight.device, rows,
-                                                  weight.dtype)))
+            found.append(("attention", fa4_kernel(batch.max_seqlen, self.config.num_heads, rows, weight.dtype,
+                                                  self.tuning.attention)))
         if self.fused and block.act_name == "quick_gelu":
-            if (key := fc1_kernel(rows, block.mlp.fc1.weight, self.gemm_backend)) is not None:
+            if (key := fc1_kernel(rows, block.mlp.fc1.weight, self.tuning.gemm)) is not None:
                 found.append(("fc1", key))
         return found
 
@@ -104,15 +104,15 @@ class FusedForward:
         weight = attn.qkv.weight
         h = torch.zeros(rows, cfg.embed_dim, device=weight.device, dtype=weight.dtype)
         if op == "qkv_rope":
-            linear_qkv_rope(h, weight, attn.qkv.bias, *self.rope_columns(), *self.rope_rows(batch))
+            linear_qkv_rope(h, weight, attn.qkv.bias, *self.rope_columns(), *self.rope_rows(batch), self.tuning.gemm)
         elif op == "qkv":
-            linear_qkv(h, weight, attn.qkv.bias, self.gemm_backend)
+            linear_qkv(h, weight, attn.qkv.bias, self.tuning.gemm)
         elif op == "attention":
             q, k, v = torch.zeros(rows, 3, cfg.num_heads, cfg.head_dim, device=weight.device,
                                   dtype=weight.dtype).unbind(1)
-            attend(attn.backend, q, k, v, batch, padding_zeroed=True)
+            attend(attn.backend, q, k, v, batch, padding_zeroed=True, tuning=self.tuning.attention)
         elif op == "fc1":
-            linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)
+            linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, self.tuning.gemm)
         else:
             raise ValueError(f"op must be one of {JIT_OPS}, got {op!r}")
 
@@ -127,24 +127,26 @@ class FusedForward:
         cfg, block = self.config, self.blocks[0]
         attn, mlp = block.attn, block.mlp
         rows, device, dtype = batch.positions.shape[0], attn.qkv.weight.device, attn.qkv.weight.dtype
-        paths = self.fused_paths(batch)
+        paths, gemm, norms = self.fused_paths(batch), self.tuning.gemm, self.tuning.norms
         x = torch.zeros(rows, cfg.embed_dim, device=device, dtype=dtype)
-        kernels.add_layernorm(x, None, block.norm1.weight, block.norm1.bias, block.norm1.eps)
+        kernels.add_layernorm(x, None, block.norm1.weight, block.norm1.bias, block.norm1.eps, tuning=norms)
         if not paths.rope_epilogue:
             qkv = torch.zeros(rows, attn.qkv.weight.shape[0], device=device, dtype=dtype)
             self._rotate(qkv, *self.rotary(batch.positions), batch, paths)
         if paths.bias_free:  # every LayerNorm after proj and fc2 is this one (addmm_ adds on cuBLAS)
             offset = kernels.prefix_sums(self.stream_biases())[0]
-            kernels.add_layernorm(x, None, block.norm2.weight, block.norm2.bias, block.norm2.eps, offset=offset)
+            kernels.add_layernorm(x, None, block.norm2.weight, block.norm2.bias, block.norm2.eps, offset=offset,
+                                  tuning=norms)
         else:
-            y, y_bias = linear_split_k(x, attn.proj.weight, attn.proj.bias)
-            kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias)
-        if block.act_name == "quick_gelu" and fc1_kernel(rows, mlp.fc1.weight, self.gemm_backend) is None:
-            linear_quick_gelu(x, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)  # cuBLAS, then the Triton pass
+            y, y_bias = linear_split_k(x, attn.proj.weight, attn.proj.bias, gemm)
+            kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias, tuning=norms)
+        if block.act_name == "quick_gelu" and fc1_kernel(rows, mlp.fc1.weight, gemm) is None:
+            linear_quick_gelu(x, mlp.fc1.weight, mlp.fc1.bias, gemm)  # cuBLAS, then the Triton pass
         if not paths.bias_free:
             f = torch.zeros(rows, mlp.fc2.weight.shape[1], device=device, dtype=dtype)
-            z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)
-            kernels.add_layernorm(x, z, self.merger.ln_q.weight, self.merger.ln_q.bias, self.merger.ln_q.eps, z_bias)
+            z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias, gemm)
+            kernels.add_layernorm(x, z, self.merger.ln_q.weight, self.merger.ln_q.bias, self.merger.ln_q.eps, z_bias,
+                                  tuning=norms)
 
     def stream_biases(self) -> torch.Tensor:
         """proj's and fc2's biases in the order they join the residual stream, ``[2 * depth, E]``
@@ -170,11 +172,11 @@ class FusedForward:
         attends through cuDNN with a masking lane; packed buckets through cuDNN's ragged
         attention when the backend is ``cudnn``; anything else through ``attend`` (with the
         padding rows zeroed by the rotary kernel for ``fa4``). With the ``quack`` GEMM backend,
-        from ``QUACK_ROPE_MIN_ROWS`` rows (and in the ``QUACK_SMALL_ROWS`` and
-        ``QUACK_ROPE_SMALL_ROWS`` bands) outside dense buckets, qkv's GEMM applies the rotary
-        and zeroes the padding rows in its epilogue (:mod:`vitgraph.ops.gemm_rope`) and the rotary
-        kernel is skipped. At small row counts proj and fc2 split K (in two, fc2 in four at
-        ``SPLIT_K_LONG_ROWS`` rows; :func:`vitgraph.ops.gemm.split_k_count`) and the
+        where the tower's :class:`~vitgraph.ops.gemm.GemmTuning` says (``rope_min_rows`` and
+        its bands) outside dense buckets, qkv's GEMM applies the rotary and zeroes the padding
+        rows in its epilogue (:mod:`vitgraph.ops.gemm_rope`) and the rotary kernel is skipped.
+        At small row counts proj and fc2 split K (in two, fc2 in four at ``split_k_long_rows``
+        rows; :func:`vitgraph.ops.gemm.split_k_count`) and the
         add+LayerNorm after each sums the partial products. Above those (``bias_free``:
         :func:`vitgraph.ops.gemm.bias_free_stream`) proj and fc2 add their products into the stream
         themselves (cuBLAS, ``addmm_``) and their biases stay out of it: each LayerNorm adds the
@@ -182,7 +184,7 @@ class FusedForward:
         ``blocks``: a prefix of the tower's blocks to run instead of all (see :meth:`warm_up`).
         """
         cfg, blocks = self.config, self.blocks if blocks is None else blocks
-        rows = pixels.shape[0]
+        rows, gemm, norms = pixels.shape[0], self.tuning.gemm, self.tuning.norms
         paths = self.fused_paths(batch)
         lane, rope_epilogue, ragged_layout, zero_padding, bias_free = paths
         # The rotary inputs first: they live through the forward while their temporaries
@@ -201,16 +203,16 @@ class FusedForward:
         if ragged_layout:
             ragged = cudnn_attention.ragged_metadata(batch.cu_seqlens, cfg.num_heads, cfg.head_dim)
         norm = blocks[0].norm1
-        h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps)
+        h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps, tuning=norms)
         # Each intermediate is dropped as soon as it is dead: a name held until the next block
         # would keep a second copy alive (qkv, the fc1 output) and double the activation peak,
         # in eager runs and in the graphs' pool alike.
         for i, block in enumerate(blocks):
             attn, mlp = block.attn, block.mlp
             if rope_epilogue:
-                qkv = linear_qkv_rope(h, attn.qkv.weight, attn.qkv.bias, freq_h, freq_w, pos_h, pos_w)
+                qkv = linear_qkv_rope(h, attn.qkv.weight, attn.qkv.bias, freq_h, freq_w, pos_h, pos_w, gemm)
             else:
-                qkv = linear_qkv(h, attn.qkv.weight, attn.qkv.bias, self.gemm_backend)
+                qkv = linear_qkv(h, attn.qkv.weight, attn.qkv.bias, gemm)
             del h
             q, k, v = self._rotate(qkv, cos, sin, batch, paths)
             if lane is not None:
@@ -219,7 +221,8 @@ class FusedForward:
                 out = cudnn_attention.ragged_attention(qkv.view(rows, 3, cfg.num_heads, -1), ragged,
                                                        batch.max_seqlen)
             else:
-                out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding or rope_epilogue)
+                out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding or rope_epilogue,
+                             tuning=self.tuning.attention)
             del q, k, v, qkv
             if bias_free:
                 x.addmm_(out.reshape(rows, -1), attn.proj.weight.t())
@@ -228,14 +231,15 @@ class FusedForward:
                 # the graphs' pool would grow a segment of that size (1.7x the peak, not 1.1x).
                 del out
                 h = kernels.add_layernorm(x, None, block.norm2.weight, block.norm2.bias, block.norm2.eps,
-                                          offset=offsets[2 * i])
+                                          offset=offsets[2 * i], tuning=norms)
             else:
-                y, y_bias = linear_split_k(out.reshape(rows, -1), attn.proj.weight, attn.proj.bias)
+                y, y_bias = linear_split_k(out.reshape(rows, -1), attn.proj.weight, attn.proj.bias, gemm)
                 del out
-                h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias)
+                h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias,
+                                          tuning=norms)
                 del y
             if block.act_name == "quick_gelu":
-                f = linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, self.gemm_backend)
+                f = linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, gemm)
             else:
                 f = ACTIVATIONS[block.act_name](F.linear(h, mlp.fc1.weight, mlp.fc1.bias))
             del h
@@ -243,10 +247,11 @@ class FusedForward:
             if bias_free:
                 x.addmm_(f, mlp.fc2.weight.t())
                 del f  # as out above
-                h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps, offset=offsets[2 * i + 1])
+                h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps, offset=offsets[2 * i + 1],
+                                          tuning=norms)
             else:
-                z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias)
+                z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias, gemm)
                 del f
-                h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps, z_bias)
+                h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps, z_bias, tuning=norms)
                 del z
         return self.merger.mlp(h.view(-1, self.merger.merged_dim))

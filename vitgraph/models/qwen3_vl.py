@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..config import TowerShape
 from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
-from ..ops.attention import SegmentFlags
+from ..ops.attention import DEFAULT_ATTENTION, SegmentFlags
 from .config_parsing import FamilyConfig, check_block_indexes
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
@@ -120,10 +120,11 @@ class Block(nn.Module):
         self.mlp = nn.Module()
         self.mlp.linear_fc1, self.mlp.linear_fc2 = nn.Linear(e, cfg.intermediate_size), nn.Linear(cfg.intermediate_size, e)
         self.num_heads, self.backend, self.act_name = cfg.num_heads, "sdpa", cfg.hidden_act
+        self.attention_tuning = DEFAULT_ATTENTION
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
         x = x + self.attn.proj(rotary_attention(self.attn.qkv(self.norm1(x)), self.num_heads, cos, sin, self.backend,
-                                                batch))
+                                                batch, self.attention_tuning))
         return x + self.mlp.linear_fc2(ACTIVATIONS[self.act_name](self.mlp.linear_fc1(self.norm2(x))))
 
 
@@ -196,6 +197,11 @@ class Qwen3VisionTower(ReferenceTower):
         for block in self.blocks:
             block.backend = backend
 
+    def set_tuning(self, tuning) -> None:
+        super().set_tuning(tuning)
+        for block in self.blocks:
+            block.attention_tuning = tuning.attention
+
 
     def build_batch(self, grids: Sequence[tuple[int, int, int]], *, num_tokens: int | None = None,
                     num_segments: int | None = None, max_seqlen: int | None = None) -> DeepstackBatch:
@@ -265,15 +271,17 @@ class Qwen3VisionTower(ReferenceTower):
         x = self._embed(pixels, batch)
         deepstack = dict(zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list))
         heads, merger = self.config.num_heads, self.merger
-        h = kernels.add_layernorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.bias, blocks[0].norm1.eps)
+        norms = self.tuning.norms
+        h = kernels.add_layernorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.bias, blocks[0].norm1.eps,
+                                  tuning=norms)
         features = []
         for i, block in enumerate(blocks):  # each intermediate dropped as soon as it is dead
             attn, mlp = block.attn, block.mlp
-            out = fused_attention(h, attn, heads, cos, sin, block.backend, batch)
+            out = fused_attention(h, attn, heads, cos, sin, block.backend, batch, self.tuning.attention)
             del h
             y = F.linear(out, attn.proj.weight, attn.proj.bias)
             del out
-            h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps)
+            h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, tuning=norms)
             del y
             f = F.linear(h, mlp.linear_fc1.weight, mlp.linear_fc1.bias)
             del h
@@ -282,16 +290,16 @@ class Qwen3VisionTower(ReferenceTower):
             z = F.linear(f, mlp.linear_fc2.weight, mlp.linear_fc2.bias)
             del f
             norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else merger.norm
-            h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps)  # x: block i's output now
+            h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps, tuning=norms)  # x: block i's output now
             del z
             if i in deepstack:
-                features.append(_merge_fused(deepstack[i], x))
+                features.append(_merge_fused(deepstack[i], x, norms))
         return torch.cat([merger.linear_fc2(F.gelu(merger.linear_fc1(h.view(-1, merger.merged_dim))))] + features,
                          dim=1)
 
 
-def _merge_fused(merger: Merger, x: torch.Tensor) -> torch.Tensor:
+def _merge_fused(merger: Merger, x: torch.Tensor, tuning: kernels.NormTuning) -> torch.Tensor:
     """A deepstack merger (LayerNorm after the 2x2 merge) with the LayerNorm kernel."""
     norm = merger.norm
-    h = kernels.add_layernorm(x.view(-1, merger.merged_dim), None, norm.weight, norm.bias, norm.eps)
+    h = kernels.add_layernorm(x.view(-1, merger.merged_dim), None, norm.weight, norm.bias, norm.eps, tuning=tuning)
     return merger.linear_fc2(F.gelu(merger.linear_fc1(h)))

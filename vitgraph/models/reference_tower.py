@@ -9,28 +9,29 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import kernels
-from ..ops.attention import attend
+from ..ops.attention import AttentionTuning, attend
+from ..ops.tuning import KernelTuning
 from .qwen2_vl import apply_rotary
 
 
 def rotary_attention(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, backend: str,
-                     segments) -> torch.Tensor:
+                     segments, tuning: AttentionTuning) -> torch.Tensor:
     """A block's attention from its qkv rows ``[T, 3E]`` (q's and k's head dims interleaved): q
     and k rotated in fp32 and cast back, as the reference does, then attention within each
     segment: ``[T, E]``."""
     q, k, v = qkv.view(qkv.shape[0], 3, heads, -1).unbind(1)  # [T, H, D] each
     q, k = apply_rotary(q, k, cos, sin)
-    return attend(backend, q, k, v.contiguous(), segments).reshape(qkv.shape[0], -1)
+    return attend(backend, q, k, v.contiguous(), segments, tuning=tuning).reshape(qkv.shape[0], -1)
 
 
 def fused_attention(h: torch.Tensor, attn: nn.Module, heads: int, cos: torch.Tensor, sin: torch.Tensor,
-                    backend: str, segments) -> torch.Tensor:
+                    backend: str, segments, tuning: AttentionTuning) -> torch.Tensor:
     """The same in the fused forward: qkv's GEMM, the rotary kernel in place (zeroing padding
     rows where FlashAttention 4 reads them past a segment's end), attention on views of qkv."""
     qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
     zero = segments.padded and backend == "fa4"
     q, k, v = kernels.rotary_(qkv, cos, sin, heads, segments.segment_ids if zero else None, zero_padding=zero)
-    return attend(backend, q, k, v, segments, padding_zeroed=zero).reshape(h.shape[0], -1)
+    return attend(backend, q, k, v, segments, padding_zeroed=zero, tuning=tuning).reshape(h.shape[0], -1)
 
 
 class ReferenceTower(nn.Module):
@@ -40,7 +41,7 @@ class ReferenceTower(nn.Module):
     def _init_rotary(self) -> None:
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         self.fused = False
-        self.gemm_backend = "cublas"
+        self.tuning = KernelTuning()
 
     def _inv_freq(self) -> torch.Tensor:
         half = self.config.head_dim // 2  # h and w each rotate half of the head
@@ -65,9 +66,12 @@ class ReferenceTower(nn.Module):
     def merge_unit(self) -> int:
         return self.config.merge_unit
 
-    def set_gemm_backend(self, backend: str) -> None:
-        if backend != "cublas":
-            raise ValueError(f"gemm={backend!r}: the {type(self).__name__} has no quack GEMM path; use 'cublas'")
+    def set_tuning(self, tuning: KernelTuning) -> None:
+        """The kernels' tuning (:mod:`vitgraph.ops.tuning`); these towers have no quack GEMM path."""
+        if tuning.gemm.backend != "cublas":
+            raise ValueError(f"gemm={tuning.gemm.backend!r}: the {type(self).__name__} has no quack GEMM path; "
+                             f"use 'cublas'")
+        self.tuning = tuning
 
     def fuse(self, enabled: bool = True) -> None:
         """Run the elementwise work through vitgraph's Triton kernels. Needs triton and a CUDA

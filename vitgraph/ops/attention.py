@@ -19,7 +19,7 @@ import functools
 import importlib.util
 import logging
 import math
-import os
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -57,25 +57,40 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("fa4", "cudnn", "varlen", "flash", "sdpa")
 FLASH_BACKENDS = ("fa4", "cudnn", "varlen", "flash")  # fp16/bf16 only
 FA4_ARCHS = (9, 10)  # compute capability majors FlashAttention 4 has forward kernels for (Hopper, Blackwell)
-# FlashAttention 4 at head_dim 80 tiles queries by 192 rows on Hopper, which wastes much of
-# the last tile of a short segment. Where no segment can exceed FA4_SHORT_SEQLEN tokens (a
-# batch's max_seqlen, which a graph bakes in), it may run with 128-row tiles instead; see
-# fa4_prefers_short_tile for when. On an H200 (benchmarks/fa4_tiles.py, µs per block):
-# 16x256 40.7 -> 30.2, 4x1024 62.0 -> 58.8, one 2048-token frame 65.0 -> 48.7, 2x2048 96.6 ->
-# 97.4, but one 4096-token frame 169.6 -> 174.5.
-FA4_SHORT_SEQLEN = 2048
-# A tile is (m, n), or (m, n, pv_from_registers, intra_warpgroup_overlap); None: FA4's own choice.
-FA4_SHORT_TILE = (128, 128)
-FA4_LONG_TILE = None
-FA4_OWN_TILE_M = 192  # the query tile FA4 picks itself on Hopper at head_dim <= 96 (non-causal)
-FA4_SHORT_TILE_ARCHS = (9,)  # measured on Hopper only; elsewhere FA4 keeps its own tiles
-# Batches below FA4_TINY_MAX_ROWS rows take 64-row tiles where one frame of max_seqlen
-# fits one GPU wave with them (fa4_prefers_tiny_tile): half the tile-rows of time. On an
-# H200 (one frame in a 16-slot bucket of its size, µs per call in graphs, h200-fa4-tile64.log;
-# bitwise equal to the 128-row tile): 1x256 7.5 -> 6.4, 1x384 8.9 -> 6.9, 1x512 10.2 -> 9.3;
-# where they need two waves they lose (1x768 12.7 -> 17.4). None: off.
-FA4_TINY_TILE = (64, 128)
-FA4_TINY_MAX_ROWS = 1024
+FA4_SHORT_TILE_ARCHS = (9,)  # its tiles were measured on Hopper only; elsewhere FA4 keeps its own
+
+
+@dataclass(frozen=True)
+class AttentionTuning:
+    """FlashAttention 4's tiles per batch: data an encoder derives from its device and its
+    tower's heads (:func:`attention_tuning`) and a tower holds. A tile is ``(m, n)``, or
+    ``(m, n, pv_from_registers, intra_warpgroup_overlap)``; None: FA4's own choice."""
+
+    sm_count: int | None = None  # where the tile follows the batch (measured: Hopper); None: FA4's own tiles
+    # FA4 tiles queries by 192 rows on Hopper at head_dim <= 96, which wastes much of the last
+    # tile of a short segment: where no segment exceeds short_seqlen tokens (a batch's
+    # max_seqlen, which a graph bakes in) and a wave model says it is no slower
+    # (fa4_prefers_short_tile), it attends with short_tile. On an H200 (µs per block) 16x256
+    # 40.7 -> 30.2, one 2048-token frame 65.0 -> 48.7, but one 4096-token frame 169.6 -> 174.5.
+    short_seqlen: int = 2048
+    short_tile: tuple | None = (128, 128)
+    long_tile: tuple | None = None
+    own_tile_m: int = 192  # the query tile FA4 picks itself (Hopper, non-causal)
+    # Batches below tiny_max_rows rows take tiny_tile where one frame fits one wave with it:
+    # 1x256 7.5 -> 6.4 µs, 1x512 10.2 -> 9.3 on an H200; with two waves it loses. None: off.
+    tiny_tile: tuple | None = (64, 128)
+    tiny_max_rows: int = 1024
+
+
+def attention_tuning(arch: int | None, sm_count: int | None, head_dim: int) -> AttentionTuning:
+    """The attention tuning on a device of compute capability major ``arch`` with ``sm_count``
+    SMs (None, None: not a GPU) for heads ``head_dim`` wide: FA4's own Hopper tile is 192 query
+    rows up to head_dim 96 and 128 above (then the short tile saves nothing)."""
+    return AttentionTuning(sm_count=sm_count if arch in FA4_SHORT_TILE_ARCHS else None,
+                           own_tile_m=192 if head_dim <= 96 else 128)
+
+
+DEFAULT_ATTENTION = AttentionTuning()
 
 
 def _has_torch_varlen() -> bool:
@@ -117,18 +132,12 @@ def fa4_importable() -> bool:
     return True
 
 
-FA4_CACHE_SWITCH = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"  # FA4 reads it once, at import
-
-
-def enable_fa4_disk_cache() -> None:
-    """Turn FlashAttention 4's disk cache of compiled kernels on, unless the variable is set
-    (to "0" to opt out). FA4 compiles its kernels on first use (~5 s); the cache makes that
-    once per machine instead of once per process. Call it before FA4 is imported."""
-    os.environ.setdefault(FA4_CACHE_SWITCH, "1")
+# FA4 keeps compiled kernels on disk only where this variable is "1" as it is imported (its
+# default is off); vitgraph leaves the choice to the process.
+FA4_CACHE_SWITCH = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 
 
 def _fa4_forward():
-    enable_fa4_disk_cache()
     # The forward the public varlen function wraps (in an autograd Function), which also takes
     # a tile shape; vitgraph never needs FA4's backward.
     from flash_attn.cute.interface import _flash_attn_fwd
@@ -137,7 +146,7 @@ def _fa4_forward():
 
 
 def fa4_tile_kwargs(tile: tuple | None) -> dict:
-    """FlashAttention 4's forward keywords for a tile (see ``FA4_SHORT_TILE``)."""
+    """FlashAttention 4's forward keywords for a tile (see :class:`AttentionTuning`)."""
     if tile is None:
         return {}
     m, n, *flags = tile
@@ -147,53 +156,45 @@ def fa4_tile_kwargs(tile: tuple | None) -> dict:
     return kwargs
 
 
-def _tile_m(tile: tuple | None) -> int:
-    return FA4_OWN_TILE_M if tile is None else tile[0]
-
-
-def _wave_cost(max_seqlen: int, heads: int, sm_count: int, tile: tuple | None) -> int:
+def _wave_cost(max_seqlen: int, heads: int, tuning: AttentionTuning, tile: tuple | None) -> int:
     """Tile-rows of time one frame of ``max_seqlen`` tokens takes: ``heads * ceil(n / m)``
     CTAs, one per SM at a time, each ``m`` rows."""
-    m = _tile_m(tile)
-    return math.ceil(heads * math.ceil(max_seqlen / m) / sm_count) * m
+    m = tuning.own_tile_m if tile is None else tile[0]
+    return math.ceil(heads * math.ceil(max_seqlen / m) / tuning.sm_count) * m
 
 
-def fa4_prefers_short_tile(max_seqlen: int, heads: int, sm_count: int) -> bool:
-    """Whether a batch whose segments hold at most ``max_seqlen`` tokens attends with
-    ``FA4_SHORT_TILE`` rather than ``FA4_LONG_TILE``.
-
-    Never above ``FA4_SHORT_SEQLEN``. Below it, one frame of ``max_seqlen`` tokens (what a
-    bucket's single-frame steps hold) launches ``heads * ceil(n / m)`` CTAs, one per SM at a
-    time, and takes about ``waves * m`` tile-rows of time; the shorter tile must not take
-    longer. On an H200 (132 SMs, 16 heads) 128-row tiles then serve up to 1024 tokens and
-    from 1537 to 2048; between, 192-row tiles fit one wave: a 1156-token frame replayed 0.26
-    ms slower with 128-row tiles (benchmarks/ab_setting.py --frames)."""
-    if max_seqlen > FA4_SHORT_SEQLEN:
+def fa4_prefers_short_tile(max_seqlen: int, heads: int, tuning: AttentionTuning) -> bool:
+    """Whether a batch whose segments hold at most ``max_seqlen`` tokens attends with the short
+    tile rather than the long one: never above ``short_seqlen``; below, where one frame of
+    ``max_seqlen`` tokens (what a bucket's single-frame steps hold) takes no more tile-rows of
+    time with it. On an H200 (132 SMs, 16 heads) 128-row tiles then serve up to 1024 tokens
+    and from 1537 to 2048; between, 192-row tiles fit one wave (a 1156-token frame replayed
+    0.26 ms slower with 128-row tiles)."""
+    if tuning.sm_count is None or max_seqlen > tuning.short_seqlen:
         return False
-    return _wave_cost(max_seqlen, heads, sm_count, FA4_SHORT_TILE) <= _wave_cost(max_seqlen, heads, sm_count,
-                                                                               FA4_LONG_TILE)
+    return (_wave_cost(max_seqlen, heads, tuning, tuning.short_tile)
+            <= _wave_cost(max_seqlen, heads, tuning, tuning.long_tile))
 
 
-def fa4_prefers_tiny_tile(max_seqlen: int, heads: int, sm_count: int) -> bool:
-    """Whether a small batch (fewer than ``FA4_TINY_MAX_ROWS`` rows) whose segments
-    hold at most ``max_seqlen`` tokens attends with ``FA4_TINY_TILE`` rather than
-    ``FA4_SHORT_TILE``: only where one such frame takes strictly less time by the same wave
-    count (on a tie the larger tile measured faster). On an H200 with 16 heads: up to 512
-    tokens."""
-    if FA4_TINY_TILE is None or not fa4_prefers_short_tile(max_seqlen, heads, sm_count):
+def fa4_prefers_tiny_tile(max_seqlen: int, heads: int, tuning: AttentionTuning) -> bool:
+    """Whether a small batch whose segments hold at most ``max_seqlen`` tokens attends with the
+    tiny tile rather than the short one: only where one such frame takes strictly less time by
+    the same wave count (on a tie the larger tile measured faster). On an H200 with 16 heads:
+    up to 512 tokens."""
+    if tuning.tiny_tile is None or not fa4_prefers_short_tile(max_seqlen, heads, tuning):
         return False
-    return _wave_cost(max_seqlen, heads, sm_count, FA4_TINY_TILE) < _wave_cost(max_seqlen, heads, sm_count,
-                                                                              FA4_SHORT_TILE)
+    return (_wave_cost(max_seqlen, heads, tuning, tuning.tiny_tile)
+            < _wave_cost(max_seqlen, heads, tuning, tuning.short_tile))
 
 
-def fa4_short_cap(budget: int, heads: int, sm_count: int, unit: int) -> int | None:
+def fa4_short_cap(budget: int, heads: int, unit: int, tuning: AttentionTuning) -> int | None:
     """The frame cap of a short-frame bucket for ``budget``, or None where its own packed
-    bucket attends with the short tile already: the largest frame length (a multiple of
-    ``unit``) below the budget that takes the short tile."""
-    if fa4_prefers_short_tile(budget, heads, sm_count):
+    bucket attends with the short tile already (or the tile does not follow the batch): the
+    largest frame length (a multiple of ``unit``) below the budget that takes the short tile."""
+    if tuning.sm_count is None or fa4_prefers_short_tile(budget, heads, tuning):
         return None
-    cap = min(budget - unit, FA4_SHORT_SEQLEN) // unit * unit
-    while cap > 0 and not fa4_prefers_short_tile(cap, heads, sm_count):
+    cap = min(budget - unit, tuning.short_seqlen) // unit * unit
+    while cap > 0 and not fa4_prefers_short_tile(cap, heads, tuning):
         cap -= unit
     return cap if cap > 0 else None
 
@@ -204,39 +205,29 @@ def arch_and_sm_count(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)[0], torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def short_tile_sm_count(device: torch.device) -> int | None:
-    """The SM count of a CUDA ``device`` where FA4's tile follows the batch (an arch in
-    ``FA4_SHORT_TILE_ARCHS``), else None."""
-    arch, sm_count = arch_and_sm_count(device)
-    return sm_count if arch in FA4_SHORT_TILE_ARCHS else None
-
-
-def fa4_tile(max_seqlen: int, heads: int, device: torch.device, rows: int | None = None) -> dict:
-    """FlashAttention 4's tile keywords for a batch of ``rows`` rows (None: many) on
-    ``device`` whose segments hold at most ``max_seqlen`` tokens."""
-    return fa4_tile_kwargs(_fa4_kernel(max_seqlen, heads, device, rows))
-
-
-def _fa4_kernel(max_seqlen: int, heads: int, device: torch.device, rows: int | None) -> tuple | None:
-    """FA4's tile for such a batch; FA4's own tile (None) where the tile does not follow the batch."""
-    sm_count = short_tile_sm_count(device)
-    if sm_count is None:
+def fa4_tile(max_seqlen: int, heads: int, rows: int | None = None,
+             tuning: AttentionTuning = DEFAULT_ATTENTION) -> tuple | None:
+    """FlashAttention 4's tile for a batch of ``rows`` rows (None: many) whose segments hold at
+    most ``max_seqlen`` tokens; None: FA4's own."""
+    if tuning.sm_count is None:
         return None
-    if not fa4_prefers_short_tile(max_seqlen, heads, sm_count):
-        return FA4_LONG_TILE
-    if rows is not None and rows < FA4_TINY_MAX_ROWS and fa4_prefers_tiny_tile(max_seqlen, heads, sm_count):
-        return FA4_TINY_TILE
-    return FA4_SHORT_TILE
+    if not fa4_prefers_short_tile(max_seqlen, heads, tuning):
+        return tuning.long_tile
+    if rows is not None and rows < tuning.tiny_max_rows and fa4_prefers_tiny_tile(max_seqlen, heads, tuning):
+        return tuning.tiny_tile
+    return tuning.short_tile
 
 
-def fa4_kernel(max_seqlen: int, heads: int, device: torch.device, rows: int, dtype: torch.dtype) -> tuple:
+def fa4_kernel(max_seqlen: int, heads: int, rows: int, dtype: torch.dtype,
+               tuning: AttentionTuning = DEFAULT_ATTENTION) -> tuple:
     """The compiled FlashAttention 4 kernel :func:`attend` runs for such a batch, as a
     hashable key (equal keys: one kernel)."""
-    return ("fa4", str(dtype), _fa4_kernel(max_seqlen, heads, device, rows))
+    return ("fa4", str(dtype), fa4_tile(max_seqlen, heads, rows, tuning))
 
 
-def _fa4_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: SegmentedBatch) -> torch.Tensor:
-    tile = _fa4_kernel(batch.max_seqlen, q.shape[1], q.device, q.shape[0])
+def _fa4_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: SegmentedBatch,
+                tuning: AttentionTuning) -> torch.Tensor:
+    tile = fa4_tile(batch.max_seqlen, q.shape[1], q.shape[0], tuning)
     return _fa4_forward()(q, k, v, cu_seqlens_q=batch.cu_seqlens, cu_seqlens_k=batch.cu_seqlens,
                           max_seqlen_q=batch.max_seqlen, max_seqlen_k=batch.max_seqlen, **fa4_tile_kwargs(tile))[0]
 
@@ -315,13 +306,14 @@ def dense_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: SegmentedBatch,
-           padding_zeroed: bool = False) -> torch.Tensor:
+           padding_zeroed: bool = False, tuning: AttentionTuning = DEFAULT_ATTENTION) -> torch.Tensor:
     """Non-causal attention inside each segment of ``batch.cu_seqlens``. ``padding_zeroed``: the
-    caller has zeroed the padding rows of ``v`` (FlashAttention 4 reads them, weighted 0)."""
+    caller has zeroed the padding rows of ``v`` (FlashAttention 4 reads them, weighted 0).
+    ``tuning``: the tower's (FlashAttention 4's tiles)."""
     if backend == "fa4":
         if batch.padded and not padding_zeroed:
             v = torch.where((batch.segment_ids >= 0)[:, None, None], v, 0.0)
-        return _fa4_attend(q, k, v, batch)
+        return _fa4_attend(q, k, v, batch, tuning)
     if batch.dense and not batch.padded:
         # One segment covers every row: plain SDPA, no mask (cuDNN on Hopper).
         return _sdpa_dense(q, k, v, None)

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import arch_and_sm_count
 
 PAD_KEY_SCORE = -16384.0  # extra-lane value of a padding key: q.k gains -16384, exp() of it is 0
 
@@ -52,21 +51,37 @@ def usable(device: torch.device | str) -> bool:
     return available() and (torch.device(device).type == "cuda" or interpreted())
 
 
-# Hopper and later: add+LayerNorm lets the kernel after it launch as soon as every program of
-# it has started (griddepcontrol.launch_dependents). quack's GEMMs, which read its output as qkv
-# and fc1, launch with programmatic dependent launch and wait for this kernel to finish before
-# their first load, so only their launch and prologue overlap it; a kernel launched the plain
-# way waits as before. Results are unchanged. On an H200 (benchmarks/ab_setting.py, three A/Bs)
-# `1x1024` gained 0.12-0.18 ms; at 3584-4096 rows `16x256` and the clip were 0.04-0.27 ms
-# slower in each, so larger LayerNorms launch the plain way. False: the plain way (for A/Bs).
-LAYERNORM_LAUNCHES_DEPENDENTS = True
-LAUNCH_DEPENDENTS_MAX_ROWS = 2048
+@dataclass(frozen=True)
+class NormTuning:
+    """How add+LayerNorm lays out its programs and launches: data an encoder derives from its
+    device and its tower's width (:func:`norm_tuning`) and a tower holds."""
+
+    # Hopper and later: let the kernel after it launch once every program has started
+    # (griddepcontrol.launch_dependents): quack's GEMMs after it (launched with programmatic
+    # dependent launch) overlap their launch and prologue with it. Up to this many rows: above
+    # 2048 it measured slower on an H200 (HISTORY.md); 0: never.
+    launch_dependents_max_rows: int = 0
+    one_row_max_rows: int = 512  # one row per program, 8 warps, up to here: fills more SMs
+    # From wide_min_rows rows of widths in wide_widths: (rows per program, warps) = wide_layout
+    # (else the width rule, about 8k elements a program). 2 rows and 2 warps measured faster at
+    # 1280 wide on an H200 (4096 rows 8.95 vs 9.51 µs, end to end 0.05-0.10 ms): kept for rows of
+    # the same power-of-two block, which a program's registers hold the same way.
+    wide_min_rows: int = 2049
+    wide_layout: tuple[int, int] | None = (2, 2)
+    wide_widths: tuple[int, int] = (1025, 2048)
 
 
-def _launches_dependents(t: torch.Tensor) -> bool:
-    # griddepcontrol needs compute capability 9 (Hopper) or later.
-    return (LAYERNORM_LAUNCHES_DEPENDENTS and t.shape[0] <= LAUNCH_DEPENDENTS_MAX_ROWS and t.is_cuda and not interpreted()
-            and arch_and_sm_count(t.device)[0] >= 9)
+def norm_tuning(arch: int | None) -> NormTuning:
+    """The LayerNorm tuning on a device of compute capability major ``arch`` (None: not a GPU)."""
+    hopper = arch is not None and arch >= 9  # griddepcontrol needs compute capability 9
+    return NormTuning(launch_dependents_max_rows=2048 if hopper else 0)
+
+
+DEFAULT_NORMS = NormTuning()
+
+
+def _launches_dependents(t: torch.Tensor, tuning: NormTuning) -> bool:
+    return t.shape[0] <= tuning.launch_dependents_max_rows and t.is_cuda and not interpreted()
 
 
 if available():
@@ -224,48 +239,32 @@ def _rows_per_program(rows: int, width: int, per_program: int = 8192) -> int:
     return min(per, triton.next_power_of_2(max(rows, 1)))
 
 
-# add_layernorm runs one row per program up to this many rows, 8 warps (then, below
-# LAYERNORM_WIDE_MIN_ROWS, _rows_per_program's ~8k elements: 4 rows of 1280, 8 warps). At 1280
-# wide on an H200 (benchmarks/layernorm_programs.py, µs per call in graphs) one row fills more
-# SMs at small row counts: 256 rows 3.18 -> 2.59 (2.92 with two split-K partials, from 3.45), 512 rows 3.18 ->
-# 2.86; end to end 1x256 1.76 -> 1.71 ms.
-LAYERNORM_ONE_ROW_MAX_ROWS = 512
-# From LAYERNORM_WIDE_MIN_ROWS rows: (rows per program, warps) = LAYERNORM_WIDE_LAYOUT (None: the
-# width rule). At 4096 rows on an H200 (the bias-free LayerNorm, benchmarks/layernorm_programs.py)
-# 2 rows and 2 warps took 8.95 µs against 9.51 with the stream read from DRAM, as in the tower
-# (--cold), and 6.06 against 7.37 from L2: -0.04 to -0.09 ms per 4096-token call. End to end
-# (benchmarks/ab_setting.py, both build orders, two leases) 16x256 -0.09/-0.10 and -0.05/-0.10
-# ms, beyond the A/As beside them; 1x4096, the clip and 4x1024 moved within their A/As (up to
-# 0.29 ms). At 1024 rows it is slower alone (4.36 against 4.20 µs from DRAM), so smaller inputs
-# keep the width rule.
-LAYERNORM_WIDE_MIN_ROWS = 2049
-LAYERNORM_WIDE_LAYOUT: tuple[int, int] | None = (2, 2)
-
-
 @dataclass(frozen=True)
 class LayerNormLaunch:
     rows: int  # rows per program
     warps: int
 
 
-def layernorm_launch(rows: int, width: int) -> LayerNormLaunch:
+def layernorm_launch(rows: int, width: int, tuning: NormTuning = DEFAULT_NORMS) -> LayerNormLaunch:
     """How :func:`add_layernorm` lays out ``rows`` rows of ``width`` over its programs."""
-    if rows <= LAYERNORM_ONE_ROW_MAX_ROWS:
+    if rows <= tuning.one_row_max_rows:
         return LayerNormLaunch(1, 8)
-    if rows >= LAYERNORM_WIDE_MIN_ROWS and LAYERNORM_WIDE_LAYOUT is not None:
-        return LayerNormLaunch(*LAYERNORM_WIDE_LAYOUT)
+    if (rows >= tuning.wide_min_rows and tuning.wide_layout is not None
+            and tuning.wide_widths[0] <= width <= tuning.wide_widths[1]):
+        return LayerNormLaunch(*tuning.wide_layout)
     return LayerNormLaunch(_rows_per_program(rows, width), 8)
 
 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
                   eps: float, y_bias: torch.Tensor | None = None, offset: torch.Tensor | None = None,
-                  launch: LayerNormLaunch | None = None, rms: bool = False) -> torch.Tensor:
+                  launch: LayerNormLaunch | None = None, rms: bool = False,
+                  tuning: NormTuning = DEFAULT_NORMS) -> torch.Tensor:
     """``x += y`` in place (when ``y`` is given), then return ``LayerNorm(x)``. ``x``: ``[T, N]``
     contiguous; ``y``: ``[T, N]``, or ``[S, T, N]`` partial products that are summed (in fp32,
     with ``y_bias [N]`` when given) before the add. ``offset``: fp32 ``[N]`` added to every row
     before the LayerNorm and not stored (``LayerNorm(x + offset)``), for a residual stream that
-    keeps its biases aside (``Qwen2VisionTower.forward_fused``). ``launch``: a layout other than
-    :func:`layernorm_launch`'s (benchmarks)."""
+    keeps its biases aside (``Qwen2VisionTower.forward_fused``). ``tuning``: the tower's
+    (:class:`NormTuning`); ``launch``: a layout other than the one it gives."""
     rows, n = x.shape
     h = torch.empty_like(x)
     if rows == 0:
@@ -275,12 +274,12 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
                          f"got {tuple(y.shape)}")
     if offset is not None and (offset.dtype != torch.float32 or offset.shape != (n,) or not offset.is_contiguous()):
         raise ValueError(f"offset must be a contiguous fp32 [{n}] tensor, got {offset.dtype} {tuple(offset.shape)}")
-    launch = launch or layernorm_launch(rows, n)
+    launch = launch or layernorm_launch(rows, n, tuning)
     _add_layernorm_kernel[(triton.cdiv(rows, launch.rows),)](
         x, y if y is not None else x, y_bias if y_bias is not None else x, offset if offset is not None else x, h,
         weight, bias, rows, eps, N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=launch.rows, HAS_Y=y is not None,
         SPLITS=y.shape[0] if y is not None and y.dim() == 3 else 1, HAS_Y_BIAS=y_bias is not None,
-        HAS_OFFSET=offset is not None, LAUNCH_DEPENDENTS=_launches_dependents(x), RMS=rms, num_warps=launch.warps)
+        HAS_OFFSET=offset is not None, LAUNCH_DEPENDENTS=_launches_dependents(x, tuning), RMS=rms, num_warps=launch.warps)
     return h
 
 
@@ -356,10 +355,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def add_rmsnorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rmsnorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                tuning: NormTuning = DEFAULT_NORMS) -> torch.Tensor:
     """``x += y`` in place (when ``y [T, N]`` is given), then return ``RMSNorm(x)``: fp32
     statistics, the normalized row rounded to x's dtype, then times ``weight`` (Qwen2.5-VL's)."""
-    return add_layernorm(x, y, weight, weight, eps, rms=True)
+    return add_layernorm(x, y, weight, weight, eps, rms=True, tuning=tuning)
 
 
 def prefix_sums(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,159 @@
+"""Tuning as data: every threshold, tile and switch an encoder runs by, derived from its device
+and its tower's widths (:func:`derive_tuning`), changed by name where a caller asks
+(``EngineOptions(tuning={"gemm.split_k_max_rows": 0})``) and held by the encoder
+(``encoder.tuning``). Two encoders in one process may differ; nothing here is a module global."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from .engine.graphs import CaptureTuning
+from .engine.routing import RoutingTuning
+from .ops.attention import AttentionTuning, attention_tuning
+from .ops.gemm import GemmTuning, Tile, gemm_tuning
+from .ops.kernels import NormTuning, norm_tuning
+from .ops.tuning import KernelTuning
+
+
+@dataclass(frozen=True)
+class PrecompileTuning:
+    """When the kernel-compiling workers start, and what this process does meanwhile."""
+
+    # Most workers start_early starts when compile_workers is None (it cannot count the
+    # kernels before the libraries load): one per kernel of the default buckets.
+    early_workers: int = 10
+    start_with_encoder: bool = True  # False: workers start only in precompile, after the build
+    # While cold-cache workers compile, this process compiles the buckets' Triton kernels (else
+    # capture compiles them, one after another, after the wait).
+    triton_while_waiting: bool = True
+
+
+@dataclass(frozen=True)
+class PlanTuning:
+    """How the encoder plans calls and caches the plans."""
+
+    cache_entries: int = 4096  # plans kept, keyed by the call's grids
+    cache_bytes: int = 64 << 20  # their staged metadata (12 bytes per token)
+    # A step of several frames above exact_eager_above runs eagerly where its bucket would pad
+    # it by this share or more: on an H200 with FlashAttention 4 eager took about 2.8% longer
+    # than a replay of the same rows, and each 1% of padding cost the replay about 0.73%.
+    eager_min_padding: float = 0.04
+    # Backends whose packed graphs attend through another kernel than eager calls do ("cudnn":
+    # cuDNN's ragged attention in graphs, FA2 varlen eagerly, 15-22% slower): never eager there.
+    packed_eager_slower: tuple[str, ...] = ("cudnn",)
+    # With the fa4 backend no dense bucket above this by default: FlashAttention 4's packed
+    # buckets beat dense cuDNN for single frames on an H200 (1x256 2.04 -> 1.89 ms).
+    fa4_dense_max_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Tuning:
+    gemm: GemmTuning = field(default_factory=GemmTuning)
+    norms: NormTuning = field(default_factory=NormTuning)
+    attention: AttentionTuning = field(default_factory=AttentionTuning)
+    routing: RoutingTuning = field(default_factory=RoutingTuning)
+    capture: CaptureTuning = field(default_factory=CaptureTuning)
+    precompile: PrecompileTuning = field(default_factory=PrecompileTuning)
+    plans: PlanTuning = field(default_factory=PlanTuning)
+
+    @property
+    def kernels(self) -> KernelTuning:
+        """What the tower's kernels read."""
+        return KernelTuning(self.gemm, self.norms, self.attention)
+
+
+def device_arch(device: torch.device) -> tuple[int | None, int | None]:
+    """A CUDA device's compute capability major and SM count; (None, None) elsewhere."""
+    if device.type != "cuda":
+        return None, None
+    from .ops.attention import arch_and_sm_count
+
+    return arch_and_sm_count(device)
+
+
+def mlp_width(config) -> int:
+    return getattr(config, "mlp_dim", None) or config.intermediate_size
+
+
+def derive_tuning(config, device: torch.device, overrides: Mapping[str, Any] | None = None) -> Tuning:
+    """The tuning for a tower of ``config``'s widths on ``device``, with ``overrides`` applied
+    (see :func:`apply_overrides`). The GEMM backend is cuBLAS until the encoder resolves its own."""
+    arch, sm_count = device_arch(device)
+    tuning = Tuning(gemm=gemm_tuning("cublas", arch, sm_count, config.embed_dim, mlp_width(config)),
+                    norms=norm_tuning(arch), attention=attention_tuning(arch, sm_count, config.head_dim))
+    return apply_overrides(tuning, overrides or {})
+
+
+_FIXED = ("gemm.backend",)  # chosen by EngineOptions.gemm, not by name
+
+
+def check_overrides(overrides) -> None:
+    """Refuse an overrides mapping :func:`apply_overrides` would refuse, before any device is known."""
+    if not isinstance(overrides, Mapping):
+        raise ValueError(f"tuning must be a mapping of dotted names to values or None, got {overrides!r}")
+    apply_overrides(Tuning(), overrides)
+
+
+def apply_overrides(tuning: Tuning, overrides: Mapping[str, Any]) -> Tuning:
+    """``tuning`` with each ``"group.field": value`` of ``overrides`` set (lists read as tuples, as
+    they come back from JSON). An unknown name or a value of another kind is a ``ValueError``."""
+    for name, value in overrides.items():
+        group_name, _, field_name = str(name).partition(".")
+        group = getattr(tuning, group_name, None) if group_name in _groups() else None
+        if group is None or field_name not in {f.name for f in dataclasses.fields(group)} or name in _FIXED:
+            raise ValueError(f"tuning: unknown setting {name!r}; known: {sorted(_names())}")
+        value = _coerce(name, getattr(group, field_name), value)
+        tuning = dataclasses.replace(tuning, **{group_name: dataclasses.replace(group, **{field_name: value})})
+    return tuning
+
+
+def _groups() -> set[str]:
+    return {f.name for f in dataclasses.fields(Tuning)}
+
+
+def _names() -> list[str]:
+    defaults = Tuning()
+    return [f"{g}.{f.name}" for g in _groups() for f in dataclasses.fields(getattr(defaults, g))
+            if f"{g}.{f.name}" not in _FIXED]
+
+
+def _coerce(name: str, current, value):
+    """``value`` as the kind of setting ``current`` is, or a ``ValueError`` naming ``name``."""
+    def bad() -> ValueError:
+        return ValueError(f"tuning[{name!r}] must be like {current!r}, got {value!r}")
+
+    if isinstance(current, bool) or isinstance(value, bool):
+        if not (isinstance(current, bool) and isinstance(value, bool)):
+            raise bad()
+        return value
+    if isinstance(current, Tile):
+        try:
+            return Tile(**value) if isinstance(value, Mapping) else Tile(*value)
+        except TypeError:
+            raise bad() from None
+    if isinstance(current, (int, float)) and not isinstance(current, bool):
+        if not isinstance(value, (int, float)) or (isinstance(current, int) and not isinstance(value, int)):
+            raise bad()
+        return value
+    if current is None and isinstance(value, (int, float)):  # an optional number (attention.sm_count)
+        return value
+    if isinstance(current, str):
+        if not isinstance(value, str):
+            raise bad()
+        return value
+    if value is None or isinstance(value, (list, tuple)):  # tuples, optional ones included
+        if name.endswith("_tiles") and value is not None:  # (Tile, µs per wave) pairs
+            try:
+                return tuple((Tile(*tile), float(us)) for tile, us in value)
+            except (TypeError, ValueError):
+                raise bad() from None
+        return _tuples(value)
+    raise bad()
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
