@@ -221,27 +221,15 @@ def _saturation(args, result, runners, systems, streams, pixels_for, max_budget,
     from . import saturation
 
     result["closed_loop"] = []
-    targets = [(name, runners[name]) for name in systems if name in runners]
     url, handle, stop = (saturation.start_serve_app(args, args.port, max_budget) if args.target == "serve"
                          else (None, None, None))
     try:
-        if url is not None:  # every replica answers as this process's encoder does, before any load
-            probe = list(dict.fromkeys(g for grids in streams.values() for g in grids))[:4]
-            reference = runners.get("vitgraph_graph") or runners["vitgraph_eager"]
-            result["serve_agreement"] = saturation.serve_agreement(url, reference, pixels_for, probe,
-                                                                   repeats=2 * args.replicas)
-            print(f"  ray_serve agreement (max |difference| per replica): {result['serve_agreement']}",
-                  file=sys.stderr)
+        if url is not None:
+            _check_replicas(args, result, runners, streams, pixels_for, url)
         for seed, grids in streams.items():
             for clients in args.closed_loop:
-                rows = [(name, saturation.closed_loop(run, pixels_for, grids, clients, max_budget, device))
-                        for name, run in targets]
-                if url is not None:
-                    saturation.http_closed_loop(url, pixels_for, grids[:clients], clients)  # warm-up
-                    rows.append(("ray_serve", saturation.http_closed_loop(url, pixels_for, grids, clients)))
-                    saturation.handle_closed_loop(handle, pixels_for, grids[:clients], clients)  # warm-up
-                    rows.append(("ray_handle", saturation.handle_closed_loop(handle, pixels_for, grids, clients)))
-                for name, stats in rows:
+                for name, stats in _closed_loops(runners, systems, grids, clients, pixels_for, max_budget, device,
+                                                 url, handle):
                     result["closed_loop"].append({"system": name, "clients": clients, "seed": seed, **stats})
         if handle is not None:
             result["replicas"] = saturation.replica_stats(handle, args.replicas)
@@ -250,14 +238,44 @@ def _saturation(args, result, runners, systems, streams, pixels_for, max_budget,
     finally:
         if stop is not None:
             stop()
+    _print_saturation(result)
+    common.write_json(result, args.json)
+    print(json.dumps(result, separators=(",", ":")))
+    return result
+
+
+def _check_replicas(args, result, runners, streams, pixels_for, url) -> None:
+    """Every replica answers as this process's encoder does, before any load."""
+    from . import saturation
+
+    probe = list(dict.fromkeys(g for grids in streams.values() for g in grids))[:4]
+    reference = runners.get("vitgraph_graph") or runners["vitgraph_eager"]
+    result["serve_agreement"] = saturation.serve_agreement(url, reference, pixels_for, probe,
+                                                           repeats=2 * args.replicas)
+    print(f"  ray_serve agreement (max |difference| per replica): {result['serve_agreement']}", file=sys.stderr)
+
+
+def _closed_loops(runners, systems, grids, clients, pixels_for, max_budget, device, url, handle) -> list:
+    """``(system, stats)`` of one client count: each in-process system, then Ray over HTTP and
+    through the handle (each after a warm-up of one request per client) where a Serve app runs."""
+    from . import saturation
+
+    rows = [(name, saturation.closed_loop(runners[name], pixels_for, grids, clients, max_budget, device))
+            for name in systems if name in runners]
+    if url is not None:
+        saturation.http_closed_loop(url, pixels_for, grids[:clients], clients)
+        rows.append(("ray_serve", saturation.http_closed_loop(url, pixels_for, grids, clients)))
+        saturation.handle_closed_loop(handle, pixels_for, grids[:clients], clients)
+        rows.append(("ray_handle", saturation.handle_closed_loop(handle, pixels_for, grids, clients)))
+    return rows
+
+
+def _print_saturation(result: dict) -> None:
     print(f"\nsaturation: {result['preset']} {result['dtype']} on {result['machine']}, {result['date']}; "
           f"{result['requests_per_load']} requests, mean {result['mean_tokens_per_request']:.0f} patch tokens")
     common.print_table(["seed", "clients", "system", "req/s", "patch tokens/s", "p50 ms", "p99 ms", "req/call"],
                        [[r["seed"], r["clients"], r["system"], r["throughput_rps"], r["tokens_per_s"], r["p50_ms"],
                          r["p99_ms"], r["mean_batch_requests"]] for r in result["closed_loop"]])
-    common.write_json(result, args.json)
-    print(json.dumps(result, separators=(",", ":")))
-    return result
 
 
 if __name__ == "__main__":

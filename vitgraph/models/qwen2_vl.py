@@ -28,6 +28,7 @@ from ..ops.activations import ACTIVATIONS
 from ..ops.attention import DEFAULT_ATTENTION, attend
 from ..ops.tuning import KernelTuning
 from .qwen2_vl_fused import FusedForward
+from .rotary import RotaryFrequencies
 
 Grid = tuple[int, int, int]
 
@@ -218,17 +219,9 @@ def expected_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class Qwen2VisionTower(FusedForward, nn.Module):
-    """Qwen2-VL ViT plus patch merger. Knows nothing of CUDA graphs.
-
-    The contract the graph engine relies on:
-
-    * ``input_width`` / ``output_width`` / ``merge_unit``: row widths and patches per output row;
-    * ``segments(grid)``: the attention segment lengths an item contributes;
-    * ``build_batch(grids, num_tokens=, num_segments=, max_seqlen=)``: host metadata, padded to a layout;
-    * ``forward(pixels, batch)``: ``[T, input_width] -> [T / merge_unit, output_width]``;
-    * ``warm_up(pixels, batch)`` (optional): every kernel ``forward`` would run, at the same shapes.
-    """
+class Qwen2VisionTower(FusedForward, RotaryFrequencies, nn.Module):
+    """Qwen2-VL ViT plus patch merger. Knows nothing of CUDA graphs; keeps the engine's
+    contract (:class:`vitgraph.engine.contract.VisionTower`)."""
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -236,28 +229,9 @@ class Qwen2VisionTower(FusedForward, nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self._init_rotary()
         self.fused = False
         self.tuning = KernelTuning()  # the kernels' (vitgraph.ops.tuning): the plain paths until set
-
-    def _inv_freq(self) -> torch.Tensor:
-        half = self.config.head_dim // 2  # h and w each rotate half of the head
-        # On the CPU, then to the default device: a meta-device arange (the checkpoint loader
-        # builds the tower on meta) runs through torch._refs, which imports torch._dynamo (seconds).
-        exponent = torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half
-        return (1.0 / (self.config.rope_theta ** exponent)).to(torch.get_default_device())
-
-    def reset_buffers(self) -> None:
-        """Recompute non-persistent buffers (after loading weights with ``assign=True``)."""
-        device = self.patch_embed.proj.weight.device
-        self.inv_freq = self._inv_freq().to(device)
-        self._rope_columns = None
-
-    def _apply(self, fn, recurse=True):
-        # The rotary's frequencies stay fp32 whatever dtype the weights are cast to.
-        super()._apply(fn, recurse)
-        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
-        return self
 
     # -- the engine's contract ------------------------------------------------------
 
@@ -343,13 +317,6 @@ class Qwen2VisionTower(FusedForward, nn.Module):
         return VisionBatch(torch.from_numpy(positions), torch.from_numpy(segment_ids),
                            torch.from_numpy(cu_seqlens), max(max_seqlen, 1),
                            tuple(seqlens.tolist()) if unpadded else None)
-
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin ``[T, head_dim/2]`` of the angles ``[h*f | w*f]``, one per rotated pair
-        (the reference repeats them twice to span the head)."""
-        freqs = positions.float()[..., None] * self.inv_freq  # [T, 2, head_dim/4]
-        angles = freqs.flatten(1)  # [T, head_dim/2] = [h*f | w*f]
-        return angles.cos(), angles.sin()
 
     def forward(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
         """``[T, input_width]`` pixel rows -> ``[T / merge_unit, output_width]``."""

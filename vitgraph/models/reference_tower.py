@@ -12,6 +12,7 @@ from ..ops import kernels
 from ..ops.attention import AttentionTuning, attend
 from ..ops.tuning import KernelTuning
 from .qwen2_vl import apply_rotary
+from .rotary import RotaryFrequencies
 
 
 def rotary_attention(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, backend: str,
@@ -34,29 +35,14 @@ def fused_attention(h: torch.Tensor, attn: nn.Module, heads: int, cos: torch.Ten
     return attend(backend, q, k, v, segments, padding_zeroed=zero, tuning=tuning).reshape(h.shape[0], -1)
 
 
-class ReferenceTower(nn.Module):
+class ReferenceTower(RotaryFrequencies, nn.Module):
     """A base for the towers without Qwen2-VL's GEMM epilogues (``config``: a ``TowerShape``):
     a reference forward and a fused one (vitgraph's Triton kernels for the elementwise work)."""
 
     def _init_rotary(self) -> None:
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        super()._init_rotary()
         self.fused = False
         self.tuning = KernelTuning()
-
-    def _inv_freq(self) -> torch.Tensor:
-        half = self.config.head_dim // 2  # h and w each rotate half of the head
-        exponent = torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half
-        return (1.0 / (self.config.rope_theta ** exponent)).to(torch.get_default_device())
-
-    def reset_buffers(self) -> None:
-        """Recompute non-persistent buffers (after loading weights with ``assign=True``)."""
-        self.inv_freq = self._inv_freq().to(self.patch_embed.proj.weight.device)
-
-    def _apply(self, fn, recurse=True):
-        # The rotary's frequencies stay fp32 whatever dtype the weights are cast to.
-        super()._apply(fn, recurse)
-        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
-        return self
 
     @property
     def input_width(self) -> int:
@@ -79,11 +65,6 @@ class ReferenceTower(nn.Module):
         if enabled and not kernels.usable(self.patch_embed.proj.weight.device):
             raise ValueError("fuse=True needs the triton package and a CUDA device (or TRITON_INTERPRET=1)")
         self.fused = enabled
-
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin ``[T, head_dim/2]`` of the angles ``[h*f | w*f]``, one per rotated pair."""
-        angles = (positions.float()[..., None] * self.inv_freq.float()).flatten(1)
-        return angles.cos(), angles.sin()
 
     def forward(self, pixels: torch.Tensor, batch) -> torch.Tensor:
         """``[T, input_width]`` pixel rows -> ``[T / merge_unit, output_width]``."""

@@ -1,0 +1,35 @@
+"""The README's Python examples run as written on a CPU machine (those that say they need CUDA,
+Ray or the Hub excepted), in order, in one namespace, as a reader would paste them."""
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_the_readme_examples_run_on_a_cpu(capsys):
+    blocks = python_blocks()
+    runnable = [b for b in blocks if "needs the Hub" not in b and "from ray" not in b]
+    assert len(blocks) >= 4 and len(runnable) >= 3, blocks
+    names: dict = {}
+    for i, block in enumerate(runnable):
+        exec(compile(block, str(README), "exec"), names)  # noqa: S102 - the project's own README
+        if i == 0:  # the API example: one row per 4 patches, written into out as well
+            rows = sum(t * h * w for t, h, w in names["grid_thw"]) // 4
+            assert tuple(names["emb"].shape) == (rows, names["enc"].output_width)
+            assert names["out"].equal(names["emb"])
+            assert "eager" in capsys.readouterr().out  # print(emb.shape, enc.stats()["mode"]) on a CPU
+    # encode_images: the image's rows are the rows of its grid, as preprocess_images lays it out
+    image_rows = int(names["grid_thw"].prod(-1).sum()) // 4
+    assert tuple(names["cat"].shape) == (image_rows, names["enc"].output_width)
+    assert names["clip"].shape[1] == names["enc"].output_width and names["q25"].output_width == 2048
+
+
+def test_the_readme_sets_the_cpu_torch_step_before_the_two_commands():
+    text = README.read_text()
+    assert text.index("pip install torch==2.13.0") < text.index("vitgraph demo") < text.index("python -m pytest")
+    assert len(text.splitlines()) <= 160
