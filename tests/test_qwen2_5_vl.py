@@ -174,13 +174,15 @@ def test_presets():
     assert {PRESETS[f"qwen2.5-vl-{s}"].intermediate_size for s in ("3b", "7b", "32b", "72b")} == {3420}
 
 
-def test_fused_forward_matches_transformers(hf_model, encoder):
+@pytest.mark.parametrize("split_k", [0, 4096], ids=["unsplit", "split-K"])
+def test_fused_forward_matches_transformers(hf_model, encoder, split_k):
     """The fused forward (Triton's interpreter on a CPU: add+RMSNorm, rotary in place, SiLU * up)
     against transformers in fp32, exact and padded with NaN in the padding rows; the padded SwiGLU
-    width adds exact zeros, and state dicts keep the checkpoint's names and shapes."""
+    width adds exact zeros, and state dicts keep the checkpoint's names and shapes; also with proj
+    and down_proj split in K (what a GPU takes at small row counts), summed by add+RMSNorm."""
     state = {"visual." + k: v for k, v in hf_model.state_dict().items()}
     fused = GraphedVisionEncoder.from_state_dict(state, {"model_type": "qwen2_5_vl", "vision_config": TINY},
-                                                 device="cpu", fuse=True)
+                                                 device="cpu", fuse=True, tuning={"gemm.split_k_max_rows": split_k})
     assert fused.tower.fused and fused.tower.blocks[0].mlp.padded == 128
     assert {k: v.shape for k, v in fused.tower.state_dict().items()} == {k: v.shape for k, v in hf_model.state_dict().items()}
     for name in ("mixed", "edge-cut windows", "video"):

@@ -28,6 +28,7 @@ from ..config import TowerShape
 from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import DEFAULT_ATTENTION, SegmentFlags
+from ..ops.gemm import linear_split_k
 from .config_parsing import FamilyConfig, check_block_indexes
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
@@ -377,15 +378,17 @@ class Qwen25VisionTower(ReferenceTower):
         frames, windows = batch.frames, batch.windows
         full = set(self.config.fullatt_block_indexes)
         heads, merger = self.config.num_heads, self.merger
-        h = kernels.add_rmsnorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.eps, tuning=self.tuning.norms)
+        norms, gemm = self.tuning.norms, self.tuning.gemm
+        h = kernels.add_rmsnorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.eps, tuning=norms)
         for i, block in enumerate(blocks):  # each intermediate dropped as soon as it is dead
             attn, mlp = block.attn, block.mlp
             out = fused_attention(h, attn, heads, cos, sin, attn.backend, frames if i in full else windows,
                                   self.tuning.attention)
             del h
-            y = F.linear(out, attn.proj.weight, attn.proj.bias)
+            # K split at small rows: Qwen2.5-VL-7B on an H200 1x256 1.95 -> 1.87 ms, 784 rows 3.55 -> 3.44
+            y, y_bias = linear_split_k(out, attn.proj.weight, attn.proj.bias, gemm)
             del out
-            h = kernels.add_rmsnorm(x, y, block.norm2.weight, block.norm2.eps, tuning=self.tuning.norms)
+            h = kernels.add_rmsnorm(x, y, block.norm2.weight, block.norm2.eps, y_bias, tuning=norms)
             del y
             gate_up = F.linear(h, mlp.gate_up.weight, mlp.gate_up.bias)
             del h
@@ -395,9 +398,9 @@ class Qwen25VisionTower(ReferenceTower):
                 gate, up = gate_up.split(mlp.padded, dim=-1)
                 f = ACTIVATIONS[mlp.act_name](gate) * up
             del gate_up
-            z = F.linear(f, mlp.down_proj.weight, mlp.down_proj.bias)
+            z, z_bias = linear_split_k(f, mlp.down_proj.weight, mlp.down_proj.bias, gemm)
             del f
             norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else merger.ln_q
-            h = kernels.add_rmsnorm(x, z, norm.weight, norm.eps, tuning=self.tuning.norms)
+            h = kernels.add_rmsnorm(x, z, norm.weight, norm.eps, z_bias, tuning=norms)
             del z
         return merger.mlp(h.view(-1, merger.merged_dim))[batch.reverse_index.long()]

@@ -279,6 +279,7 @@ class Qwen3VisionTower(ReferenceTower):
             attn, mlp = block.attn, block.mlp
             out = fused_attention(h, attn, heads, cos, sin, block.backend, batch, self.tuning.attention)
             del h
+            # No split K here: on an H200 it made Qwen3-VL-8B slower (784 rows 2.94 -> 3.17 ms).
             y = F.linear(out, attn.proj.weight, attn.proj.bias)
             del out
             h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, tuning=norms)

@@ -356,10 +356,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def add_rmsnorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                tuning: NormTuning = DEFAULT_NORMS) -> torch.Tensor:
-    """``x += y`` in place (when ``y [T, N]`` is given), then return ``RMSNorm(x)``: fp32
-    statistics, the normalized row rounded to x's dtype, then times ``weight`` (Qwen2.5-VL's)."""
-    return add_layernorm(x, y, weight, weight, eps, rms=True, tuning=tuning)
+                y_bias: torch.Tensor | None = None, tuning: NormTuning = DEFAULT_NORMS) -> torch.Tensor:
+    """``x += y`` in place (when ``y`` is given: ``[T, N]``, or ``[S, T, N]`` partials summed with
+    ``y_bias``, as :func:`add_layernorm`), then return ``RMSNorm(x)``: fp32 statistics, the
+    normalized row rounded to x's dtype, then times ``weight`` (Qwen2.5-VL's)."""
+    return add_layernorm(x, y, weight, weight, eps, y_bias=y_bias, rms=True, tuning=tuning)
 
 
 def prefix_sums(x: torch.Tensor) -> torch.Tensor:
