@@ -28,7 +28,6 @@ from .validation import check_out, check_pixels, check_rows, normalize_grid
 logger = logging.getLogger(__name__)
 
 
-
 def _start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype, options: EngineOptions):
     tuning = derive_tuning(config, device, options.tuning).precompile
     return start_early(config, device, dtype, asdict(options), tuning)

@@ -37,8 +37,6 @@ class SegmentedBatch(Protocol):
     dense: bool  # exactly one segment slot
 
 
-
-
 class SegmentFlags:
     """``padded`` and ``dense`` of a :class:`SegmentedBatch`, from its other fields."""
 
