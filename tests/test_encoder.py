@@ -348,3 +348,16 @@ def test_tuning_is_data_each_encoder_holds():
         EngineOptions(tuning={"capture.warm_up_one_block": 1})  # a bool setting takes a bool
     with pytest.raises(ValueError, match="tuning must be a mapping"):
         EngineOptions(tuning=[("gemm.split_k", 4)])
+    tile = [128, 192, True, 1, 2]
+    for name, value in (("gemm.tile", "abcde"), ("gemm.tile", [128, "x", True, 1, 2]),
+                        ("gemm.tile", [128, 192, 1, 1, 2]),
+                        ("gemm.rope_tiles", [[tile]]), ("gemm.rope_tiles", [[tile, "x"]]),
+                        ("gemm.small_rows", ["a", "b"]), ("attention.short_tile", [128, "x"])):
+        with pytest.raises(ValueError, match=f"tuning\\['{name}'\\]"):  # a tile's fields, tuples of numbers
+            EngineOptions(tuning={name: value})
+    options = EngineOptions(tuning={"gemm.tile": {"tile_m": 64, "tile_n": 128, "pingpong": False, "cluster_m": 1,
+                                                  "cluster_n": 1}, "gemm.rope_tiles": [[tile, 11]]})
+    from vitgraph.tuning import apply_overrides
+    from vitgraph.ops.gemm import Tile
+    changed = apply_overrides(Tuning(), options.tuning).gemm
+    assert changed.tile == Tile(64, 128, False, 1, 1) and changed.rope_tiles == ((Tile(128, 192, True, 1, 2), 11.0),)

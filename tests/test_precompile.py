@@ -19,11 +19,9 @@ import vitgraph.models.qwen2_vl_fused
 import vitgraph.precompile
 from vitgraph.engine.planner import Bucket
 from vitgraph.config import VisionConfig
-from vitgraph.ops.attention import attention_tuning
 from vitgraph.ops.gemm import gemm_tuning
-from vitgraph.ops.kernels import norm_tuning
 from vitgraph.options import EngineOptions, buckets_for
-from vitgraph.tuning import Tuning, derive_tuning
+from vitgraph.tuning import Tuning, tuning_for
 from vitgraph.loading import build_tower
 from vitgraph.precompile import (EarlyWorkers, KernelJob, PrecompileTuning, _persists, _spawn, _spec, _tail, kernel_jobs, precompile,
                                  start_early, worker_main)
@@ -45,10 +43,9 @@ def set_fa4_cache(monkeypatch, on: bool) -> None:
 
 
 def h200(config, gemm="quack") -> Tuning:
-    """The tuning an encoder derives on an H200, on any machine."""
-    return dataclasses.replace(derive_tuning(config, torch.device("cpu")),
-                               gemm=gemm_tuning(gemm, 9, H200_SMS, config.embed_dim, config.mlp_dim),
-                               norms=norm_tuning(9), attention=attention_tuning(9, H200_SMS, config.head_dim))
+    """The tuning an encoder derives on an H200, on any machine, with its GEMM backend."""
+    tuning = tuning_for(config, 9, H200_SMS)
+    return dataclasses.replace(tuning, gemm=dataclasses.replace(tuning.gemm, backend=gemm))
 
 
 def tower(attention="fa4", gemm="quack", fused=True, **config):

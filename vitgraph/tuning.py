@@ -82,7 +82,12 @@ def mlp_width(config) -> int:
 def derive_tuning(config, device: torch.device, overrides: Mapping[str, Any] | None = None) -> Tuning:
     """The tuning for a tower of ``config``'s widths on ``device``, with ``overrides`` applied
     (see :func:`apply_overrides`). The GEMM backend is cuBLAS until the encoder resolves its own."""
-    arch, sm_count = device_arch(device)
+    return tuning_for(config, *device_arch(device), overrides)
+
+
+def tuning_for(config, arch: int | None, sm_count: int | None, overrides: Mapping[str, Any] | None = None) -> Tuning:
+    """:func:`derive_tuning` for a GPU of compute capability major ``arch`` with ``sm_count``
+    SMs (None, None: not a GPU), whichever device this process has."""
     tuning = Tuning(gemm=gemm_tuning("cublas", arch, sm_count, config.embed_dim, mlp_width(config)),
                     norms=norm_tuning(arch), attention=attention_tuning(arch, sm_count, config.head_dim))
     return apply_overrides(tuning, overrides or {})
@@ -131,11 +136,8 @@ def _coerce(name: str, current, value):
             raise bad()
         return value
     if isinstance(current, Tile):
-        try:
-            return Tile(**value) if isinstance(value, Mapping) else Tile(*value)
-        except TypeError:
-            raise bad() from None
-    if isinstance(current, (int, float)) and not isinstance(current, bool):
+        return _tile(value, bad)
+    if isinstance(current, (int, float)):
         if not isinstance(value, (int, float)) or (isinstance(current, int) and not isinstance(value, int)):
             raise bad()
         return value
@@ -147,12 +149,44 @@ def _coerce(name: str, current, value):
         return value
     if value is None or isinstance(value, (list, tuple)):  # tuples, optional ones included
         if name.endswith("_tiles") and value is not None:  # (Tile, µs per wave) pairs
-            try:
-                return tuple((Tile(*tile), float(us)) for tile, us in value)
-            except (TypeError, ValueError):
-                raise bad() from None
-        return _tuples(value)
+            pairs = [pair for pair in value if isinstance(pair, (list, tuple)) and len(pair) == 2]
+            if len(pairs) != len(value) or not all(_number(us) for _, us in pairs):
+                raise bad()
+            return tuple((_tile(tile, bad), float(us)) for tile, us in pairs)
+        converted = _tuples(value)
+        if not _numbers(converted):
+            raise bad()
+        return converted
     raise bad()
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _numbers(value) -> bool:
+    """Every leaf of a nested tuple is a number, a bool or None (what tuple settings hold)."""
+    if isinstance(value, tuple):
+        return all(_numbers(v) for v in value)
+    return value is None or isinstance(value, (int, float))
+
+
+def _tile(value, bad) -> Tile:
+    """A :class:`Tile` from its fields as a sequence or a mapping: positive ints, a bool ``pingpong``."""
+    try:
+        if isinstance(value, Mapping):
+            tile = Tile(**value)
+        elif isinstance(value, (list, tuple)):
+            tile = Tile(*value)
+        else:
+            raise bad()
+    except TypeError:
+        raise bad() from None
+    sizes = [v for k, v in tile._asdict().items() if k != "pingpong"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes) \
+            or not isinstance(tile.pingpong, bool):
+        raise bad()
+    return tile
 
 
 def _tuples(value):
