@@ -64,7 +64,8 @@ def test_smart_resize_rules():
     (np.zeros((10, 10, 3), np.float32), TypeError, "uint8"),
     (torch.zeros(4, 10, 10, dtype=torch.uint8), ValueError, "3xHxW"),
     (np.zeros((1, 300, 3), np.uint8), ValueError, "aspect ratio"),
-    ("cat.png", TypeError, "PIL image"),
+    ("no-such-cat.png", ValueError, "no such file"),
+    (3.5, TypeError, "PIL image"),
 ])
 def test_bad_images(bad, error, words):
     with pytest.raises(error, match=words):

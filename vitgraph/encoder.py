@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -23,6 +25,8 @@ from .models.qwen2_vl import Qwen2VisionTower
 from .options import EngineOptions, buckets_for, configure_tower, resolve_device, resolve_dtype, uses_graphs
 from .precompile import PrecompileReport, precompile, start_early
 from .tuning import Tuning, derive_tuning
+from .ops.normalize import normalize_rows
+from .preprocess import statistics
 from .validation import check_out, check_pixels, check_rows, normalize_grid
 
 logger = logging.getLogger(__name__)
@@ -109,6 +113,9 @@ class GraphedVisionEncoder:
         # How encode_images turns images into rows: the checkpoint's preprocessor_config.json
         # (from_pretrained), else the family's defaults.
         self.processor = _processor or family_of(tower.config).processor
+        # uint8 rows are normalised on the device with these (vitgraph.ops.normalize).
+        self._pixel_statistics = statistics(self.processor, self.device)
+        self._host_pool: ThreadPoolExecutor | None = None  # decodes and preprocesses images
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
@@ -252,8 +259,10 @@ class GraphedVisionEncoder:
     def encode(self, pixels: torch.Tensor, grid_thw, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """``pixels [N, C*T*P*P]`` + ``grid_thw [k, 3]`` -> ``[N / 4, hidden_size]`` on the encoder's device.
 
-        Item ``i`` owns ``t*h*w / 4`` consecutive rows. The result is an inference-mode tensor
-        (no autograd history), or ``out`` when given.
+        ``pixels``: normalised float rows, or the processor's uint8 rows (resized and
+        patchified, not normalised), which are rescaled and normalised on the device with
+        :attr:`processor`'s mean and std. Item ``i`` owns ``t*h*w / 4`` consecutive rows. The
+        result is an inference-mode tensor (no autograd history), or ``out`` when given.
         """
         check_pixels(pixels, self.tower.input_width)
         grids = normalize_grid(grid_thw, self.config.spatial_merge_size)
@@ -265,6 +274,8 @@ class GraphedVisionEncoder:
             self._counters.calls += 1
         if tokens == 0:
             return out if out is not None else self._new_output(0)
+        if pixels.dtype == torch.uint8:  # 8x fewer bytes than fp32 rows to bring over
+            pixels = normalize_rows(pixels.to(self.device, non_blocking=True), *self._pixel_statistics, self.dtype)
         unit = self.tower.merge_unit
         result = out
 
@@ -308,29 +319,43 @@ class GraphedVisionEncoder:
     def _new_output(self, rows: int) -> torch.Tensor:
         return torch.empty(rows, self.tower.output_width, device=self.device, dtype=self.dtype)
 
-    def encode_images(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
-                      min_pixels: int | None = None, max_pixels: int | None = None) -> list[torch.Tensor]:
-        """Preprocess as the checkpoint's processor does (:attr:`processor`), encode in one call,
-        return one tensor per item (images first, then videos, each in the order given)."""
-        from . import preprocess
+    def image_rows(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
+                   min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
+                   decode: str = "host") -> tuple[torch.Tensor, torch.Tensor]:
+        """What :meth:`encode_images` encodes: ``(uint8 rows, grid_thw)`` of the images, then the
+        clips, as :attr:`processor` makes them (:func:`vitgraph.images.image_rows`)."""
+        from .images import image_rows
 
-        low, high = preprocess.pixel_limits(self.processor, min_pixels, max_pixels)
-        sizes = {"min_pixels": low, "max_pixels": high, "processor": self.processor}
-        parts = []
-        if images is not None:
-            parts.append(preprocess.preprocess_images(images, **sizes))
-        if videos is not None:
-            preprocess.check_list(videos, "videos", "videos (each a list of frames)")
-            for i, video in enumerate(videos):
-                parts.append(preprocess.preprocess_video(video, **sizes, name=f"videos[{i}]"))
-        parts = [(p, g) for p, g in parts if g.shape[0]]
-        if not parts:
+        return image_rows(images, videos, processor=self.processor, device=self.device, min_pixels=min_pixels,
+                          max_pixels=max_pixels, preprocess=preprocess, decode=decode, executor=self._pool())
+
+    def encode_images(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
+                      min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
+                      decode: str = "host") -> list[torch.Tensor]:
+        """Images and clips -> one tensor of embeddings per item (images first, then videos, each
+        in the order given), encoded in one call.
+
+        An image is a PIL image, an ``HxWx3`` uint8 array, a ``3xHxW`` uint8 tensor (any device),
+        encoded bytes (JPEG, PNG, ...) or a file path; a clip is a list of them. ``preprocess``:
+        ``"device"`` (torch on the encoder's device, as transformers' torchvision processors),
+        ``"pil"`` (PIL on the host, as ``Qwen2VLImageProcessorPil``), ``"auto"``: device on
+        CUDA, else PIL. ``decode``: ``"host"`` (PIL, in a thread pool) or ``"gpu"`` (JPEGs by
+        nvJPEG through torchvision; others on the host).
+        """
+        rows, grid = self.image_rows(images, videos, min_pixels=min_pixels, max_pixels=max_pixels,
+                                     preprocess=preprocess, decode=decode)
+        if grid.shape[0] == 0:
             return []
-        pixels = torch.cat([p for p, _ in parts])
-        grid = torch.cat([g for _, g in parts])
-        merged = self.encode(pixels, grid)
-        rows = [int(t * h * w) // self.tower.merge_unit for t, h, w in grid.tolist()]
-        return list(merged.split(rows))
+        merged = self.encode(rows, grid)
+        return list(merged.split([int(t * h * w) // self.tower.merge_unit for t, h, w in grid.tolist()]))
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._host_pool is None:
+            with self._lock:
+                if self._host_pool is None:
+                    self._host_pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                         thread_name_prefix="vitgraph-images")
+        return self._host_pool
 
     def _run_eager(self, step: Step, pixels: torch.Tensor, target_of: Callable[[], torch.Tensor]) -> None:
         batch = self.tower.build_batch(step.grids)

@@ -1,6 +1,6 @@
 """Images and videos to patch rows, as the Qwen VL processors (PIL backend) make them.
 
-``smart_resize`` -> bicubic resize (PIL) -> rescale 1/255 -> normalise -> patchify, with the
+``smart_resize`` -> bicubic resize (PIL) -> patchify (uint8) -> rescale 1/255 and normalise, with the
 sizes and statistics of a :class:`ProcessorConfig`: a checkpoint's ``preprocessor_config.json``
 where it has one, else its family's defaults (Qwen2-VL and Qwen2.5-VL share one processor;
 Qwen3-VL's patches are 16 pixels, so its sides are multiples of 32).
@@ -15,6 +15,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from PIL import Image
+
+from .decode import to_rgb_pil
+from .ops.normalize import column_statistics, normalize_rows
 
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's
 IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -126,52 +129,42 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = MI
 
 
 def to_pil(image, name: str = "image") -> Image.Image:
-    """A PIL image (converted to RGB), an ``HxWx3`` uint8 array, or a ``3xHxW`` uint8 tensor, as RGB PIL."""
-    if isinstance(image, Image.Image):
-        if image.width == 0 or image.height == 0:
-            raise ValueError(f"{name} is empty ({image.width}x{image.height})")
-        try:  # decoding happens here for a lazily opened file
-            return image.convert("RGB")
-        except (OSError, ValueError, Image.DecompressionBombError) as err:
-            raise ValueError(f"{name} ({image.mode} image) cannot be decoded as RGB: {err}") from None
-    if isinstance(image, torch.Tensor):
-        if image.ndim != 3 or image.shape[0] != 3:
-            raise ValueError(f"{name} tensor must be 3xHxW (RGB), got shape {list(image.shape)}")
-        if image.dtype != torch.uint8:
-            raise TypeError(f"{name} tensor must be uint8 (0-255), got {image.dtype}")
-        image = image.permute(1, 2, 0).cpu().numpy()
-    if isinstance(image, np.ndarray):
-        if image.ndim != 3 or image.shape[2] != 3:
-            raise ValueError(f"{name} array must be HxWx3 (RGB), got shape {list(image.shape)}")
-        if image.dtype != np.uint8:
-            raise TypeError(f"{name} array must be uint8 (0-255), got {image.dtype}")
-        if image.shape[0] == 0 or image.shape[1] == 0:
-            raise ValueError(f"{name} is empty ({image.shape[1]}x{image.shape[0]})")
-        return Image.fromarray(np.ascontiguousarray(image), mode="RGB")
-    raise TypeError(f"{name} must be a PIL image, an HxWx3 uint8 array or a 3xHxW uint8 tensor, "
-                    f"got {type(image).__name__}")
+    """Any accepted image form (PIL, ``HxWx3`` uint8 array, ``3xHxW`` uint8 tensor, encoded bytes,
+    a file path) as an RGB PIL image."""
+    return to_rgb_pil(image, name)
 
 
-def _normalized(image: Image.Image, size: tuple[int, int], proc: ProcessorConfig) -> np.ndarray:
-    """Resize to ``size`` (h, w), bicubic, then rescale and normalise: ``[3, h, w]`` float32."""
+def statistics(proc: ProcessorConfig, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The processor's per-column ``(shift, scale)`` for :func:`vitgraph.ops.normalize.normalize_rows`."""
+    return column_statistics(proc.image_mean, proc.image_std, proc.row_width, device)
+
+
+def resized_uint8(image: Image.Image, size: tuple[int, int]) -> np.ndarray:
+    """Resize to ``size`` (h, w), bicubic (PIL): ``[h, w, 3]`` uint8."""
     h, w = size
     if (image.height, image.width) != (h, w):
         image = image.resize((w, h), resample=Image.BICUBIC)
-    arr = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) * np.float32(1 / 255)
-    mean = np.asarray(proc.image_mean, dtype=np.float32)[:, None, None]
-    std = np.asarray(proc.image_std, dtype=np.float32)[:, None, None]
-    return (arr - mean) / std
+    return np.asarray(image)
 
 
-def _patchify(frames: np.ndarray, proc: ProcessorConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """``[F, C, H, W]`` (F a multiple of the temporal patch) -> rows ``[gt*gh*gw, C*T*P*P]``
-    ordered (t, block_row, block_col, in_row, in_col), each row flattened as (C, T, P, P)."""
-    f, c, h, w = frames.shape
+def patchify(frames: np.ndarray, proc: ProcessorConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """``[F, H, W, C]`` uint8 (F a multiple of the temporal patch, or 1: an image, repeated) ->
+    rows ``[gt*gh*gw, C*T*P*P]`` ordered (t, block_row, block_col, in_row, in_col), each row
+    flattened as (C, T, P, P)."""
+    f, h, w, c = frames.shape
     p, m, tp = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+    if f == 1:
+        frames = np.broadcast_to(frames, (tp, h, w, c))  # an image: T copies, made by the copy below
+        f = tp
     gt, gh, gw = f // tp, h // p, w // p
-    x = frames.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # gt, bh, bw, mh, mw, C, T, ph, pw
+    x = frames.reshape(gt, tp, gh // m, m, p, gw // m, m, p, c)
+    x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)  # gt, bh, bw, mh, mw, C, T, ph, pw
     return np.ascontiguousarray(x).reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw)
+
+
+def _rows(rows: np.ndarray, proc: ProcessorConfig, normalize: bool) -> torch.Tensor:
+    rows = torch.from_numpy(rows)
+    return normalize_rows(rows, *statistics(proc), torch.float32) if normalize else rows
 
 
 def check_list(items, name: str, what: str) -> None:
@@ -190,40 +183,52 @@ def pixel_limits(proc: ProcessorConfig, min_pixels, max_pixels) -> tuple[int, in
     return limits
 
 
-def preprocess_images(images: Sequence, *, min_pixels: int | None = None, max_pixels: int | None = None,
-                      processor: ProcessorConfig = QWEN2_VL_PROCESSOR) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images (a list) -> ``(pixels [N, C*T*P*P] float32, grid_thw [k, 3] int64)``, one grid row
-    per image. ``min_pixels`` / ``max_pixels``: the processor's unless given."""
-    check_list(images, "images", "images (PIL images, HxWx3 uint8 arrays or 3xHxW uint8 tensors)")
-    low, high = pixel_limits(processor, min_pixels, max_pixels)
-    rows, grids = [], []
-    for i, image in enumerate(images):
-        pil = to_pil(image, f"images[{i}]")
-        size = smart_resize(pil.height, pil.width, processor.factor, low, high)
-        frame = _normalized(pil, size, processor)
-        patches, grid = _patchify(np.stack([frame] * processor.temporal_patch_size), processor)
-        rows.append(patches)
-        grids.append(grid)
-    if not grids:
-        return torch.empty(0, processor.row_width), torch.empty(0, 3, dtype=torch.long)
-    return torch.from_numpy(np.concatenate(rows)), torch.tensor(grids, dtype=torch.long)
+def image_rows_pil(image, name: str, proc: ProcessorConfig, low: int, high: int
+                   ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """One image (any accepted form) -> its uint8 rows and grid, by PIL on the host."""
+    pil = to_pil(image, name)
+    size = smart_resize(pil.height, pil.width, proc.factor, low, high)
+    return patchify(resized_uint8(pil, size)[None], proc)
 
 
-def preprocess_video(frames: Sequence, *, min_pixels: int | None = None, max_pixels: int | None = None,
-                     name: str = "video", processor: ProcessorConfig = QWEN2_VL_PROCESSOR
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A clip (a list of frames) -> ``(pixels, grid_thw [1, 3])``. Every frame is resized to the
-    first frame's ``smart_resize`` size; the count is padded to a multiple of the temporal patch
-    by repeating the last frame; ``t = frames / temporal_patch_size``. ``name`` names the clip in errors."""
+def video_rows_pil(frames: Sequence, name: str, proc: ProcessorConfig, low: int, high: int
+                   ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """One clip (a list of frames in any accepted form) -> its uint8 rows and grid, by PIL on the host."""
     check_list(frames, name, "frames")
-    low, high = pixel_limits(processor, min_pixels, max_pixels)
     pils = [to_pil(f, f"{name}[{i}]") for i, f in enumerate(frames)]
     if not pils:
         raise ValueError(f"{name} must have at least one frame")
     if any((p.height, p.width) != (pils[0].height, pils[0].width) for p in pils):
         raise ValueError(f"all frames of {name} must have the same size")
-    size = smart_resize(pils[0].height, pils[0].width, processor.factor, low, high)
-    arrays = [_normalized(p, size, processor) for p in pils]
-    arrays += [arrays[-1]] * (-len(arrays) % processor.temporal_patch_size)
-    patches, grid = _patchify(np.stack(arrays), processor)
-    return torch.from_numpy(patches), torch.tensor([grid], dtype=torch.long)
+    size = smart_resize(pils[0].height, pils[0].width, proc.factor, low, high)
+    arrays = [resized_uint8(p, size) for p in pils]
+    arrays += [arrays[-1]] * (-len(arrays) % proc.temporal_patch_size)
+    return patchify(np.stack(arrays), proc)
+
+
+def preprocess_images(images: Sequence, *, min_pixels: int | None = None, max_pixels: int | None = None,
+                      processor: ProcessorConfig = QWEN2_VL_PROCESSOR, normalize: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images (a list) -> ``(pixels [N, C*T*P*P], grid_thw [k, 3] int64)``, one grid row per
+    image: float32 rows, or with ``normalize=False`` the uint8 rows ``encode`` normalises on its
+    device (8x fewer bytes to copy). ``min_pixels`` / ``max_pixels``: the processor's unless given."""
+    check_list(images, "images", "images (PIL images, HxWx3 uint8 arrays, 3xHxW uint8 tensors, bytes or paths)")
+    low, high = pixel_limits(processor, min_pixels, max_pixels)
+    parts = [image_rows_pil(image, f"images[{i}]", processor, low, high) for i, image in enumerate(images)]
+    if not parts:
+        empty = torch.empty(0, processor.row_width, dtype=torch.float32 if normalize else torch.uint8)
+        return empty, torch.empty(0, 3, dtype=torch.long)
+    rows = np.concatenate([r for r, _ in parts])
+    return _rows(rows, processor, normalize), torch.tensor([g for _, g in parts], dtype=torch.long)
+
+
+def preprocess_video(frames: Sequence, *, min_pixels: int | None = None, max_pixels: int | None = None,
+                     name: str = "video", processor: ProcessorConfig = QWEN2_VL_PROCESSOR, normalize: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A clip (a list of frames) -> ``(pixels, grid_thw [1, 3])``. Every frame is resized to the
+    first frame's ``smart_resize`` size; the count is padded to a multiple of the temporal patch
+    by repeating the last frame; ``t = frames / temporal_patch_size``. ``name`` names the clip in
+    errors; ``normalize`` as in :func:`preprocess_images`."""
+    low, high = pixel_limits(processor, min_pixels, max_pixels)
+    rows, grid = video_rows_pil(frames, name, processor, low, high)
+    return _rows(rows, processor, normalize), torch.tensor([grid], dtype=torch.long)

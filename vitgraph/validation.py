@@ -62,8 +62,9 @@ def normalize_grid(grid_thw, merge_size: int) -> list[Grid]:
 def check_pixels(pixels, width: int) -> None:
     if not isinstance(pixels, torch.Tensor):
         raise TypeError(f"pixels must be a torch.Tensor, got {type(pixels).__name__}")
-    if not pixels.dtype.is_floating_point:
-        raise TypeError(f"pixels must be floating point, got dtype {pixels.dtype}")
+    if not (pixels.dtype.is_floating_point or pixels.dtype == torch.uint8):
+        raise TypeError(f"pixels must be floating point (normalised rows) or uint8 (rows to normalise), "
+                        f"got dtype {pixels.dtype}")
     if pixels.ndim != 2:
         raise ValueError(f"pixels must be 2-D [N, {width}], got shape {list(pixels.shape)}")
     if pixels.shape[1] != width:

@@ -1,0 +1,160 @@
+"""Images in every form a caller holds, to RGB uint8 pixels: PIL images, ``HxWx3`` uint8 arrays,
+``3xHxW`` uint8 tensors (on any device), encoded bytes (JPEG, PNG, WebP, ...) and file paths.
+
+Encoded images are decoded by PIL on the host, after their header is checked against
+:data:`MAX_IMAGE_PIXELS` (a 30000 x 30000 PNG is refused before a byte of it is decoded), and
+turned upright by their EXIF orientation, as transformers' ``load_image`` does. A JPEG can
+instead be decoded on the GPU by torchvision's nvJPEG binding (:func:`decode_jpeg_on`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+# The most pixels an encoded image may declare (2**27: 16384 x 8192, 400 MB decoded).
+MAX_IMAGE_PIXELS = 1 << 27
+# The largest image file read from a path (far above any real photo or screenshot).
+MAX_FILE_BYTES = 1 << 30
+
+Encoded = Union[bytes, bytearray, memoryview]
+Pixels = Union[np.ndarray, torch.Tensor]  # HxWx3 uint8 array, or 3xHxW uint8 tensor
+
+
+def is_encoded(item) -> bool:
+    return isinstance(item, (bytes, bytearray, memoryview, str, os.PathLike))
+
+
+def read_file(path, name: str) -> bytes:
+    """A path's bytes: a regular file of at most :data:`MAX_FILE_BYTES`."""
+    path = Path(path)
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise ValueError(f"{name}: {path}: no such file") from None
+    except OSError as err:
+        raise ValueError(f"{name}: {path}: cannot be read ({err.strerror or err})") from None
+    if path.is_dir():
+        raise ValueError(f"{name}: {path}: is a directory, not an image file")
+    if not path.is_file():
+        raise ValueError(f"{name}: {path}: is not a regular file")
+    if info.st_size > MAX_FILE_BYTES:
+        raise ValueError(f"{name}: {path}: {info.st_size} bytes is above the {MAX_FILE_BYTES}-byte limit")
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"{name}: {path}: cannot be read ({err.strerror or err})") from None
+
+
+def open_encoded(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """A lazily opened PIL image whose declared size has been checked: nothing decoded yet."""
+    if len(data) == 0:
+        raise ValueError(f"{name}: is empty (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own ceiling speaks below
+            image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as err:
+        raise ValueError(f"{name}: declares too many pixels ({err}); the limit is {max_pixels}") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
+        raise ValueError(f"{name}: not a readable image ({err})") from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ValueError(f"{name}: declares {width}x{height} = {width * height} pixels, above the limit of "
+                         f"{max_pixels}; refused before decoding")
+    return image
+
+
+def decode_pil(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """Encoded bytes -> an upright RGB PIL image (decoded here)."""
+    image = open_encoded(data, name, max_pixels)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # checked above
+            return ImageOps.exif_transpose(image).convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        raise ValueError(f"{name}: cannot be decoded ({err})") from None
+
+
+def to_rgb_pil(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """Any accepted form as an RGB PIL image (a tensor is brought to the host)."""
+    if is_encoded(item):
+        data = read_file(item, name) if isinstance(item, (str, os.PathLike)) else item
+        return decode_pil(data, name, max_pixels)
+    if isinstance(item, Image.Image):
+        if item.width == 0 or item.height == 0:
+            raise ValueError(f"{name} is empty ({item.width}x{item.height})")
+        try:  # decoding happens here for a lazily opened file
+            return item.convert("RGB")
+        except (OSError, ValueError, Image.DecompressionBombError) as err:
+            raise ValueError(f"{name} ({item.mode} image) cannot be decoded as RGB: {err}") from None
+    array = as_pixels(item, name)
+    if isinstance(array, torch.Tensor):
+        array = array.permute(1, 2, 0).cpu().numpy()
+    return Image.fromarray(np.ascontiguousarray(array), mode="RGB")
+
+
+def as_pixels(item, name: str) -> Pixels:
+    """An ``HxWx3`` uint8 array or a ``3xHxW`` uint8 tensor, checked; anything else refused."""
+    if isinstance(item, torch.Tensor):
+        if item.ndim != 3 or item.shape[0] != 3:
+            raise ValueError(f"{name} tensor must be 3xHxW (RGB), got shape {list(item.shape)}")
+        if item.dtype != torch.uint8:
+            raise TypeError(f"{name} tensor must be uint8 (0-255), got {item.dtype}")
+        if item.device.type == "meta":
+            raise ValueError(f"{name} tensor is on the meta device and holds no data")
+        if item.shape[1] == 0 or item.shape[2] == 0:
+            raise ValueError(f"{name} is empty ({item.shape[2]}x{item.shape[1]})")
+        return item
+    if isinstance(item, np.ndarray):
+        if item.ndim != 3 or item.shape[2] != 3:
+            raise ValueError(f"{name} array must be HxWx3 (RGB), got shape {list(item.shape)}")
+        if item.dtype != np.uint8:
+            raise TypeError(f"{name} array must be uint8 (0-255), got {item.dtype}")
+        if item.shape[0] == 0 or item.shape[1] == 0:
+            raise ValueError(f"{name} is empty ({item.shape[1]}x{item.shape[0]})")
+        return item
+    raise TypeError(f"{name} must be a PIL image, an HxWx3 uint8 array, a 3xHxW uint8 tensor, encoded image "
+                    f"bytes or a file path, got {type(item).__name__}")
+
+
+def load_pixels(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Pixels:
+    """Any accepted form as pixels: a tensor stays where it is (no copy); the rest become an
+    ``HxWx3`` uint8 array on the host (encoded ones decoded here)."""
+    if isinstance(item, (torch.Tensor, np.ndarray)):
+        return as_pixels(item, name)
+    return np.asarray(to_rgb_pil(item, name, max_pixels))
+
+
+def gpu_jpeg_decoder():
+    """torchvision's ``decode_jpeg`` where torchvision imports and has it, else None."""
+    try:
+        from torchvision.io import decode_jpeg
+    except Exception:  # not installed, or a build that does not match this torch
+        return None
+    return decode_jpeg
+
+
+def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: int = MAX_IMAGE_PIXELS):
+    """A JPEG decoded on ``device`` (nvJPEG): ``3xHxW`` uint8, or None when it is not a JPEG, has
+    an EXIF orientation to apply, or the decoder is missing (the caller decodes on the host)."""
+    decode_jpeg = gpu_jpeg_decoder()
+    if decode_jpeg is None:
+        return None
+    image = open_encoded(data, name, max_pixels)
+    if image.format != "JPEG" or image.mode not in ("RGB", "L") or image.getexif().get(0x0112, 1) != 1:
+        return None
+    encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    try:
+        from torchvision.io import ImageReadMode
+
+        return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError as err:
+        raise ValueError(f"{name}: cannot be decoded ({err})") from None

@@ -1,0 +1,113 @@
+"""From images and clips in any form to the uint8 rows ``encode`` takes: decode, resize, patchify.
+
+Two ways, chosen by ``preprocess``:
+
+* ``"device"``: decode on the host (a thread pool) or, for JPEGs, on the GPU (``decode="gpu"``),
+  then resize and patchify with torch on the encoder's device (:mod:`vitgraph.device_preprocess`),
+  as transformers' torchvision processors do (``Qwen2VLImageProcessor``);
+* ``"pil"``: decode, resize (PIL bicubic) and patchify on the host, one image per pool thread,
+  as ``Qwen2VLImageProcessorPil`` does.
+
+``"auto"`` is ``"device"`` on CUDA and ``"pil"`` elsewhere. Either way the rows stay uint8 (an
+image's bytes twice, for its two temporal copies) until ``encode`` normalises them on its device.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from . import decode as decoding
+from .device_preprocess import frame_size, rows_of
+from .preprocess import ProcessorConfig, check_list, image_rows_pil, pixel_limits, video_rows_pil
+
+PREPROCESS = ("auto", "device", "pil")
+DECODE = ("host", "gpu")
+
+_IMAGE_FORMS = "images (PIL images, HxWx3 uint8 arrays, 3xHxW uint8 tensors, encoded bytes or file paths)"
+
+
+def check_choices(preprocess: str, decode: str) -> None:
+    if preprocess not in PREPROCESS:
+        raise ValueError(f"preprocess must be one of {PREPROCESS}, got {preprocess!r}")
+    if decode not in DECODE:
+        raise ValueError(f"decode must be one of {DECODE}, got {decode!r}")
+
+
+def _items(images, videos) -> list[tuple[str, object]]:
+    """``(name, image)`` for each image and ``(name, [frames])`` for each clip, images first."""
+    items: list[tuple[str, object]] = []
+    if images is not None:
+        check_list(images, "images", _IMAGE_FORMS)
+        items += [(f"images[{i}]", image) for i, image in enumerate(images)]
+    if videos is not None:
+        check_list(videos, "videos", "videos (each a list of frames)")
+        for i, frames in enumerate(videos):
+            check_list(frames, f"videos[{i}]", "frames")
+            if not frames:
+                raise ValueError(f"videos[{i}] must have at least one frame")
+            items.append((f"videos[{i}]", list(frames)))
+    return items
+
+
+def _map(executor: Executor | None, fn: Callable, items: list) -> list:
+    if executor is None or len(items) < 2:
+        return [fn(item) for item in items]
+    return list(executor.map(fn, items))
+
+
+def _empty(proc: ProcessorConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(0, proc.row_width, dtype=torch.uint8, device=device),
+            torch.empty(0, 3, dtype=torch.long))
+
+
+def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
+               processor: ProcessorConfig, device: torch.device, min_pixels: int | None = None,
+               max_pixels: int | None = None, preprocess: str = "auto", decode: str = "host",
+               executor: Executor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [N, C*T*P*P] uint8, grid_thw [k, 3] int64)`` of the images, then the clips: on
+    ``device`` for ``preprocess="device"``, on the host for ``"pil"``. ``executor``: the thread
+    pool that decodes (and, for ``"pil"``, preprocesses) several items at once."""
+    check_choices(preprocess, decode)
+    device = torch.device(device)
+    low, high = pixel_limits(processor, min_pixels, max_pixels)
+    if preprocess == "auto":
+        preprocess = "device" if device.type == "cuda" else "pil"
+    if decode == "gpu" and (device.type != "cuda" or preprocess != "device"):
+        raise ValueError(f"decode='gpu' needs preprocess='device' on a CUDA device, got {preprocess!r} on {device}")
+    items = _items(images, videos)
+    if not items:
+        return _empty(processor, device if preprocess == "device" else "cpu")
+    if preprocess == "pil":
+        def host(item):
+            name, value = item
+            if isinstance(value, list):
+                return video_rows_pil(value, name, processor, low, high)
+            return image_rows_pil(value, name, processor, low, high)
+
+        parts = _map(executor, host, items)
+        rows = torch.from_numpy(np.concatenate([r for r, _ in parts]))
+        return rows, torch.tensor([g for _, g in parts], dtype=torch.long)
+
+    def load(item):  # -> the clip's frames as pixels (an image: one frame)
+        name, value = item
+        frames = value if isinstance(value, list) else [value]
+        names = [f"{name}[{i}]" for i in range(len(frames))] if isinstance(value, list) else [name]
+        pixels = [_load(f, n, device if decode == "gpu" else None) for f, n in zip(frames, names)]
+        if any(frame_size(p) != frame_size(pixels[0]) for p in pixels):
+            raise ValueError(f"all frames of {name} must have the same size")
+        return pixels
+
+    return rows_of(_map(executor, load, items), processor, device, low, high)
+
+
+def _load(item, name: str, gpu: torch.device | None):
+    """One frame as uint8 pixels; a JPEG decoded on ``gpu`` where that is given and possible."""
+    if gpu is not None and decoding.is_encoded(item):
+        data = decoding.read_file(item, name) if not isinstance(item, (bytes, bytearray, memoryview)) else item
+        decoded = decoding.decode_jpeg_on(data, name, gpu)
+        return decoded if decoded is not None else decoding.load_pixels(data, name)
+    return decoding.load_pixels(item, name)
