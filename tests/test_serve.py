@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 from helpers import rel_err
@@ -23,6 +24,7 @@ from safetensors.torch import save as save_safetensors  # noqa: E402
 from vitgraph import GraphedVisionEncoder, preprocess_images  # noqa: E402
 
 BUDGET = 512  # the deployment's largest bucket: a batch holds at most this many patch tokens
+MAX_PIXELS = 65536  # images are resized to at most this many pixels (334 patch tokens)
 
 
 def free_port() -> int:
@@ -39,7 +41,7 @@ def app():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     handle = serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, batch_wait_timeout_s=0.25,
-                                 max_budget=BUDGET), name="vitgraph", route_prefix="/")
+                                 max_budget=BUDGET, max_pixels=MAX_PIXELS), name="vitgraph", route_prefix="/")
     yield f"http://127.0.0.1:{port}/encode", handle
     serve.shutdown()
     ray.shutdown()
@@ -219,3 +221,96 @@ def test_build_app_refuses_a_bad_max_ongoing_requests():
     for bad in (0, -1, 2.5, True, "8"):
         with pytest.raises(ValueError, match="max_ongoing_requests"):
             build_app(preset="tiny", device="cpu", max_ongoing_requests=bad)
+
+
+def jpeg(array, quality=90) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def multipart(files: list[tuple[str, bytes]], boundary: str = "vitgraphBoundary7MA4YWxk") -> tuple[bytes, str]:
+    """A multipart/form-data body, as a browser or ``curl -F`` sends it."""
+    parts = []
+    for i, (name, data) in enumerate(files):
+        parts.append(f"--{boundary}\r\nContent-Disposition: form-data; name=\"image{i}\"; filename=\"{name}\"\r\n"
+                     f"Content-Type: image/jpeg\r\n\r\n".encode() + data + b"\r\n")
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return body, f"multipart/form-data; boundary={boundary}"
+
+
+def test_multipart_upload(app, direct):
+    url, _ = app
+    arrays = [np.random.default_rng(i).integers(0, 256, (60 + 10 * i, 90, 3), dtype=np.uint8) for i in range(2)]
+    blobs = [jpeg(a) for a in arrays]
+    body, kind = multipart([("a.jpg", blobs[0]), ("b.jpg", blobs[1])])
+    status, answer = post(url, body, kind)
+    assert status == 200, answer
+    out = load_safetensors(answer)
+    want = direct.encode_images(blobs, max_pixels=MAX_PIXELS)
+    assert out["grid_thw"].shape == (2, 3)
+    assert rel_err(out["embeddings"], torch.cat(want)) <= 1e-5
+    status, answer = post(url, b"--nope\r\n", "multipart/form-data; boundary=other")
+    assert status == 400, (status, answer)
+
+
+def test_uint8_rows_and_media_types_in_any_case(app, direct):
+    """A safetensors payload may carry the processor's uint8 rows; media types match in any case."""
+    url, _ = app
+    array = np.random.default_rng(5).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    rows, grid = preprocess_images([array], normalize=False)
+    body = save_safetensors({"pixels": rows, "grid_thw": grid})
+    status, answer = post(url, body, "Application/Octet-Stream")
+    assert status == 200, answer
+    assert rel_err(load_safetensors(answer)["embeddings"], direct.encode(rows, grid)) <= 1e-5
+    wrong = save_safetensors({"pixels": rows.to(torch.int16), "grid_thw": grid})
+    status, answer = post(url, wrong, "application/octet-stream")
+    assert status == 400 and b"uint8" in answer
+
+
+def photo(h: int, w: int, seed: int) -> np.ndarray:
+    """Smooth colour fields plus grain: a photo's cost to decode, a fraction of noise's bytes."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, (h // 64, w // 64, 3), dtype=np.uint8)
+    smooth = np.asarray(Image.fromarray(coarse).resize((w, h), Image.BILINEAR)).astype(np.int16)
+    return np.clip(smooth + rng.integers(-8, 9, (h, w, 3)), 0, 255).astype(np.uint8)
+
+
+def test_a_rows_request_is_not_held_up_behind_images_being_preprocessed(app, direct):
+    """Four 24 MP JPEGs in one request (decoding and resizing them takes seconds here) and a small
+    rows request sent just after: the rows request is answered in a fraction of the images' time
+    (on the event loop it waited for all four), and both answers are right."""
+    import time
+
+    url, _ = app
+    big = jpeg(photo(4000, 6000, 11))
+    body, kind = multipart([(f"{i}.jpg", big) for i in range(4)])
+    pixels, rows_body = rows_payload([(1, 4, 4)], seed=12)
+
+    def send(body, kind, delay):
+        time.sleep(delay)
+        start = time.perf_counter()
+        status, answer = post(url, body, kind)
+        return status, answer, time.perf_counter() - start
+
+    with ThreadPoolExecutor(2) as pool:
+        images = pool.submit(send, body, kind, 0.0)
+        rows = pool.submit(send, rows_body, "application/octet-stream", 0.2)
+        (image_status, image_answer, image_s), (rows_status, rows_answer, rows_s) = images.result(), rows.result()
+    assert image_status == 200 and rows_status == 200
+    assert rows_s < 0.5 * (image_s - 0.2), (rows_s, image_s)
+    assert rel_err(load_safetensors(rows_answer)["embeddings"], direct.encode(pixels, [(1, 4, 4)])) <= 1e-5
+    want = direct.encode_images([big], max_pixels=MAX_PIXELS)[0]
+    assert rel_err(load_safetensors(image_answer)["embeddings"], torch.cat([want] * 4)) <= 1e-5
+
+
+def test_the_handle_takes_images(app, direct):
+    _, handle = app
+    blobs = [jpeg(np.random.default_rng(20 + i).integers(0, 256, (70, 70, 3), dtype=np.uint8)) for i in range(2)]
+    got = handle.encode_images.remote(blobs).result()
+    want = direct.encode_images(blobs, max_pixels=MAX_PIXELS)
+    assert len(got) == 2 and all(rel_err(g, w) <= 1e-5 for g, w in zip(got, want))
+    from vitgraph.serve import BadRequest
+
+    with pytest.raises(BadRequest, match=r"images\[1\]: not a readable image"):
+        handle.encode_images.remote([blobs[0], b"not an image"]).result()

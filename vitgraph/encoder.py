@@ -275,7 +275,7 @@ class GraphedVisionEncoder:
         if tokens == 0:
             return out if out is not None else self._new_output(0)
         if pixels.dtype == torch.uint8:  # 8x fewer bytes than fp32 rows to bring over
-            pixels = normalize_rows(pixels.to(self.device, non_blocking=True), *self._pixel_statistics, self.dtype)
+            pixels = self.device_rows(pixels)
         unit = self.tower.merge_unit
         result = out
 
@@ -318,6 +318,14 @@ class GraphedVisionEncoder:
 
     def _new_output(self, rows: int) -> torch.Tensor:
         return torch.empty(rows, self.tower.output_width, device=self.device, dtype=self.dtype)
+
+    def device_rows(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Rows on the encoder's device in its dtype; uint8 rows normalised there with
+        :attr:`processor`'s mean and std (as ``encode`` does; unchecked)."""
+        pixels = pixels.to(self.device, non_blocking=True)
+        if pixels.dtype == torch.uint8:
+            return normalize_rows(pixels, *self._pixel_statistics, self.dtype)
+        return pixels.to(self.dtype)
 
     def image_rows(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                    min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",

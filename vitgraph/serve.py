@@ -6,19 +6,23 @@ batched by patch tokens into single ``encode`` calls that fill the largest bucke
     serve.run(build_app(model="Qwen/Qwen2-VL-2B-Instruct", num_replicas=2))   # POST /encode
 
 HTTP ``POST /encode`` takes preprocessed rows as a safetensors payload
-(``Content-Type: application/octet-stream``; tensors ``pixels [N, row width]`` and
-``grid_thw [k, 3]``), or images as JSON (``{"images": [base64 PNG/JPEG, ...]}``) or as
-multipart files. It answers with a safetensors payload (``embeddings``, ``grid_thw``; with
-deepstack features side by side), or JSON with ``?format=json``. A bad request gets 400 and
-its message; it is validated before it joins a batch, so the requests batched with it are
-unaffected. In-cluster callers use the handle's ``encode(pixels, grid_thw)``.
+(``Content-Type: application/octet-stream``; tensors ``pixels [N, row width]``, float rows or
+the processor's uint8 rows, and ``grid_thw [k, 3]``), or images as JSON (``{"images": [base64
+PNG/JPEG, ...]}``) or as multipart files. It answers with a safetensors payload
+(``embeddings``, ``grid_thw``; with deepstack features side by side), or JSON with
+``?format=json``. A bad request gets 400 and its message; it is validated before it joins a
+batch, so the requests batched with it are unaffected. In-cluster callers use the handle's
+``encode(pixels, grid_thw)`` and ``encode_images(images)``.
+
+Nothing CPU-heavy runs on a replica's event loop: parsing, decoding, preprocessing and the
+answer's serialisation run in threads, so a large image never holds up the requests behind
+it; an image request joins the batches by its patch tokens like any other.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import json
 import threading
 from collections import deque
@@ -30,6 +34,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from .encoder import GraphedVisionEncoder
+from .preprocess import check_pixel_limits, pixel_limits
 from .validation import check_pixels, check_rows, normalize_grid
 
 DEFAULT_WAIT_S = 0.005  # how long a batch waits for more requests once its first arrives
@@ -40,7 +45,8 @@ DEFAULT_MAX_ONGOING = 64
 
 
 class _Request:
-    """One validated request: rows on the CPU and its grids."""
+    """One validated request: its rows (uint8, or the encoder's dtype; on the CPU, or on the
+    encoder's device where it preprocessed them) and its grids."""
 
     def __init__(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> None:
         self.pixels, self.grids = pixels, grids
@@ -61,7 +67,8 @@ class VisionEncoderDeployment:
 
     def __init__(self, model: str | None = None, preset: str | None = None, device: str | None = None,
                  dtype: str | None = None, batch_wait_timeout_s: float = DEFAULT_WAIT_S,
-                 engine_options: dict | None = None) -> None:
+                 engine_options: dict | None = None, min_pixels: int | None = None,
+                 max_pixels: int | None = None) -> None:
         options = dict(engine_options or {}, progress=False)
         if model:
             self.encoder = GraphedVisionEncoder.from_pretrained(model, device=device, dtype=dtype, **options)
@@ -81,6 +88,8 @@ class VisionEncoderDeployment:
         except Exception:  # outside a Serve replica (constructed directly)
             self.replica = "local"
         self._alone = 0
+        # Images are resized into [min_pixels, max_pixels] (the processor's, unless given).
+        self.pixel_limits = pixel_limits(self.encoder.processor, min_pixels, max_pixels)
 
     # -- validation (before batching) ------------------------------------------------
 
@@ -96,23 +105,28 @@ class VisionEncoderDeployment:
             raise BadRequest(str(err)) from None
         if not grids:
             raise BadRequest("grid_thw holds no item")
-        # In the encoder's dtype at once (the cast encode would make): a batch concatenates
-        # fewer bytes, and a caller that sends bf16 rows sends half of fp32's.
-        return _Request(pixels.detach().to("cpu", enc.dtype).contiguous(), [tuple(g) for g in grids])
+        # uint8 rows stay uint8 (normalised on the device); float rows take the encoder's dtype
+        # at once (the cast encode would make): a batch concatenates fewer bytes.
+        dtype = torch.uint8 if pixels.dtype == torch.uint8 else enc.dtype
+        return _Request(pixels.detach().to("cpu", dtype).contiguous(), [tuple(g) for g in grids])
 
     # -- encoding ---------------------------------------------------------------------
 
-    def _encode_now(self, pixels: torch.Tensor, grids) -> torch.Tensor:
+    def _encode_now(self, requests: list[_Request]) -> torch.Tensor:
+        """One encode call for ``requests``' rows, on the CPU after."""
         enc = self.encoder
-        return enc.encode(pixels.to(enc.device), grids).to("cpu")  # rows are in enc.dtype (_validated)
+        dtypes = {r.pixels.dtype for r in requests}
+        if len(requests) == 1 or (len(dtypes) == 1 and len({r.pixels.device for r in requests}) == 1):
+            pixels = torch.cat([r.pixels for r in requests]) if len(requests) > 1 else requests[0].pixels
+        else:  # uint8 rows beside float ones: each normalised (or cast) on the device, then joined
+            pixels = torch.cat([enc.device_rows(r.pixels) for r in requests])
+        return enc.encode(pixels.to(enc.device, non_blocking=True), [g for r in requests for g in r.grids]).to("cpu")
 
     # Two batches at once: one stages and plans on the host while the other runs on the GPU.
     @serve.batch(max_batch_size=16384, batch_wait_timeout_s=DEFAULT_WAIT_S, batch_size_fn=_tokens,
                  max_concurrent_batches=2)
     async def _batched(self, requests: list[_Request]) -> list[torch.Tensor]:
-        pixels = torch.cat([r.pixels for r in requests])
-        grids = [g for r in requests for g in r.grids]
-        merged = await asyncio.get_running_loop().run_in_executor(None, self._encode_now, pixels, grids)
+        merged = await asyncio.get_running_loop().run_in_executor(None, self._encode_now, requests)
         with self._lock:
             self._batches.append((len(requests), _tokens(requests)))
         unit = self.encoder.tower.merge_unit
@@ -122,13 +136,20 @@ class VisionEncoderDeployment:
         if request.tokens > self.max_batch_tokens:  # Ray refuses an item above max_batch_size
             with self._lock:
                 self._alone += 1
-            return await asyncio.get_running_loop().run_in_executor(None, self._encode_now, request.pixels,
-                                                                    request.grids)
+            return await asyncio.get_running_loop().run_in_executor(None, self._encode_now, [request])
         return await self._batched(request)
 
     async def encode(self, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
         """For in-cluster callers (``handle.encode.remote(pixels, grid_thw)``): ``[N / 4, width]`` on the CPU."""
-        return await self._encode(self._validated(pixels, grid_thw))
+        request = await asyncio.get_running_loop().run_in_executor(None, self._validated, pixels, grid_thw)
+        return await self._encode(request)
+
+    async def encode_images(self, images: list) -> list[torch.Tensor]:
+        """For in-cluster callers: images (encoded bytes, arrays, PIL images...) -> one
+        ``[rows, width]`` tensor per image, on the CPU."""
+        request = await asyncio.get_running_loop().run_in_executor(None, self._images, images)
+        merged = await self._encode(request)
+        return list(merged.split([t * h * w // self.encoder.tower.merge_unit for t, h, w in request.grids]))
 
     def stats(self) -> dict[str, Any]:
         """Requests and patch tokens of each batch so far, requests encoded alone, GPU memory
@@ -154,82 +175,95 @@ class VisionEncoderDeployment:
     # -- HTTP -------------------------------------------------------------------------
 
     async def __call__(self, http_request):
-        from starlette.responses import JSONResponse, Response
+        from starlette.responses import Response
 
         if http_request.method != "POST" or http_request.url.path.rstrip("/").split("/")[-1] != "encode":
             return Response("POST /encode", status_code=404)
+        loop = asyncio.get_running_loop()
         try:
-            pixels, grid_thw = await self._parse(http_request)
-            request = self._validated(pixels, grid_thw)
+            kind, payload = await self._receive(http_request)
+            request = await loop.run_in_executor(None, self._parse, kind, payload)
         except BadRequest as err:
             return Response(str(err), status_code=400)
         embeddings = await self._encode(request)
-        grid = torch.tensor(request.grids, dtype=torch.int64)
-        headers = {"X-Vitgraph-Replica": self.replica}
-        if http_request.query_params.get("format") == "json":
-            return JSONResponse({"embeddings": embeddings.float().tolist(), "grid_thw": grid.tolist()},
-                                headers=headers)
-        return Response(save_safetensors({"embeddings": embeddings.contiguous(), "grid_thw": grid}),
-                        media_type="application/octet-stream", headers=headers)
+        as_json = http_request.query_params.get("format") == "json"
+        body, media = await loop.run_in_executor(None, self._answer, embeddings, request.grids, as_json)
+        return Response(body, media_type=media, headers={"X-Vitgraph-Replica": self.replica})
 
-    async def _parse(self, http_request):
-        kind = http_request.headers.get("content-type", "").split(";")[0].strip()
+    @staticmethod
+    def _answer(embeddings: torch.Tensor, grids, as_json: bool) -> tuple[bytes, str]:
+        grid = torch.tensor(grids, dtype=torch.int64)
+        if as_json:
+            return (json.dumps({"embeddings": embeddings.float().tolist(), "grid_thw": grid.tolist()}).encode(),
+                    "application/json")
+        return save_safetensors({"embeddings": embeddings.contiguous(), "grid_thw": grid}), "application/octet-stream"
+
+    async def _receive(self, http_request) -> tuple[str, Any]:
+        """The request's media type and its raw content: the body's bytes, or a multipart form's
+        files' bytes (read here, parsed in a thread)."""
+        kind = http_request.headers.get("content-type", "").split(";")[0].strip().lower()  # case-insensitive
+        if kind == "multipart/form-data":
+            try:
+                form = await http_request.form()
+            except Exception as err:  # python-multipart's and starlette's parse errors
+                raise BadRequest(f"multipart body cannot be read: {err}") from None
+            return kind, [await part.read() for _, part in form.multi_items() if hasattr(part, "read")]
+        if kind not in ("application/octet-stream", "application/json"):
+            raise BadRequest(f"Content-Type must be application/octet-stream (safetensors), application/json or "
+                             f"multipart/form-data, got {kind or 'none'!r}")
+        return kind, await http_request.body()
+
+    def _parse(self, kind: str, payload) -> _Request:
+        """A request's content -> a validated request (in a thread: parsing and decoding are CPU work)."""
+        if kind == "multipart/form-data":
+            return self._images(payload)
         if kind == "application/octet-stream":
             try:
-                tensors = load_safetensors(await http_request.body())
+                tensors = load_safetensors(payload)
             except Exception as err:  # safetensors' own error type for a broken payload
                 raise BadRequest(f"body is not a safetensors payload: {err}") from None
             missing = {"pixels", "grid_thw"} - set(tensors)
             if missing:
                 raise BadRequest(f"safetensors payload lacks {sorted(missing)}")
-            return tensors["pixels"], tensors["grid_thw"]
-        if kind == "application/json":
-            try:
-                body = json.loads(await http_request.body())
-                images = body["images"]
-                if not isinstance(images, list):
-                    raise TypeError("images must be a list")
-                blobs = [base64.b64decode(image, validate=True) for image in images]
-            except (ValueError, KeyError, TypeError) as err:
-                raise BadRequest(f"JSON body must be {{\"images\": [base64 image, ...]}}: {err}") from None
-            return self._images(blobs)
-        if kind == "multipart/form-data":
-            form = await http_request.form()
-            blobs = [await part.read() for _, part in form.multi_items() if hasattr(part, "read")]
-            return self._images(blobs)
-        raise BadRequest(f"Content-Type must be application/octet-stream (safetensors), application/json or "
-                         f"multipart/form-data, got {kind or 'none'!r}")
-
-    def _images(self, blobs: list[bytes]):
-        from PIL import Image, UnidentifiedImageError
-
-        from .preprocess import preprocess_images
-
-        if not blobs:
-            raise BadRequest("no images in the request")
-        images = []
-        for i, blob in enumerate(blobs):
-            try:
-                with Image.open(io.BytesIO(blob)) as image:
-                    images.append(image.convert("RGB"))
-            except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
-                raise BadRequest(f"images[{i}] is not a readable image: {err}") from None
+            return self._validated(tensors["pixels"], tensors["grid_thw"])
         try:
-            return preprocess_images(images, processor=self.encoder.processor)
+            body = json.loads(payload)
+            images = body["images"]
+            if not isinstance(images, list):
+                raise TypeError("images must be a list")
+            blobs = [base64.b64decode(image, validate=True) for image in images]
+        except (ValueError, KeyError, TypeError, RecursionError) as err:
+            raise BadRequest(f"JSON body must be {{\"images\": [base64 image, ...]}}: {err}") from None
+        return self._images(blobs)
+
+    def _images(self, images: list) -> _Request:
+        """Images (encoded bytes or any form encode_images takes) -> their rows as one request:
+        uint8, preprocessed as the encoder's processor does (on its device where it is CUDA)."""
+        if not isinstance(images, (list, tuple)) or not images:
+            raise BadRequest("no images in the request")
+        try:
+            low, high = self.pixel_limits
+            rows, grid = self.encoder.image_rows(list(images), min_pixels=low, max_pixels=high)
         except (TypeError, ValueError) as err:
             raise BadRequest(str(err)) from None
+        return _Request(rows, [tuple(g) for g in grid.tolist()])
 
 
 def build_app(model: str | None = None, *, preset: str | None = None, device: str | None = None,
               dtype: str | None = None, num_replicas: int | str = 1, num_gpus: float | None = None,
               autoscaling_config: dict | None = None, batch_wait_timeout_s: float = DEFAULT_WAIT_S,
-              num_cpus: float | None = None, max_ongoing_requests: int = DEFAULT_MAX_ONGOING, **engine_options):
+              num_cpus: float | None = None, max_ongoing_requests: int = DEFAULT_MAX_ONGOING,
+              min_pixels: int | None = None, max_pixels: int | None = None, **engine_options):
     """The Ray Serve application: ``num_replicas`` replicas (or ``autoscaling_config``), each
     holding one encoder on ``num_gpus`` GPUs (default: 1 where CUDA is present, else 0). With
     ``num_gpus=1`` Ray places one replica per GPU and gives each only its own device
     (``CUDA_VISIBLE_DEVICES``): the encoder runs on it, and nothing crosses GPUs. Fractions
     (``0.5``) put several replicas on one GPU, each with its own encoder and graphs.
-    ``max_ongoing_requests``: requests each replica holds at once (queued for its batches)."""
+    ``max_ongoing_requests``: requests each replica holds at once (queued for its batches).
+    ``min_pixels`` / ``max_pixels``: the sizes images are resized into (default: the
+    checkpoint's processor's); a lower ``max_pixels`` bounds an image request's tokens."""
+    if min_pixels is not None or max_pixels is not None:  # refused here, not in a replica's start-up
+        check_pixel_limits(min_pixels if min_pixels is not None else 1, max_pixels if max_pixels is not None else 1 << 28)
     if num_gpus is None:
         num_gpus = 1 if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else 0
     actor = {"num_gpus": num_gpus}
@@ -241,4 +275,4 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
     return VisionEncoderDeployment.options(ray_actor_options=actor, max_ongoing_requests=max_ongoing_requests,
                                            **scale).bind(
         model=model, preset=preset, device=device, dtype=dtype, batch_wait_timeout_s=batch_wait_timeout_s,
-        engine_options=engine_options)
+        engine_options=engine_options, min_pixels=min_pixels, max_pixels=max_pixels)
