@@ -1,5 +1,6 @@
 """The benchmarks (tiny preset, CPU) and the vitgraph command line."""
 
+import io
 import json
 import subprocess
 import sys
@@ -123,7 +124,7 @@ def test_cli_errors_are_one_line(tmp_path, png_files, checkpoint, make_args, wor
 
 
 def test_cli_help_everywhere():
-    for sub in ([], ["demo"], ["encode"], ["info"], ["bench"], ["bench-serving"]):
+    for sub in ([], ["demo"], ["encode"], ["info"], ["bench"], ["bench-serving"], ["bench-images"]):
         proc = subprocess.run([sys.executable, "-m", "vitgraph", *sub, "--help"], capture_output=True, text=True)
         assert proc.returncode == 0 and "usage" in proc.stdout.lower(), sub
 
@@ -277,3 +278,31 @@ def test_closed_loop_clients_send_their_next_request_when_the_last_returns():
 
     stats = closed_loop(run, lambda g: torch.zeros(4, 1), grids, clients=2, max_tokens=100, device=torch.device("cpu"))
     assert seen == [2, 2, 1] and stats["mean_batch_requests"] == pytest.approx(5 / 3)
+
+
+def test_bench_images_from_jpeg_bytes_on_cpu(tmp_path, capsys):
+    """``vitgraph bench-images`` on a CPU: the CPU systems run, each stage and the saturation
+    runs are reported, the table is printed and the JSON file written (GPU systems skip)."""
+    out = tmp_path / "images.json"
+    rc = cli_main(["bench-images", "--preset", "tiny", "--device", "cpu", "--repeats", "1", "--concurrency", "1", "2",
+                   "--saturation-images", "7", "--max-pixels", "50176", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr()
+    assert "img/s C=2" in printed.out and "hf_torchvision skipped" in printed.err
+    result = json.loads(out.read_text())
+    assert set(result["systems"]) == {"hf_pil", "vitgraph_host", "vitgraph_device"}
+    assert len(result["images"]) == 7 and result["max_pixels"] == 50176
+    for name, r in result["systems"].items():
+        assert 0 < r["p50_ms"] <= r["p99_ms"], (name, r)
+        assert set(r["stages_p50_ms"]) == {"decode", "preprocess", "copy", "encode"}
+        assert all(v > 0 for v in r["images_per_s"].values()) and set(r["images_per_s"]) == {"1", "2"}
+
+
+def test_bench_images_jpegs_are_seeded_and_decodable():
+    from vitgraph.bench.images import IMAGES, make_jpegs
+
+    a, b, c = make_jpegs(0), make_jpegs(0), make_jpegs(1)
+    assert a == b and a != c
+    for (name, blob), (_, w, h, _) in zip(a, IMAGES):
+        image = Image.open(io.BytesIO(blob))
+        assert image.format == "JPEG" and image.size == (w, h), name

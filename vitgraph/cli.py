@@ -62,8 +62,9 @@ def _check_out(out: str, inputs: list[Path], force: bool) -> Path:
 def cmd_encode(args) -> None:
     """Encode image files; write one tensor per file, keyed by file name, to a safetensors file
     whose metadata records the model source and each file's grid_thw."""
-    from PIL import Image, UnidentifiedImageError
     from safetensors.torch import save_file
+
+    from .decode import open_encoded, read_file
     from tqdm.auto import tqdm
 
     paths = [Path(name) for name in args.files]
@@ -71,15 +72,8 @@ def cmd_encode(args) -> None:
     if len(set(keys)) != len(keys):
         raise ValueError("two inputs share a file name; rename one so each output key is unique")
     out = _check_out(args.out, paths, args.force)
-    images = []
-    for path in paths:
-        if not path.is_file():
-            raise ValueError(f"{path}: no such file")
-        try:
-            with Image.open(path) as img:
-                images.append(img.convert("RGB"))
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
-            raise ValueError(f"{path}: not a readable image ({err})") from None
+    for path in paths:  # every input is an image (its header read, nothing decoded) before the model loads
+        open_encoded(read_file(path, "input"), str(path)).close()
     enc = _load(args, progress=False)
     if not args.model:
         print(f"vitgraph encode: no --model given: random weights of the {args.preset} preset; "
@@ -87,16 +81,14 @@ def cmd_encode(args) -> None:
     source = args.model or f"random weights, preset {args.preset}"
     tensors, grids = {}, {}
     chunk = 16  # images per encode call
-    with tqdm(total=len(images), desc="encoding", unit="image", disable=len(images) <= chunk) as bar:
-        for start in range(0, len(images), chunk):
+    with tqdm(total=len(paths), desc="encoding", unit="image", disable=len(paths) <= chunk) as bar:
+        for start in range(0, len(paths), chunk):
             batch_keys = keys[start:start + chunk]
-            from .preprocess import preprocess_images
-
-            pixels, grid = preprocess_images(images[start:start + chunk], min_pixels=args.min_pixels,
-                                             max_pixels=args.max_pixels, processor=enc.processor)
-            merged = enc.encode(pixels, grid)
-            rows = [int(t * h * w) // enc.tower.merge_unit for t, h, w in grid.tolist()]
-            for key, embedding, thw in zip(batch_keys, merged.split(rows), grid.tolist()):
+            rows, grid = enc.image_rows(paths[start:start + chunk], min_pixels=args.min_pixels,
+                                        max_pixels=args.max_pixels)
+            merged = enc.encode(rows, grid)
+            split = [int(t * h * w) // enc.tower.merge_unit for t, h, w in grid.tolist()]
+            for key, embedding, thw in zip(batch_keys, merged.split(split), grid.tolist()):
                 tensors[key] = embedding.to("cpu").contiguous()
                 grids[key] = thw
             bar.update(len(batch_keys))
@@ -186,16 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", help="latency suite (see vitgraph bench --help)", add_help=False)
     sub.add_parser("bench-serving", help="serving simulation (see vitgraph bench-serving --help)", add_help=False)
+    sub.add_parser("bench-images", help="image bytes to embeddings, per stage and at saturation "
+                   "(see vitgraph bench-images --help)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("bench", "bench-serving"):  # the benchmarks own their arguments
-        from .bench import latency, serving
+    if argv and argv[0] in ("bench", "bench-serving", "bench-images"):  # the benchmarks own their arguments
+        import importlib
 
+        module = {"bench": "latency", "bench-serving": "serving", "bench-images": "images"}[argv[0]]
         _quiet_libraries(verbose=False)
-        return _run(argv[0], lambda: (latency if argv[0] == "bench" else serving).main(argv[1:]))
+        return _run(argv[0], lambda: importlib.import_module(f".bench.{module}", __package__).main(argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     _quiet_libraries(args.verbose)

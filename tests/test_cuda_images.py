@@ -1,0 +1,143 @@
+"""The image path on a GPU: uint8 rows normalised on the device and replayed from graphs, the
+torch processor against transformers' torchvision processors on the same GPU, and GPU JPEG
+decoding against PIL. Run with ``python -m pytest -m cuda -s tests/test_cuda_images.py``
+(``-s`` shows the numbers)."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from test_images import photo
+from vitgraph import GraphedVisionEncoder
+from vitgraph.images import image_rows
+from vitgraph.ops.normalize import normalize_rows
+from vitgraph.preprocess import QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR, preprocess_images, statistics
+
+pytestmark = pytest.mark.cuda
+
+SIZES = [(224, 224), (37, 53), (480, 640), (720, 1280), (1080, 1920), (599, 1023), (1, 150), (900, 1440),
+         (2400, 3200)]
+
+
+@pytest.fixture(scope="module")
+def graph_enc():
+    return GraphedVisionEncoder.from_config("tiny", device="cuda", dtype=torch.bfloat16, mode="graph",
+                                            budgets=[256, 1024, 4096], max_items=8, progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_normalize_kernel_gives_the_bits_of_torch_ops(dtype):
+    rows = torch.randint(0, 256, (1537, 1536), dtype=torch.uint8, device="cuda")
+    shift, scale = statistics(QWEN3_VL_PROCESSOR, "cuda")
+    assert torch.equal(normalize_rows(rows, shift, scale, dtype, kernel=True),
+                       normalize_rows(rows, shift, scale, dtype, kernel=False))
+
+
+def test_uint8_rows_replay_as_float_rows_normalised_on_the_host(graph_enc):
+    """uint8 rows in graph mode: bitwise the embeddings of the same rows normalised on the host
+    (fp32, then cast to bf16 by the copy into the graph's buffer), in every bucket hit."""
+    images = [photo(h, w, i) for i, (h, w) in enumerate([(224, 224), (300, 500), (60, 90), (448, 448)])]
+    for chunk in ([images[0]], images[:3], images):
+        rows, grid = preprocess_images(chunk, normalize=False)
+        floats = preprocess_images(chunk)[0]
+        got = graph_enc.encode(rows, grid)
+        assert torch.equal(got, graph_enc.encode(floats, grid))
+        assert torch.equal(got, graph_enc.encode(rows.cuda(), grid))  # rows already on the device
+    stats = graph_enc.stats()
+    assert sum(b["replays"] for b in stats["buckets"].values()) >= 6, stats["buckets"]
+
+
+def test_graph_replay_equals_eager_for_images(graph_enc):
+    eager = GraphedVisionEncoder(graph_enc.tower, device="cuda", dtype=torch.bfloat16, mode="eager")
+    images = [photo(200, 300, 1), photo(100, 100, 2)]
+    rows, grid = graph_enc.image_rows(images)
+    assert rows.is_cuda and rows.dtype == torch.uint8  # the device path is the default on CUDA
+    # eager on the graph's padded buffers is what the replay holds: the bank's own check
+    bank = graph_enc.bank
+    plan = graph_enc.plan(grid)
+    assert all(step.bucket is not None for step in plan.steps)
+    for step in plan.steps:
+        bank.load(step.bucket, graph_enc.device_rows(rows[step.token_offset:step.token_offset + step.tokens]),
+                  bank.stage_grids(step.bucket, step.grids))
+        want = bank.run_eager(step.bucket).clone()
+        got = bank.replay(step.bucket)
+        assert torch.equal(got[:step.tokens // 4], want[:step.tokens // 4])
+    assert (eager.encode(rows, grid) - graph_enc.encode(rows, grid)).abs().max() < 5e-2
+
+
+def _hf_processor(proc):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torchvision")
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor as cls
+
+    if proc.patch_size == 16:  # Qwen3-VL's checkpoints name Qwen2-VL's class; newer transformers may have its own
+        try:
+            from transformers.models.qwen3_vl.image_processing_qwen3_vl import Qwen3VLImageProcessor as cls
+        except ImportError:
+            pass
+    return cls(size={"shortest_edge": proc.min_pixels, "longest_edge": proc.max_pixels}, patch_size=proc.patch_size,
+               temporal_patch_size=proc.temporal_patch_size, merge_size=proc.merge_size,
+               image_mean=list(proc.image_mean), image_std=list(proc.image_std)), transformers
+
+
+@pytest.mark.parametrize("proc", [QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR], ids=["qwen2", "qwen3"])
+@pytest.mark.parametrize("content", ["photo", "noise"])
+def test_device_processor_matches_transformers_torchvision_on_the_gpu(proc, content):
+    """The oracle: transformers' torchvision processor run on the same GPU; rows equal to 1e-5
+    after normalisation, grids identical."""
+    hf, _ = _hf_processor(proc)
+    images = [photo(h, w, i) if content == "photo" else
+              np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8) for i, (h, w) in enumerate(SIZES)]
+    ref = hf(images=[Image.fromarray(a) for a in images], device="cuda", return_tensors="pt")
+    rows, grid = image_rows(images, processor=proc, device=torch.device("cuda"), preprocess="device")
+    ours = normalize_rows(rows, *statistics(proc, "cuda"), torch.float32)
+    assert torch.equal(grid, ref["image_grid_thw"].long().cpu())
+    diff = (ours - ref["pixel_values"].to("cuda", torch.float32)).abs()
+    print(f"\n{content} {proc.patch_size}-px patches: max |diff| {diff.max().item():.3e}, "
+          f"values differing {(diff > 0).float().mean().item():.2e}")
+    assert diff.max().item() <= 1e-5
+
+
+def test_gpu_jpeg_decode_against_pil():
+    """nvJPEG (torchvision) against PIL on the same JPEGs: the colour difference, stated (GPU
+    decoders upsample chroma their own way), and bounded."""
+    from vitgraph.decode import decode_jpeg_on, gpu_jpeg_decoder
+
+    if gpu_jpeg_decoder() is None:
+        pytest.skip("torchvision's decode_jpeg is not importable here")
+    report = []
+    for i, (h, w) in enumerate([(480, 640), (720, 1280), (1080, 1920), (37, 53)]):
+        for subsampling in (0, 2):  # 4:4:4 and 4:2:0
+            buf = io.BytesIO()
+            Image.fromarray(photo(h, w, i)).save(buf, "JPEG", quality=90, subsampling=subsampling)
+            gpu = decode_jpeg_on(buf.getvalue(), "img", torch.device("cuda"))
+            host = torch.from_numpy(np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB")))
+            levels = (gpu.permute(1, 2, 0).cpu().int() - host.int()).abs()
+            report.append((h, w, subsampling, levels.max().item(), levels.float().mean().item()))
+    for h, w, sub, worst, mean in report:
+        print(f"{h}x{w} {'4:2:0' if sub == 2 else '4:4:4'}: max {worst} levels, mean {mean:.3f}")
+    assert all(mean <= 1.5 and worst <= 32 for *_, worst, mean in report), report
+
+
+def test_encode_images_with_gpu_decode(graph_enc):
+    from vitgraph.decode import gpu_jpeg_decoder
+
+    if gpu_jpeg_decoder() is None:
+        pytest.skip("torchvision's decode_jpeg is not importable here")
+    blobs = []
+    for i in range(3):
+        buf = io.BytesIO()
+        Image.fromarray(photo(300 + 50 * i, 400, i)).save(buf, "JPEG", quality=92)
+        blobs.append(buf.getvalue())
+    png = io.BytesIO()
+    Image.fromarray(photo(120, 120, 9)).save(png, "PNG")
+    blobs.append(png.getvalue())  # not a JPEG: decoded on the host
+    host = graph_enc.encode_images(blobs, decode="host")
+    gpu = graph_enc.encode_images(blobs, decode="gpu")
+    assert [h.shape for h in host] == [g.shape for g in gpu]
+    assert torch.equal(host[-1], gpu[-1])
+    for h, g in zip(host[:3], gpu[:3]):
+        assert ((h.float() - g.float()).norm() / h.float().norm()).item() < 5e-2

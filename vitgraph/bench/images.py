@@ -1,0 +1,284 @@
+"""From image bytes to embeddings: what a caller who starts from JPEGs waits for.
+
+    vitgraph bench-images                           # qwen2-vl-2b random weights on GPU, tiny on CPU
+    vitgraph bench-images --preset qwen2.5-vl-7b --concurrency 1 8 --json out.json
+
+A seeded set of JPEGs at the serving mix's sizes (thumbnails to 1080p photos, screenshots) goes
+through each system, one image per call. Per image: end-to-end p50/p99 (ms), and the p50 of each
+stage timed apart with the device synchronised between stages (decode, preprocess, copy to the
+device, encode). Then images/s at saturation: C caller threads, each encoding images back to back.
+
+Systems (those that cannot run here are skipped with a line):
+
+* ``hf_pil``: transformers' PIL processor on the host + transformers' tower;
+* ``hf_torchvision``: transformers' torchvision processor on the GPU + its tower (CUDA, torchvision);
+* ``vitgraph_host``: PIL decode, PIL preprocessing into float32 rows, vitgraph's graphs;
+* ``vitgraph_device``: host decode, preprocessing on the device from uint8, graphs;
+* ``vitgraph_gpu_decode``: the same with JPEGs decoded by nvJPEG (CUDA, torchvision).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import random
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..decode import decode_pil, gpu_jpeg_decoder, load_pixels
+from ..device_preprocess import rows_of, upload
+from ..preprocess import pixel_limits, preprocess_images
+from . import common
+
+SYSTEMS = ["hf_pil", "hf_torchvision", "vitgraph_host", "vitgraph_device", "vitgraph_gpu_decode"]
+STAGES = ("decode", "preprocess", "copy", "encode")
+# (name, width, height, kind): the serving mix's still images.
+IMAGES = [("thumbnail", 224, 224, "photo"), ("photo 640x480", 640, 480, "photo"),
+          ("photo 1024x768", 1024, 768, "photo"), ("video frame 1280x720", 1280, 720, "photo"),
+          ("screenshot 1440x900", 1440, 900, "screen"), ("phone screenshot 828x1792", 828, 1792, "screen"),
+          ("photo 1920x1080", 1920, 1080, "photo")]
+
+
+def make_jpegs(seed: int) -> list[tuple[str, bytes]]:
+    """The seeded image set, JPEG quality 90: photos (smooth fields and grain), screenshots
+    (flat panels and sharp text-like strokes)."""
+    out = []
+    for i, (name, w, h, kind) in enumerate(IMAGES):
+        rng = np.random.default_rng(seed * 1000 + i)
+        if kind == "photo":
+            coarse = rng.integers(0, 256, (max(h // 48, 2), max(w // 48, 2), 3), dtype=np.uint8)
+            base = np.asarray(Image.fromarray(coarse).resize((w, h), Image.BICUBIC)).astype(np.int16)
+            pixels = np.clip(base + rng.integers(-12, 13, (h, w, 3)), 0, 255).astype(np.uint8)
+        else:
+            pixels = np.full((h, w, 3), 245, np.uint8)
+            for _ in range(12):  # panels
+                y, x = rng.integers(0, h - 20), rng.integers(0, w - 20)
+                pixels[y:y + rng.integers(20, h // 3), x:x + rng.integers(20, w // 2)] = rng.integers(0, 256, 3)
+            strokes = rng.random((h, w)) < 0.04  # text-like strokes
+            pixels[strokes] = 20
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, "JPEG", quality=90)
+        out.append((name, buffer.getvalue()))
+    return out
+
+
+@dataclass
+class Staged:
+    """One system: its stages as functions of the previous stage's result, and its one-call form."""
+
+    stages: list[tuple[str, Callable]]
+    end_to_end: Callable[[bytes], object]
+    times: dict = field(default_factory=lambda: {s: [] for s in STAGES + ("total",)})
+
+
+def _hf_processors(enc, low: int, high: int, device: torch.device):
+    """transformers' (PIL, torchvision) processors set up as the encoder's processor; either None
+    where it cannot be made here."""
+    proc = enc.processor
+    kwargs = dict(size={"shortest_edge": low, "longest_edge": high}, patch_size=proc.patch_size,
+                  temporal_patch_size=proc.temporal_patch_size, merge_size=proc.merge_size,
+                  image_mean=list(proc.image_mean), image_std=list(proc.image_std))
+    pil = tv = None
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        pil = Qwen2VLImageProcessorPil(**kwargs)
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        try:
+            import torchvision  # noqa: F401
+            from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+            tv = Qwen2VLImageProcessor(**kwargs)
+        except Exception:  # no torchvision, or one that does not load with this torch
+            pass
+    return pil, tv
+
+
+def build(systems: list[str], enc, low: int, high: int) -> dict[str, Staged]:
+    device = enc.device
+    limits = {"min_pixels": low, "max_pixels": high}
+    built: dict[str, Staged] = {}
+    need_hf = any(s.startswith("hf_") for s in systems)
+    hf = common.hf_tower_like(enc) if need_hf else None
+    hf_run = common.hf_call(hf, device) if hf is not None else None
+    pil_proc, tv_proc = _hf_processors(enc, low, high, device) if need_hf else (None, None)
+
+    def skip(name: str, why: str) -> None:
+        print(f"bench-images: {name} skipped: {why}", file=sys.stderr)
+
+    def hf_rows(processor, **call):
+        def run(image):
+            out = processor(images=[image], return_tensors="pt", **call)
+            return out["pixel_values"], out["image_grid_thw"].tolist()
+        return run
+
+    def to_device(item):
+        rows, grid = item
+        return rows.to(device, non_blocking=True), grid
+
+    for name in systems:
+        if name == "hf_pil":
+            if hf_run is None or pil_proc is None:
+                skip(name, "transformers is not installed")
+                continue
+            stages = [("decode", lambda b: decode_pil(b, "image")), ("preprocess", hf_rows(pil_proc)),
+                      ("copy", to_device), ("encode", lambda item: hf_run(item[0].to(enc.dtype), item[1]))]
+        elif name == "hf_torchvision":
+            if hf_run is None or tv_proc is None:
+                skip(name, "needs CUDA, transformers and a torchvision that loads with this torch")
+                continue
+            stages = [("decode", lambda b: decode_pil(b, "image")),
+                      ("preprocess", hf_rows(tv_proc, device=str(device))),
+                      ("encode", lambda item: hf_run(item[0].to(enc.dtype), item[1]))]
+        elif name == "vitgraph_host":
+            stages = [("decode", lambda b: decode_pil(b, "image")),
+                      ("preprocess", lambda image: preprocess_images([image], processor=enc.processor, **limits)),
+                      ("copy", to_device), ("encode", lambda item: enc.encode(*item))]
+        elif name in ("vitgraph_device", "vitgraph_gpu_decode"):
+            gpu = name == "vitgraph_gpu_decode"
+            if gpu and (device.type != "cuda" or gpu_jpeg_decoder() is None):
+                skip(name, "needs CUDA and torchvision's decode_jpeg")
+                continue
+            if gpu:
+                from ..decode import decode_jpeg_on
+                decode = lambda b: decode_jpeg_on(b, "image", device)  # noqa: E731
+            else:
+                decode = lambda b: load_pixels(b, "image")  # noqa: E731
+            stages = [("decode", decode), ("copy", lambda p: upload(p, device)[0]),
+                      ("preprocess", lambda p: rows_of([[p]], enc.processor, device, low, high)),
+                      ("encode", lambda item: enc.encode(*item))]
+        else:
+            raise ValueError(f"unknown system {name!r}; known: {SYSTEMS}")
+        built[name] = Staged(stages, _end_to_end(name, enc, stages, limits))
+    return built
+
+
+def _end_to_end(name: str, enc, stages, limits) -> Callable[[bytes], object]:
+    """The system as a caller runs it: vitgraph's own entry point, or the stages back to back."""
+    if name == "vitgraph_device":
+        return lambda blob: enc.encode_images([blob], preprocess="device", **limits)
+    if name == "vitgraph_gpu_decode":
+        return lambda blob: enc.encode_images([blob], preprocess="device", decode="gpu", **limits)
+
+    def run(blob):
+        value = blob
+        for _, fn in stages:
+            value = fn(value)
+        return value
+    return run
+
+
+def time_stages(system: Staged, blob: bytes, device: torch.device) -> None:
+    """One image through the stages, each timed apart (the device synchronised between them),
+    and once end to end."""
+    value = blob
+    for stage, fn in system.stages:
+        common.sync(device)
+        start = time.perf_counter()
+        value = fn(value)
+        common.sync(device)
+        system.times[stage].append((time.perf_counter() - start) * 1e3)
+    common.sync(device)
+    start = time.perf_counter()
+    system.end_to_end(blob)
+    common.sync(device)
+    system.times["total"].append((time.perf_counter() - start) * 1e3)
+
+
+def saturation(system: Staged, blobs: list[bytes], callers: int, device: torch.device) -> float:
+    """Images/s with ``callers`` threads encoding ``blobs`` back to back (each image once)."""
+    queue = list(blobs)
+    lock = threading.Lock()
+
+    def caller():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                blob = queue.pop()
+            system.end_to_end(blob)
+            common.sync(device)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(callers) as pool:
+        for future in [pool.submit(caller) for _ in range(callers)]:
+            future.result()
+    common.sync(device)
+    return len(blobs) / (time.perf_counter() - start)
+
+
+def _p(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vitgraph bench-images", description=__doc__.split("\n\n")[0])
+    common.add_model_args(parser)
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS, metavar="SYSTEM",
+                        help=f"systems to run (default: all that can run here): {', '.join(SYSTEMS)}")
+    parser.add_argument("--repeats", type=common.positive_int, default=5,
+                        help="passes over the image set for the per-image times (default 5)")
+    parser.add_argument("--concurrency", type=common.positive_int, nargs="+", default=[1, 8],
+                        help="caller threads for the saturation runs (default 1 8)")
+    parser.add_argument("--saturation-images", type=common.positive_int, default=64,
+                        help="images per saturation run (default 64)")
+    parser.add_argument("--max-pixels", type=common.positive_int, default=None,
+                        help="resize images to at most this many pixels (default: the processor's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the image set (default 0)")
+    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    args = parser.parse_args(argv)
+    common.resolve_model_args(args)
+    enc = common.make_encoder(args, progress=True)
+    low, high = pixel_limits(enc.processor, None, args.max_pixels)
+    device = enc.device
+    jpegs = make_jpegs(args.seed)
+    systems = build(args.systems, enc, low, high)
+    print(f"bench-images: {len(jpegs)} JPEGs ({', '.join(n for n, _ in jpegs)}), {args.repeats} passes, "
+          f"{enc.stats()['mode']} encoder on {device} ({str(enc.dtype).replace('torch.', '')})", file=sys.stderr)
+    result = {"environment": common.environment(device), "preset": args.preset, "model": args.model,
+              "max_pixels": high, "images": [n for n, _ in jpegs], "systems": {}}
+    for name, system in systems.items():
+        for _, blob in jpegs:  # warm-up: kernels, caches, the processors' own set-up
+            time_stages(system, blob, device)
+        system.times = {s: [] for s in STAGES + ("total",)}
+        for _ in range(args.repeats):
+            for _, blob in random.Random(args.seed).sample(jpegs, len(jpegs)):
+                time_stages(system, blob, device)
+        blobs = [blob for _, blob in jpegs] * -(-args.saturation_images // len(jpegs))
+        rates = {c: saturation(system, blobs[:args.saturation_images], c, device) for c in args.concurrency}
+        times = system.times
+        result["systems"][name] = {
+            "p50_ms": _p(times["total"], 50), "p99_ms": _p(times["total"], 99),
+            "stages_p50_ms": {s: _p(times[s], 50) for s in STAGES if times[s]},
+            "encode_share": (_p(times["encode"], 50) / _p(times["total"], 50)) if times["encode"] else None,
+            "images_per_s": {str(c): r for c, r in rates.items()}}
+        print(f"  {name}: p50 {_p(times['total'], 50):.1f} ms, {max(rates.values()):.1f} images/s", file=sys.stderr)
+    _print(result, args.concurrency)
+    common.write_json(result, args.json)
+    return 0
+
+
+def _print(result: dict, concurrency: list[int]) -> None:
+    print("\nPer image, ms (p50 of each stage timed apart; end to end p50 and p99), and images/s with C callers:")
+    headers = ["system", "decode", "preprocess", "copy", "encode", "p50", "p99", "p50/encode"]
+    headers += [f"img/s C={c}" for c in concurrency]
+    rows = []
+    for name, r in result["systems"].items():
+        st = r["stages_p50_ms"]
+        ratio = r["p50_ms"] / st["encode"] if st.get("encode") else None
+        rows.append([name] + [st.get(s) for s in STAGES] + [r["p50_ms"], r["p99_ms"], ratio] +
+                    [r["images_per_s"][str(c)] for c in concurrency])
+    common.print_table(headers, rows)
+    print(f"(images: {', '.join(result['images'])}; resized to at most {result['max_pixels']} pixels)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
