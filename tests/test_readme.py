@@ -2,6 +2,8 @@
 Ray or the Hub excepted), in order, in one namespace, as a reader would paste them."""
 
 import re
+
+import torch
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -18,15 +20,19 @@ def test_the_readme_examples_run_on_a_cpu(capsys):
     names: dict = {}
     for i, block in enumerate(runnable):
         exec(compile(block, str(README), "exec"), names)  # noqa: S102 - the project's own README
-        if i == 0:  # the API example: one row per 4 patches, written into out as well
+        if i == 0:  # the image example: one tensor per item, an image's rows those of its grid
+            enc = names["enc"]
+            grid = enc.image_rows([names["jpeg"].getvalue()])[1]
+            assert tuple(names["photo"].shape) == (int(grid.prod(-1).sum()) // 4, enc.output_width)
+            assert names["clip"].shape[1] == enc.output_width
+            assert "eager" in capsys.readouterr().out  # print(..., enc.stats()["mode"]) on a CPU
+        if i == 1:  # the rows example: one row per 4 patches, written into out as well; uint8 rows
             rows = sum(t * h * w for t, h, w in names["grid_thw"]) // 4
             assert tuple(names["emb"].shape) == (rows, names["enc"].output_width)
             assert names["out"].equal(names["emb"])
-            assert "eager" in capsys.readouterr().out  # print(emb.shape, enc.stats()["mode"]) on a CPU
-    # encode_images: the image's rows are the rows of its grid, as preprocess_images lays it out
-    image_rows = int(names["grid_thw"].prod(-1).sum()) // 4
-    assert tuple(names["cat"].shape) == (image_rows, names["enc"].output_width)
-    assert names["clip"].shape[1] == names["enc"].output_width and names["q25"].output_width == 2048
+            assert names["rows"].dtype == torch.uint8
+            assert tuple(names["cat"].shape) == (int(names["grid"].prod(-1).sum()) // 4, names["enc"].output_width)
+    assert names["q25"].output_width == 2048
 
 
 def test_the_readme_sets_the_cpu_torch_step_before_the_two_commands():
