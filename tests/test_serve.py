@@ -25,6 +25,7 @@ from vitgraph import GraphedVisionEncoder, preprocess_images  # noqa: E402
 
 BUDGET = 512  # the deployment's largest bucket: a batch holds at most this many patch tokens
 MAX_PIXELS = 65536  # images are resized to at most this many pixels (334 patch tokens)
+REQUEST_TIMEOUT_S = 20  # the proxy answers any request within this (408), whatever happens to its replica
 
 
 def free_port() -> int:
@@ -39,7 +40,7 @@ def app():
 
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": REQUEST_TIMEOUT_S})
     handle = serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, batch_wait_timeout_s=0.25,
                                  max_budget=BUDGET, max_pixels=MAX_PIXELS), name="vitgraph", route_prefix="/")
     yield f"http://127.0.0.1:{port}/encode", handle
@@ -314,3 +315,74 @@ def test_the_handle_takes_images(app, direct):
 
     with pytest.raises(BadRequest, match=r"images\[1\]: not a readable image"):
         handle.encode_images.remote([blobs[0], b"not an image"]).result()
+
+
+def test_http_edge_cases_are_400s_with_readable_messages(app):
+    url, _ = app
+    pixels = torch.randn(16, 1176)
+    pixels[3, 7] = float("nan")
+    body = save_safetensors({"pixels": pixels, "grid_thw": torch.tensor([[1, 4, 4]])})
+    status, answer = post(url, body, "application/octet-stream", "?format=json")
+    assert status == 400 and b"NaN or inf" in answer, (status, answer)
+    status, answer = post(url, body, "application/octet-stream")  # safetensors carries NaN: answered
+    assert status == 200
+    nested = b'{"images": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, answer = post(url, nested, "application/json")
+    assert status == 400 and b"JSON body" in answer, (status, answer[:200])
+    status, answer = post(url, json.dumps({"images": [base64.b64encode(b"plain text").decode()]}).encode(),
+                          "APPLICATION/JSON")
+    assert status == 400 and b"images[0]: not a readable image" in answer and b"0x" not in answer, answer
+
+
+def test_a_replica_killed_under_load(app, direct):
+    """Two replicas under a closed loop of 6 clients; one is killed mid-load. Every request gets
+    an answer (no hang past the proxy's timeout), only requests in flight at the kill may fail,
+    and throughput comes back. The numbers are printed (-s)."""
+    import threading
+    import time
+
+    from vitgraph.serve import build_app
+
+    url, _ = app
+    serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, num_replicas=2, batch_wait_timeout_s=0.01,
+                        max_budget=BUDGET), name="kill", route_prefix="/kill")
+    target = url.replace("/encode", "/kill/encode")
+    pixels, body = rows_payload([(1, 8, 8)], seed=300)
+    want = direct.encode(pixels, [(1, 8, 8)])
+    results, stop = [], threading.Event()
+
+    def client():
+        while not stop.is_set():
+            start = time.perf_counter()
+            try:
+                status, answer = post(target, body, "application/octet-stream")
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+                status, answer = type(err).__name__, b""
+            ok = status == 200 and rel_err(load_safetensors(answer)["embeddings"], want) <= 1e-5
+            results.append((start, time.perf_counter(), ok))
+
+    threads = [threading.Thread(target=client) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::kill#")]
+    assert len(replicas) == 2, replicas
+    killed_at = time.perf_counter()
+    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+    time.sleep(20)
+    stop.set()
+    for t in threads:
+        t.join(timeout=REQUEST_TIMEOUT_S + 30)
+    assert not any(t.is_alive() for t in threads), "a client hung past the proxy's timeout"
+    failed = [r for r in results if not r[2]]
+    longest = max(end - start for start, end, _ in results)
+    after = [r for r in results if r[0] > killed_at]
+    recovered = next((start for start, _, ok in after if ok), None)
+    print(f"\nkilled one of two replicas: {len(results)} requests, {len(failed)} failed, longest "
+          f"{longest:.1f} s, first success after the kill {recovered - killed_at if recovered else None} s")
+    assert len(failed) <= 6, failed  # at most the requests in flight at the kill (one per client)
+    assert all(start < killed_at + REQUEST_TIMEOUT_S for start, _, _ in failed)
+    assert longest <= REQUEST_TIMEOUT_S + 10
+    assert recovered is not None and sum(ok for start, _, ok in after if start > killed_at + 10) > 10
+    serve.delete("kill")

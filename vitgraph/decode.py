@@ -63,7 +63,9 @@ def open_encoded(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -
             image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as err:
         raise ValueError(f"{name}: declares too many pixels ({err}); the limit is {max_pixels}") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
+    except UnidentifiedImageError:  # its message names a BytesIO's address, which helps nobody
+        raise ValueError(f"{name}: not a readable image (no image format recognises its {len(data)} bytes)") from None
+    except (OSError, ValueError, SyntaxError) as err:
         raise ValueError(f"{name}: not a readable image ({err})") from None
     width, height = image.size
     if width * height > max_pixels:

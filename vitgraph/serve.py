@@ -180,22 +180,28 @@ class VisionEncoderDeployment:
         if http_request.method != "POST" or http_request.url.path.rstrip("/").split("/")[-1] != "encode":
             return Response("POST /encode", status_code=404)
         loop = asyncio.get_running_loop()
+        as_json = http_request.query_params.get("format") == "json"
         try:
             kind, payload = await self._receive(http_request)
             request = await loop.run_in_executor(None, self._parse, kind, payload)
+            if as_json and request.pixels.dtype != torch.uint8 and not torch.isfinite(request.pixels).all():
+                raise BadRequest("pixels hold NaN or inf, and ?format=json cannot carry the embeddings they give "
+                                 "(strict JSON has no NaN): send finite pixels, or ask for safetensors")
         except BadRequest as err:
             return Response(str(err), status_code=400)
         embeddings = await self._encode(request)
-        as_json = http_request.query_params.get("format") == "json"
-        body, media = await loop.run_in_executor(None, self._answer, embeddings, request.grids, as_json)
+        try:
+            body, media = await loop.run_in_executor(None, self._answer, embeddings, request.grids, as_json)
+        except ValueError:  # finite pixels whose embeddings overflowed: strict JSON cannot carry them
+            return Response("the embeddings are not finite; ask for safetensors", status_code=500)
         return Response(body, media_type=media, headers={"X-Vitgraph-Replica": self.replica})
 
     @staticmethod
     def _answer(embeddings: torch.Tensor, grids, as_json: bool) -> tuple[bytes, str]:
         grid = torch.tensor(grids, dtype=torch.int64)
         if as_json:
-            return (json.dumps({"embeddings": embeddings.float().tolist(), "grid_thw": grid.tolist()}).encode(),
-                    "application/json")
+            payload = {"embeddings": embeddings.float().tolist(), "grid_thw": grid.tolist()}
+            return json.dumps(payload, allow_nan=False).encode(), "application/json"  # strict JSON, always
         return save_safetensors({"embeddings": embeddings.contiguous(), "grid_thw": grid}), "application/octet-stream"
 
     async def _receive(self, http_request) -> tuple[str, Any]:
