@@ -71,6 +71,23 @@ class Qwen3VisionConfig(FamilyConfig, TowerShape):
         return int(round(self.num_position_embeddings ** 0.5))
 
 
+@dataclass(frozen=True)
+class Qwen35VisionConfig(Qwen3VisionConfig):
+    """The Qwen3-VL tower without deepstack mergers (``qwen3_5``, ``qwen3_5_moe`` for Qwen3.5 and
+    Qwen3.6, ``qwen4_exp``): one merger, output ``[N / 4, out_hidden_size]``. Checkpoints carry
+    ``deepstack_visual_indexes: []`` or no such field."""
+
+    REQUIRED = tuple(name for name in _REQUIRED if name != "deepstack_visual_indexes")
+
+    deepstack_visual_indexes: tuple[int, ...] = ()
+
+    def check(self) -> None:
+        super().check()
+        if self.deepstack_visual_indexes:  # transformers' tower has no deepstack mergers to read them
+            raise ValueError(f"vision_config.deepstack_visual_indexes must be empty for Qwen3.5/3.6/4-Exp "
+                             f"towers, got {list(self.deepstack_visual_indexes)}")
+
+
 @dataclass
 class DeepstackBatch(SegmentFlags, BatchLayout):
     """Metadata of one call: ``positions [T, 2]``, ``segment_ids [T]`` (-1 on padding rows),
