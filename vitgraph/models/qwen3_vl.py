@@ -257,6 +257,10 @@ class Qwen3VisionTower(ReferenceTower):
                               max(max_seqlen or longest, 1), tuple(lengths) if exact else None)
 
 
+    def block_kind(self, index: int) -> bool:
+        """With or without a deepstack merger after it."""
+        return index in self.config.deepstack_visual_indexes
+
     def _embed(self, pixels: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
         """The patch embedding plus the interpolated position embeddings (fp32 taps): ``[T, E]``."""
         proj = self.patch_embed.proj
@@ -267,14 +271,14 @@ class Qwen3VisionTower(ReferenceTower):
 
     def forward_reference(self, pixels: torch.Tensor, batch: DeepstackBatch, blocks=None) -> torch.Tensor:
         """``[T, input_width]`` -> ``[T / 4, out_hidden_size * output_parts]``, plain PyTorch ops.
-        ``blocks``: a prefix of the blocks to run instead of all (the deepstack mergers of the
-        blocks run)."""
+        ``blocks``: the indexes of the blocks to run instead of all (the deepstack mergers of
+        those blocks run; see :meth:`warm_up`)."""
         cos, sin = self.rotary(batch.positions)
         x = self._embed(pixels, batch)
         deepstack = dict(zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list))
         features = []
-        for i, block in enumerate(self.blocks if blocks is None else blocks):
-            x = block(x, cos, sin, batch)
+        for i in range(len(self.blocks)) if blocks is None else blocks:
+            x = self.blocks[i](x, cos, sin, batch)
             if i in deepstack:
                 features.append(deepstack[i](x))
         return torch.cat([self.merger(x)] + features, dim=1)
@@ -283,7 +287,8 @@ class Qwen3VisionTower(ReferenceTower):
         """The same math with vitgraph's kernels: each residual add joined to the LayerNorm after
         it (the last to the merger's), the rotary and GELU-tanh in place; a deepstack merger reads
         its block's output once the next add+LayerNorm has written it into the stream."""
-        blocks = self.blocks if blocks is None else blocks
+        order = range(len(self.blocks)) if blocks is None else blocks
+        blocks = [self.blocks[i] for i in order]
         cos, sin = self.rotary(batch.positions)
         x = self._embed(pixels, batch)
         deepstack = dict(zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list))
@@ -292,7 +297,7 @@ class Qwen3VisionTower(ReferenceTower):
         h = kernels.add_layernorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.bias, blocks[0].norm1.eps,
                                   tuning=norms)
         features = []
-        for i, block in enumerate(blocks):  # each intermediate dropped as soon as it is dead
+        for k, (i, block) in enumerate(zip(order, blocks)):  # each intermediate dropped as soon as it is dead
             attn, mlp = block.attn, block.mlp
             out = fused_attention(h, attn, heads, cos, sin, block.backend, batch, self.tuning.attention)
             del h
@@ -307,7 +312,7 @@ class Qwen3VisionTower(ReferenceTower):
                 else ACTIVATIONS[block.act_name](f)
             z = F.linear(f, mlp.linear_fc2.weight, mlp.linear_fc2.bias)
             del f
-            norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else merger.norm
+            norm = blocks[k + 1].norm1 if k + 1 < len(blocks) else merger.norm
             h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps, tuning=norms)  # x: block i's output now
             del z
             if i in deepstack:
