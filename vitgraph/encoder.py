@@ -18,7 +18,8 @@ from .models import FAMILIES, PRESETS, family_for, family_of
 from .engine.graphs import GraphBank
 from .engine.planner import Bucket, Plan, Step, plan_call
 from .engine.routing import faster_next_buckets, single_frame_thresholds
-from .loading import build_tower, find_checkpoint, load_tower, read_config, read_processor, tower_from_state_dict
+from .loading import (build_tower, find_checkpoint, load_tower, read_config, read_processor, read_video_processor,
+                      tower_from_state_dict)
 from .models.qwen2_vl import Qwen2VisionTower
 from .options import EngineOptions, buckets_for, configure_tower, resolve_device, resolve_dtype, uses_graphs
 from .precompile import PrecompileReport, precompile, start_early
@@ -77,7 +78,7 @@ class GraphedVisionEncoder:
     """
 
     def __init__(self, tower: Qwen2VisionTower, *, device=None, dtype=None, _early_workers=None, _processor=None,
-                 **options: Any) -> None:
+                 _video_processor=None, **options: Any) -> None:
         try:
             self.options = EngineOptions(**options)
             self.device = resolve_device(device)
@@ -109,6 +110,9 @@ class GraphedVisionEncoder:
         # How encode_images turns images into rows: the checkpoint's preprocessor_config.json
         # (from_pretrained), else the family's defaults.
         self.processor = _processor or family_of(tower.config).processor
+        # And videos: the checkpoint's video_preprocessor_config.json, else the family's video
+        # defaults, else the image processor.
+        self.video_processor = _video_processor or family_of(tower.config).video_processor or self.processor
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
@@ -138,6 +142,7 @@ class GraphedVisionEncoder:
                                 local_files_only=local_files_only, token=token)
         config = read_config(files)
         processor = read_processor(files, config)
+        video_processor = read_video_processor(files, config, processor)
         # Cold kernel caches: the workers need only the shapes, so they compile while the
         # weights load (seconds for a 2B tower's shards).
         graphs = uses_graphs(engine, device) and isinstance(config, VisionConfig)  # the precompiled kernels are Qwen2-VL's
@@ -148,7 +153,8 @@ class GraphedVisionEncoder:
             if early is not None:
                 early.stop()
             raise
-        return cls(tower, device=device, dtype=dtype, _early_workers=early, _processor=processor, **options)
+        return cls(tower, device=device, dtype=dtype, _early_workers=early, _processor=processor,
+                   _video_processor=video_processor, **options)
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: VisionConfig | Mapping, *,
@@ -310,7 +316,7 @@ class GraphedVisionEncoder:
 
     def encode_images(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                       min_pixels: int | None = None, max_pixels: int | None = None) -> list[torch.Tensor]:
-        """Preprocess as the checkpoint's processor does (:attr:`processor`), encode in one call,
+        """Preprocess as the checkpoint's processors do (:attr:`processor`, videos :attr:`video_processor`), encode in one call,
         return one tensor per item (images first, then videos, each in the order given)."""
         from . import preprocess
 
@@ -321,8 +327,10 @@ class GraphedVisionEncoder:
             parts.append(preprocess.preprocess_images(images, **sizes))
         if videos is not None:
             preprocess.check_list(videos, "videos", "videos (each a list of frames)")
+            low, high = preprocess.pixel_limits(self.video_processor, min_pixels, max_pixels)
             for i, video in enumerate(videos):
-                parts.append(preprocess.preprocess_video(video, **sizes, name=f"videos[{i}]"))
+                parts.append(preprocess.preprocess_video(video, min_pixels=low, max_pixels=high, name=f"videos[{i}]",
+                                                         processor=self.video_processor))
         parts = [(p, g) for p, g in parts if g.shape[0]]
         if not parts:
             return []
