@@ -21,7 +21,13 @@ pytestmark = pytest.mark.cuda
 
 # head_dim 80 (Qwen2.5-VL's) and 72 (Qwen3-VL-8B's), small enough to capture in seconds.
 # Qwen2.5: full attention in the first and last blocks, windows in between; Qwen3: a deepstack
-# merger after the first block and after the last, and an 8 x 8 position grid.
+# merger after the first block and after the last, and an 8 x 8 position grid. The "released"
+# layouts start with a plain block as released checkpoints do (Qwen2.5-VL's full attention at
+# 7, 15, 23, 31; Qwen3-VL's mergers after 8, 16, 24): a capture's warm-up must reach the other
+# kind. Qwen3.5: Qwen3-VL's tower with no deepstack merger.
+_RELEASED = {"qwen2_5_vl_released": ("qwen2_5_vl", dict(fullatt_block_indexes=[3])),
+             "qwen3_vl_released": ("qwen3_vl", dict(depth=4, deepstack_visual_indexes=[1, 3])),
+             "qwen3_5": ("qwen3_vl", {})}
 FAMILIES = {
     "qwen2_5_vl": dict(depth=4, hidden_size=320, num_heads=4, intermediate_size=640, out_hidden_size=256,
                        window_size=112, fullatt_block_indexes=[0, 3], hidden_act="silu", patch_size=14,
@@ -30,16 +36,22 @@ FAMILIES = {
                      num_position_embeddings=64, deepstack_visual_indexes=[0, 2], hidden_act="gelu_pytorch_tanh",
                      patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3),
 }
+FAMILIES.update({name: {**FAMILIES[base], **changes} for name, (base, changes) in _RELEASED.items()})
+del FAMILIES["qwen3_5"]["deepstack_visual_indexes"]  # Qwen3.5's configs may have no such field
+MODEL_TYPES = {name: name.removesuffix("_released") for name in FAMILIES}
 BUDGETS = [64, 128, 256, 512, 1024]
 MAX_ITEMS = 8
 PACKED = [b for b in ("fa4", "cudnn", "varlen") if torch.cuda.is_available() and b in available_backends("cuda")]
 
 
 def hf_model(family: str):
-    if family == "qwen2_5_vl":
+    if MODEL_TYPES[family] == "qwen2_5_vl":
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as Config
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
             Qwen2_5_VisionTransformerPretrainedModel as Model)
+    elif MODEL_TYPES[family] == "qwen3_5":
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig as Config
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel as Model
     else:
         from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig as Config
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Model
@@ -53,7 +65,7 @@ def hf_reference(model, family, pixels, grids):
     """The fp32 reference in vitgraph's layout (Qwen3: main, then each deepstack feature)."""
     with torch.no_grad():
         out = model(pixels, grid_thw=torch.tensor(grids))
-    if family == "qwen3_vl":
+    if getattr(out, "deepstack_features", None):
         return torch.cat([out.pooler_output, *out.deepstack_features], dim=1)
     return out.pooler_output
 
@@ -67,7 +79,7 @@ def family(request):
 def weights(family):
     model = hf_model(family)
     state = {"visual." + k: v.detach().clone() for k, v in model.state_dict().items()}
-    return model, state, {"model_type": family, "vision_config": FAMILIES[family]}
+    return model, state, {"model_type": MODEL_TYPES[family], "vision_config": FAMILIES[family]}
 
 
 def make(weights, **options):

@@ -72,12 +72,13 @@ def clip_rows_into(frames: Sequence, size: tuple[int, int], proc: ProcessorConfi
     return patchify_into(resize(stacked, size), proc, out)
 
 
-def rows_of(clips: Sequence[Sequence], proc: ProcessorConfig, device: torch.device, low: int, high: int
+def rows_of(clips: Sequence[tuple[Sequence, tuple[int, int]]], proc: ProcessorConfig, device: torch.device
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clips (each a list of uint8 frames of one size; an image is a clip of one frame) ->
-    ``(rows [N, C*T*P*P] uint8 on device, grid_thw [k, 3] int64)``, written into one buffer."""
+    """Clips, each ``(frames, (min_pixels, max_pixels))`` (uint8 frames of one size; an image is a
+    clip of one frame) -> ``(rows [N, C*T*P*P] uint8 on device, grid_thw [k, 3] int64)``,
+    written into one buffer."""
     plans = []
-    for frames in clips:
+    for frames, (low, high) in clips:
         h, w = frame_size(frames[0])
         size = smart_resize(h, w, proc.factor, low, high)
         t = 1 if len(frames) == 1 else -(-len(frames) // proc.temporal_patch_size)

@@ -20,13 +20,14 @@ from .models import FAMILIES, PRESETS, family_for, family_of
 from .engine.graphs import GraphBank
 from .engine.planner import Bucket, Plan, Step, plan_call
 from .engine.routing import faster_next_buckets, single_frame_thresholds
-from .loading import build_tower, find_checkpoint, load_tower, read_config, read_processor, tower_from_state_dict
+from .loading import (build_tower, find_checkpoint, load_tower, read_config, read_processor, read_video_processor,
+                      tower_from_state_dict)
 from .models.qwen2_vl import Qwen2VisionTower
 from .options import EngineOptions, buckets_for, configure_tower, resolve_device, resolve_dtype, uses_graphs
 from .precompile import PrecompileReport, precompile, start_early
 from .tuning import Tuning, derive_tuning
 from .ops.normalize import normalize_rows
-from .preprocess import statistics
+from .preprocess import check_same_rows, statistics
 from .validation import check_out, check_pixels, check_rows, normalize_grid
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class GraphedVisionEncoder:
     """
 
     def __init__(self, tower: Qwen2VisionTower, *, device=None, dtype=None, _early_workers=None, _processor=None,
-                 **options: Any) -> None:
+                 _video_processor=None, **options: Any) -> None:
         try:
             self.options = EngineOptions(**options)
             self.device = resolve_device(device)
@@ -113,8 +114,16 @@ class GraphedVisionEncoder:
         # How encode_images turns images into rows: the checkpoint's preprocessor_config.json
         # (from_pretrained), else the family's defaults.
         self.processor = _processor or family_of(tower.config).processor
-        # uint8 rows are normalised on the device with these (vitgraph.ops.normalize).
+        # And videos: the checkpoint's video_preprocessor_config.json, else the family's video
+        # defaults, else the image processor.
+        self.video_processor = _video_processor or family_of(tower.config).video_processor or self.processor
+        check_same_rows(self.processor, self.video_processor)
+        # uint8 rows are normalised on the device with these (vitgraph.ops.normalize); a clip's
+        # with the video processor's where they differ.
         self._pixel_statistics = statistics(self.processor, self.device)
+        same = (self.video_processor.image_mean, self.video_processor.image_std) == (self.processor.image_mean,
+                                                                                     self.processor.image_std)
+        self._video_statistics = None if same else statistics(self.video_processor, self.device)
         self._host_pool: ThreadPoolExecutor | None = None  # decodes and preprocesses images
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
@@ -145,6 +154,7 @@ class GraphedVisionEncoder:
                                 local_files_only=local_files_only, token=token)
         config = read_config(files)
         processor = read_processor(files, config)
+        video_processor = read_video_processor(files, config, processor)
         # Cold kernel caches: the workers need only the shapes, so they compile while the
         # weights load (seconds for a 2B tower's shards).
         graphs = uses_graphs(engine, device) and isinstance(config, VisionConfig)  # the precompiled kernels are Qwen2-VL's
@@ -155,7 +165,8 @@ class GraphedVisionEncoder:
             if early is not None:
                 early.stop()
             raise
-        return cls(tower, device=device, dtype=dtype, _early_workers=early, _processor=processor, **options)
+        return cls(tower, device=device, dtype=dtype, _early_workers=early, _processor=processor,
+                   _video_processor=video_processor, **options)
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: VisionConfig | Mapping, *,
@@ -331,11 +342,13 @@ class GraphedVisionEncoder:
                    min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
                    decode: str = "host") -> tuple[torch.Tensor, torch.Tensor]:
         """What :meth:`encode_images` encodes: ``(uint8 rows, grid_thw)`` of the images, then the
-        clips, as :attr:`processor` makes them (:func:`vitgraph.images.image_rows`)."""
+        clips, as :attr:`processor` and :attr:`video_processor` make them (:func:`vitgraph.images.image_rows`).
+        ``encode`` normalises uint8 rows with the image processor's mean and std."""
         from .images import image_rows
 
-        return image_rows(images, videos, processor=self.processor, device=self.device, min_pixels=min_pixels,
-                          max_pixels=max_pixels, preprocess=preprocess, decode=decode, executor=self._pool())
+        return image_rows(images, videos, processor=self.processor, video_processor=self.video_processor,
+                          device=self.device, min_pixels=min_pixels, max_pixels=max_pixels, preprocess=preprocess,
+                          decode=decode, executor=self._pool())
 
     def encode_images(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                       min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
@@ -354,6 +367,12 @@ class GraphedVisionEncoder:
                                      preprocess=preprocess, decode=decode)
         if grid.shape[0] == 0:
             return []
+        first_clip = len(images) if images is not None else 0
+        if first_clip < grid.shape[0] and self._video_statistics is not None:  # clips normalised their own way
+            split = int(grid[:first_clip].prod(-1).sum())
+            rows = rows.to(self.device, non_blocking=True)
+            rows = torch.cat([self.device_rows(rows[:split]),
+                              normalize_rows(rows[split:], *self._video_statistics, self.dtype)])
         merged = self.encode(rows, grid)
         return list(merged.split([int(t * h * w) // self.tower.merge_unit for t, h, w in grid.tolist()]))
 

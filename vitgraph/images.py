@@ -37,19 +37,20 @@ def check_choices(preprocess: str, decode: str) -> None:
         raise ValueError(f"decode must be one of {DECODE}, got {decode!r}")
 
 
-def _items(images, videos) -> list[tuple[str, object]]:
-    """``(name, image)`` for each image and ``(name, [frames])`` for each clip, images first."""
-    items: list[tuple[str, object]] = []
+def _items(images, videos, image_limits, video_limits) -> list[tuple[str, object, tuple[int, int]]]:
+    """``(name, image, pixel limits)`` for each image and ``(name, [frames], limits)`` for each
+    clip, images first."""
+    items: list[tuple[str, object, tuple[int, int]]] = []
     if images is not None:
         check_list(images, "images", _IMAGE_FORMS)
-        items += [(f"images[{i}]", image) for i, image in enumerate(images)]
+        items += [(f"images[{i}]", image, image_limits) for i, image in enumerate(images)]
     if videos is not None:
         check_list(videos, "videos", "videos (each a list of frames)")
         for i, frames in enumerate(videos):
             check_list(frames, f"videos[{i}]", "frames")
             if not frames:
                 raise ValueError(f"videos[{i}] must have at least one frame")
-            items.append((f"videos[{i}]", list(frames)))
+            items.append((f"videos[{i}]", list(frames), video_limits))
     return items
 
 
@@ -65,25 +66,28 @@ def _empty(proc: ProcessorConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
-               processor: ProcessorConfig, device: torch.device, min_pixels: int | None = None,
-               max_pixels: int | None = None, preprocess: str = "auto", decode: str = "host",
-               executor: Executor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               processor: ProcessorConfig, device: torch.device, video_processor: ProcessorConfig | None = None,
+               min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
+               decode: str = "host", executor: Executor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows [N, C*T*P*P] uint8, grid_thw [k, 3] int64)`` of the images, then the clips: on
-    ``device`` for ``preprocess="device"``, on the host for ``"pil"``. ``executor``: the thread
-    pool that decodes (and, for ``"pil"``, preprocesses) several items at once."""
+    ``device`` for ``preprocess="device"``, on the host for ``"pil"``. Images are sized by
+    ``processor``'s pixel limits, clips by ``video_processor``'s (default: the same), both by
+    ``min_pixels`` / ``max_pixels`` where given. ``executor``: the thread pool that decodes (and,
+    for ``"pil"``, preprocesses) several items at once."""
     check_choices(preprocess, decode)
     device = torch.device(device)
-    low, high = pixel_limits(processor, min_pixels, max_pixels)
+    limits = pixel_limits(processor, min_pixels, max_pixels)
+    video_limits = pixel_limits(video_processor or processor, min_pixels, max_pixels)
     if preprocess == "auto":
         preprocess = "device" if device.type == "cuda" else "pil"
     if decode == "gpu" and (device.type != "cuda" or preprocess != "device"):
         raise ValueError(f"decode='gpu' needs preprocess='device' on a CUDA device, got {preprocess!r} on {device}")
-    items = _items(images, videos)
+    items = _items(images, videos, limits, video_limits)
     if not items:
         return _empty(processor, device if preprocess == "device" else "cpu")
     if preprocess == "pil":
         def host(item):
-            name, value = item
+            name, value, (low, high) = item
             if isinstance(value, list):
                 return video_rows_pil(value, name, processor, low, high)
             return image_rows_pil(value, name, processor, low, high)
@@ -92,16 +96,16 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
         rows = torch.from_numpy(np.concatenate([r for r, _ in parts]))
         return rows, torch.tensor([g for _, g in parts], dtype=torch.long)
 
-    def load(item):  # -> the clip's frames as pixels (an image: one frame)
-        name, value = item
+    def load(item):  # -> the clip's frames as pixels (an image: one frame), and its limits
+        name, value, limits = item
         frames = value if isinstance(value, list) else [value]
         names = [f"{name}[{i}]" for i in range(len(frames))] if isinstance(value, list) else [name]
         pixels = [_load(f, n, device if decode == "gpu" else None) for f, n in zip(frames, names)]
         if any(frame_size(p) != frame_size(pixels[0]) for p in pixels):
             raise ValueError(f"all frames of {name} must have the same size")
-        return pixels
+        return pixels, limits
 
-    return rows_of(_map(executor, load, items), processor, device, low, high)
+    return rows_of(_map(executor, load, items), processor, device)
 
 
 def _load(item, name: str, gpu: torch.device | None):

@@ -28,6 +28,7 @@ VISION_PREFIXES = ("model.visual.", "visual.")  # longest first
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PROCESSOR_FILE = "preprocessor_config.json"
+VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names; anything else is refused, not cast
 
@@ -37,6 +38,7 @@ class CheckpointFiles:
     config: Path
     shards: dict[Path, list[str]]  # shard file -> the vision keys (full names) it holds
     processor: Path | None = None  # preprocessor_config.json, where the checkpoint has one
+    video_processor: Path | None = None  # video_preprocessor_config.json, where the checkpoint has one
 
 
 def _vision_name(key: str) -> str | None:
@@ -110,8 +112,9 @@ def find_local(directory: Path) -> CheckpointFiles:
     if not config.is_file():
         raise ValueError(f"checkpoint directory {directory} has no config.json")
     config = _inside_checkpoint(config, directory)
-    processor = directory / PROCESSOR_FILE
+    processor, video = directory / PROCESSOR_FILE, directory / VIDEO_PROCESSOR_FILE
     processor = _inside_checkpoint(processor, directory) if processor.is_file() else None
+    video = _inside_checkpoint(video, directory) if video.is_file() else None
     index = directory / INDEX_FILE
     if index.is_file():
         index = _inside_checkpoint(index, directory)
@@ -121,11 +124,11 @@ def find_local(directory: Path) -> CheckpointFiles:
             if not shard.is_file():
                 raise ValueError(f"{index} names shard {name}, which is missing from {directory}")
             shards[_inside_checkpoint(shard, directory)] = keys
-        return CheckpointFiles(config, shards, processor)
+        return CheckpointFiles(config, shards, processor, video)
     single = directory / SINGLE_FILE
     if single.is_file():
         single = _inside_checkpoint(single, directory)
-        return CheckpointFiles(config, {single: _keys_in_file(single)}, processor)
+        return CheckpointFiles(config, {single: _keys_in_file(single)}, processor, video)
     raise ValueError(f"checkpoint directory {directory} has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
@@ -140,19 +143,22 @@ def find_on_hub(repo_id: str, *, revision: str | None, cache_dir: str | Path | N
         return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
                                     local_files_only=local_files_only, token=token))
 
+    def optional(filename: str) -> Path | None:  # the family's defaults where it is absent
+        try:
+            return fetch(filename)
+        except (EntryNotFoundError, LocalEntryNotFoundError):
+            return None
+
     config = fetch("config.json")
-    try:
-        processor = fetch(PROCESSOR_FILE)
-    except (EntryNotFoundError, LocalEntryNotFoundError):  # optional: the family's defaults then
-        processor = None
+    processor, video = optional(PROCESSOR_FILE), optional(VIDEO_PROCESSOR_FILE)
     try:
         index = fetch(INDEX_FILE)
     except EntryNotFoundError:
         single = fetch(SINGLE_FILE)
-        return CheckpointFiles(config, {single: _keys_in_file(single)}, processor)
+        return CheckpointFiles(config, {single: _keys_in_file(single)}, processor, video)
     shards = {fetch(name): keys for name, keys in _shards_from_index(index).items()}
     logger.info("%s: downloaded %d vision shard(s) of the checkpoint", repo_id, len(shards))
-    return CheckpointFiles(config, shards, processor)
+    return CheckpointFiles(config, shards, processor, video)
 
 
 def find_checkpoint(source: str | os.PathLike, *, revision: str | None = None, cache_dir=None,
@@ -181,14 +187,23 @@ def read_config(files: CheckpointFiles):
 
 def read_processor(files: CheckpointFiles, config) -> ProcessorConfig:
     """The checkpoint's preprocessing: its ``preprocessor_config.json`` over the family's defaults."""
-    family = family_of(config)
-    if files.processor is None:
-        return family.processor
-    raw = read_json(files.processor)
+    return _processor_file(files.processor, family_of(config).processor)
+
+
+def read_video_processor(files: CheckpointFiles, config, image: ProcessorConfig) -> ProcessorConfig:
+    """The checkpoint's video preprocessing: its ``video_preprocessor_config.json`` over the
+    family's video defaults, or over ``image`` (its image preprocessing) where the family has none."""
+    return _processor_file(files.video_processor, family_of(config).video_processor or image)
+
+
+def _processor_file(path: Path | None, base: ProcessorConfig) -> ProcessorConfig:
+    if path is None:
+        return base
+    raw = read_json(path)
     try:
-        return ProcessorConfig.from_dict(raw, base=family.processor)
+        return ProcessorConfig.from_dict(raw, base=base)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{files.processor}: {err}") from None
+        raise ValueError(f"{path}: {err}") from None
 
 
 def _check_names_and_shapes(config: VisionConfig, shapes: Mapping[str, tuple[int, ...]]) -> None:

@@ -97,6 +97,14 @@ def check_pixel_limits(min_pixels, max_pixels) -> None:
         raise ValueError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
 
 
+def check_same_rows(image: ProcessorConfig, video: ProcessorConfig) -> None:
+    """Image and video rows go through one ``encode``: they must be laid out alike."""
+    for name in ("patch_size", "temporal_patch_size", "merge_size"):
+        if getattr(image, name) != getattr(video, name):
+            raise ValueError(f"the video processor's {name} ({getattr(video, name)!r}) differs from the image "
+                             f"processor's ({getattr(image, name)!r}); the tower takes one row layout")
+
+
 QWEN2_VL_PROCESSOR = ProcessorConfig()
 # Qwen3-VL's processor as its released checkpoints configure it: 16-pixel patches (a resize
 # factor of 32), mean and std 0.5, 64k to 16M pixels. A checkpoint's own

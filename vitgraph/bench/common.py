@@ -20,7 +20,7 @@ import torch
 
 from ..config import VisionConfig
 from ..encoder import GraphedVisionEncoder
-from ..models import PRESETS
+from ..models import PRESETS, Qwen35VisionConfig
 
 Grid = tuple[int, int, int]
 
@@ -346,6 +346,9 @@ def hf_tower_like(encoder: GraphedVisionEncoder):
             from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as Config
             from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
                 Qwen2_5_VisionTransformerPretrainedModel as Model)
+        elif isinstance(cfg, Qwen35VisionConfig):  # Qwen3.5, Qwen3.6 and Qwen4-Exp share this tower
+            from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig as Config
+            from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel as Model
         else:
             from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig as Config
             from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Model
@@ -359,7 +362,7 @@ def hf_tower_like(encoder: GraphedVisionEncoder):
                       in_channels=cfg.in_channels)
     else:  # the reference families name their fields as transformers does
         fields = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()
-                  if k != "rope_theta"}
+                  if k != "rope_theta" and not (k == "deepstack_visual_indexes" and not v)}
     hf_cfg = Config(**fields)
     hf_cfg._attn_implementation = "sdpa"
     with torch.device("meta"):

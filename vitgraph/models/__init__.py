@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import replace
 from typing import Callable
 
 from ..config import QWEN2_VL_2B, TINY, VisionConfig
 from ..preprocess import QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR, ProcessorConfig
 from . import qwen2_5_vl, qwen3_vl
 from .qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTower
-from .qwen3_vl import Qwen3VisionConfig, Qwen3VisionTower
+from .qwen3_vl import Qwen35VisionConfig, Qwen3VisionConfig, Qwen3VisionTower
 from .qwen2_vl import Qwen2VisionTower, VisionBatch, expected_shapes
 
 
@@ -24,13 +25,21 @@ class Family:
     tower: type  # the nn.Module, built on the meta device and loaded with assign=True
     expected_shapes: Callable[[VisionConfig], dict[str, tuple[int, ...]]]  # checkpoint names and shapes
     processor: ProcessorConfig = QWEN2_VL_PROCESSOR  # image preprocessing where a checkpoint has no config of its own
+    video_processor: ProcessorConfig | None = None  # video preprocessing defaults; None: the image processor's
 
+
+# Qwen3-VL's (and Qwen3.5's, Qwen3.6's) published video_preprocessor_config.json: size
+# {shortest_edge: 4096, longest_edge: 25165824}, patch 16, temporal 2, merge 2, mean/std 0.5.
+QWEN3_VL_VIDEO_PROCESSOR = replace(QWEN3_VL_PROCESSOR, min_pixels=4096, max_pixels=25165824)
 
 FAMILIES = (Family("qwen2_vl", ("qwen2_vl",), VisionConfig, Qwen2VisionTower, expected_shapes),
             Family("qwen2_5_vl", ("qwen2_5_vl",), Qwen25VisionConfig, Qwen25VisionTower,
                    qwen2_5_vl.expected_shapes),
             Family("qwen3_vl", ("qwen3_vl", "qwen3_vl_moe"), Qwen3VisionConfig, Qwen3VisionTower,
-                   qwen3_vl.expected_shapes, QWEN3_VL_PROCESSOR))
+                   qwen3_vl.expected_shapes, QWEN3_VL_PROCESSOR, QWEN3_VL_VIDEO_PROCESSOR),
+            # Qwen3-VL's tower with no deepstack mergers: the same module, an empty deepstack list.
+            Family("qwen3_5", ("qwen3_5", "qwen3_5_moe", "qwen4_exp"), Qwen35VisionConfig, Qwen3VisionTower,
+                   qwen3_vl.expected_shapes, QWEN3_VL_PROCESSOR, QWEN3_VL_VIDEO_PROCESSOR))
 
 
 def _qwen25(out_hidden_size: int) -> Qwen25VisionConfig:
@@ -48,11 +57,18 @@ PRESETS = {"qwen2-vl-2b": QWEN2_VL_2B, "tiny": TINY,
            "qwen3-vl-8b": Qwen3VisionConfig(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
                                             out_hidden_size=4096, deepstack_visual_indexes=(8, 16, 24)),
            "qwen3-vl-32b": Qwen3VisionConfig(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
-                                             out_hidden_size=5120, deepstack_visual_indexes=(8, 16, 24))}
+                                             out_hidden_size=5120, deepstack_visual_indexes=(8, 16, 24)),
+           # Qwen/Qwen3.6-27B's published config.json (model_type qwen3_5): vision_config depth 27,
+           # width 1152, MLP 4304, 16 heads, out_hidden_size 5120, deepstack_visual_indexes [].
+           "qwen3.6-27b": Qwen35VisionConfig(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
+                                             out_hidden_size=5120)}
 
 
 def family_of(config) -> Family:
-    """The family whose config class ``config`` is."""
+    """The family whose config class ``config`` is (its own class first: Qwen3.5's derives from Qwen3-VL's)."""
+    for family in FAMILIES:
+        if type(config) is family.config:
+            return family
     for family in FAMILIES:
         if isinstance(config, family.config):
             return family
@@ -70,6 +86,7 @@ def family_for(model_type: str | None) -> Family:
     raise ValueError(f"model_type {model_type!r} is not supported; supported: {known}")
 
 
-__all__ = ["FAMILIES", "PRESETS", "Family", "Qwen25VisionConfig", "Qwen25VisionTower", "Qwen3VisionConfig",
+__all__ = ["FAMILIES", "PRESETS", "Family", "Qwen25VisionConfig", "Qwen25VisionTower", "Qwen35VisionConfig",
+           "Qwen3VisionConfig",
            "Qwen3VisionTower", "Qwen2VisionTower", "VisionBatch",
            "family_for", "family_of"]

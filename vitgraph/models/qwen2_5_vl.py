@@ -351,6 +351,10 @@ class Qwen25VisionTower(ReferenceTower):
                            tuple(frame_lengths) if exact else None, tuple(window_lengths) if exact else None)
 
 
+    def block_kind(self, index: int) -> bool:
+        """Full attention (over frames) or windowed: two segmentations, two attention layouts."""
+        return index in self.config.fullatt_block_indexes
+
     def _window_order(self, pixels: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
         """The patch embedding, rows gathered into window order: ``[T, E]``."""
         rows, unit = pixels.shape[0], self.merge_unit
@@ -360,19 +364,20 @@ class Qwen25VisionTower(ReferenceTower):
 
     def forward_reference(self, pixels: torch.Tensor, batch: WindowBatch, blocks=None) -> torch.Tensor:
         """``[T, input_width]`` pixel rows (item order) -> ``[T / 4, out_hidden_size]`` (item order),
-        plain PyTorch ops. ``blocks``: a prefix of the blocks to run instead of all."""
+        plain PyTorch ops. ``blocks``: the indexes of the blocks to run instead of all (see :meth:`warm_up`)."""
         cos, sin = self.rotary(batch.positions)  # positions are in window order already
         x = self._window_order(pixels, batch)
         frames, windows = batch.frames, batch.windows
         full = set(self.config.fullatt_block_indexes)
-        for i, block in enumerate(self.blocks if blocks is None else blocks):
-            x = block(x, cos, sin, frames if i in full else windows)
+        for i in range(len(self.blocks)) if blocks is None else blocks:
+            x = self.blocks[i](x, cos, sin, frames if i in full else windows)
         return self.merger(x)[batch.reverse_index.long()]
 
     def forward_fused(self, pixels: torch.Tensor, batch: WindowBatch, blocks=None) -> torch.Tensor:
         """The same math with vitgraph's kernels: each residual add joined to the RMSNorm after it
         (the last to the merger's), the rotary in place, SiLU times up in one pass."""
-        blocks = self.blocks if blocks is None else blocks
+        order = range(len(self.blocks)) if blocks is None else blocks
+        blocks = [self.blocks[i] for i in order]
         cos, sin = self.rotary(batch.positions)
         x = self._window_order(pixels, batch)
         frames, windows = batch.frames, batch.windows
@@ -380,7 +385,7 @@ class Qwen25VisionTower(ReferenceTower):
         heads, merger = self.config.num_heads, self.merger
         norms, gemm = self.tuning.norms, self.tuning.gemm
         h = kernels.add_rmsnorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.eps, tuning=norms)
-        for i, block in enumerate(blocks):  # each intermediate dropped as soon as it is dead
+        for k, (i, block) in enumerate(zip(order, blocks)):  # each intermediate dropped as soon as it is dead
             attn, mlp = block.attn, block.mlp
             out = fused_attention(h, attn, heads, cos, sin, attn.backend, frames if i in full else windows,
                                   self.tuning.attention)
@@ -400,7 +405,7 @@ class Qwen25VisionTower(ReferenceTower):
             del gate_up
             z, z_bias = linear_split_k(f, mlp.down_proj.weight, mlp.down_proj.bias, gemm)
             del f
-            norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else merger.ln_q
+            norm = blocks[k + 1].norm1 if k + 1 < len(blocks) else merger.ln_q
             h = kernels.add_rmsnorm(x, z, norm.weight, norm.eps, z_bias, tuning=norms)
             del z
         return merger.mlp(h.view(-1, merger.merged_dim))[batch.reverse_index.long()]

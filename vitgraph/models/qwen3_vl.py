@@ -71,6 +71,23 @@ class Qwen3VisionConfig(FamilyConfig, TowerShape):
         return int(round(self.num_position_embeddings ** 0.5))
 
 
+@dataclass(frozen=True)
+class Qwen35VisionConfig(Qwen3VisionConfig):
+    """The Qwen3-VL tower without deepstack mergers (``qwen3_5``, ``qwen3_5_moe`` for Qwen3.5 and
+    Qwen3.6, ``qwen4_exp``): one merger, output ``[N / 4, out_hidden_size]``. Checkpoints carry
+    ``deepstack_visual_indexes: []`` or no such field."""
+
+    REQUIRED = tuple(name for name in _REQUIRED if name != "deepstack_visual_indexes")
+
+    deepstack_visual_indexes: tuple[int, ...] = ()
+
+    def check(self) -> None:
+        super().check()
+        if self.deepstack_visual_indexes:  # transformers' tower has no deepstack mergers to read them
+            raise ValueError(f"vision_config.deepstack_visual_indexes must be empty for Qwen3.5/3.6/4-Exp "
+                             f"towers, got {list(self.deepstack_visual_indexes)}")
+
+
 @dataclass
 class DeepstackBatch(SegmentFlags, BatchLayout):
     """Metadata of one call: ``positions [T, 2]``, ``segment_ids [T]`` (-1 on padding rows),
@@ -240,6 +257,10 @@ class Qwen3VisionTower(ReferenceTower):
                               max(max_seqlen or longest, 1), tuple(lengths) if exact else None)
 
 
+    def block_kind(self, index: int) -> bool:
+        """With or without a deepstack merger after it."""
+        return index in self.config.deepstack_visual_indexes
+
     def _embed(self, pixels: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
         """The patch embedding plus the interpolated position embeddings (fp32 taps): ``[T, E]``."""
         proj = self.patch_embed.proj
@@ -250,14 +271,14 @@ class Qwen3VisionTower(ReferenceTower):
 
     def forward_reference(self, pixels: torch.Tensor, batch: DeepstackBatch, blocks=None) -> torch.Tensor:
         """``[T, input_width]`` -> ``[T / 4, out_hidden_size * output_parts]``, plain PyTorch ops.
-        ``blocks``: a prefix of the blocks to run instead of all (the deepstack mergers of the
-        blocks run)."""
+        ``blocks``: the indexes of the blocks to run instead of all (the deepstack mergers of
+        those blocks run; see :meth:`warm_up`)."""
         cos, sin = self.rotary(batch.positions)
         x = self._embed(pixels, batch)
         deepstack = dict(zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list))
         features = []
-        for i, block in enumerate(self.blocks if blocks is None else blocks):
-            x = block(x, cos, sin, batch)
+        for i in range(len(self.blocks)) if blocks is None else blocks:
+            x = self.blocks[i](x, cos, sin, batch)
             if i in deepstack:
                 features.append(deepstack[i](x))
         return torch.cat([self.merger(x)] + features, dim=1)
@@ -266,7 +287,8 @@ class Qwen3VisionTower(ReferenceTower):
         """The same math with vitgraph's kernels: each residual add joined to the LayerNorm after
         it (the last to the merger's), the rotary and GELU-tanh in place; a deepstack merger reads
         its block's output once the next add+LayerNorm has written it into the stream."""
-        blocks = self.blocks if blocks is None else blocks
+        order = range(len(self.blocks)) if blocks is None else blocks
+        blocks = [self.blocks[i] for i in order]
         cos, sin = self.rotary(batch.positions)
         x = self._embed(pixels, batch)
         deepstack = dict(zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list))
@@ -275,7 +297,7 @@ class Qwen3VisionTower(ReferenceTower):
         h = kernels.add_layernorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.bias, blocks[0].norm1.eps,
                                   tuning=norms)
         features = []
-        for i, block in enumerate(blocks):  # each intermediate dropped as soon as it is dead
+        for k, (i, block) in enumerate(zip(order, blocks)):  # each intermediate dropped as soon as it is dead
             attn, mlp = block.attn, block.mlp
             out = fused_attention(h, attn, heads, cos, sin, block.backend, batch, self.tuning.attention)
             del h
@@ -290,7 +312,7 @@ class Qwen3VisionTower(ReferenceTower):
                 else ACTIVATIONS[block.act_name](f)
             z = F.linear(f, mlp.linear_fc2.weight, mlp.linear_fc2.bias)
             del f
-            norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else merger.norm
+            norm = blocks[k + 1].norm1 if k + 1 < len(blocks) else merger.norm
             h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps, tuning=norms)  # x: block i's output now
             del z
             if i in deepstack:

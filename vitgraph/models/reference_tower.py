@@ -70,8 +70,22 @@ class ReferenceTower(RotaryFrequencies, nn.Module):
         """``[T, input_width]`` pixel rows -> ``[T / merge_unit, output_width]``."""
         return self.forward_fused(pixels, batch) if self.fused else self.forward_reference(pixels, batch)
 
+    def block_kind(self, index: int) -> object:
+        """What sets block ``index``'s work apart from another block's (its attention's
+        segmentation, a deepstack tap); blocks of one kind run the same kernels at the same shapes."""
+        return None
+
+    def warm_up_blocks(self) -> list[int]:
+        """The first block of each kind, in order (see :meth:`block_kind`)."""
+        first: dict[object, int] = {}
+        for i in range(len(self.blocks)):
+            first.setdefault(self.block_kind(i), i)
+        return sorted(first.values())
+
     def warm_up(self, pixels: torch.Tensor, batch) -> torch.Tensor:
-        """The forward through the first block only, then the merger (not the model's output):
-        the same kernels at the same shapes, for 1/depth of the work."""
+        """The forward through one block of each kind (:meth:`warm_up_blocks`), then the merger
+        (not the model's output): every kernel, shape and library plan a forward reaches, for a
+        few blocks' work. Released towers' block 0 is no sample (a window block in Qwen2.5-VL,
+        no deepstack tap in Qwen3-VL)."""
         run = self.forward_fused if self.fused else self.forward_reference
-        return run(pixels, batch, blocks=self.blocks[:1])
+        return run(pixels, batch, blocks=self.warm_up_blocks())

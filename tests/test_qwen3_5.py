@@ -1,0 +1,206 @@
+"""Qwen3.5, Qwen3.6 and Qwen4-Exp (``qwen3_5``, ``qwen3_5_moe``, ``qwen4_exp``): Qwen3-VL's tower
+with no deepstack merger. fp32 parity with each of transformers' three classes from hub-layout
+checkpoints, their processors' published defaults and a checkpoint's own files over them, and
+the one-part output layout."""
+
+import importlib
+import json
+
+import pytest
+import torch
+from helpers import diff_report, randomize_, rel_err
+from PIL import Image
+from safetensors.torch import save_file
+
+from vitgraph import GraphedVisionEncoder
+from vitgraph.models import Qwen35VisionConfig, Qwen3VisionTower, family_for
+
+# An 8 x 8 position grid (not the released 48 x 48), three blocks.
+TINY = dict(depth=3, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=32,
+            num_position_embeddings=64, hidden_act="gelu_pytorch_tanh", patch_size=16, temporal_patch_size=2,
+            spatial_merge_size=2, in_channels=3)
+GRIDS = {
+    "smaller than the position grid": [(1, 4, 6)],
+    "larger than the position grid": [(1, 20, 12)],
+    "video": [(3, 6, 8)],
+    "mixed": [(1, 10, 4), (2, 4, 4), (1, 2, 2)],
+    "minimal": [(1, 2, 2)],
+}
+# model_type -> (transformers module, class, key prefix, what the checkpoint's vision_config says of itself)
+KINDS = {
+    "qwen3_5": ("qwen3_5", "Qwen3_5Vision", "model.visual.",
+                {"model_type": "qwen3_5", "deepstack_visual_indexes": []}),  # old style: the parent's type
+    "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeVision", "visual.", {"model_type": "qwen3_vl"}),  # old style
+    "qwen4_exp": ("qwen4_exp", "Qwen4ExpVision", "model.visual.", {"model_type": "qwen4_exp_vision"}),
+}
+
+
+def hf_tower(model_type, seed=0):
+    module, name, _, _ = KINDS[model_type]
+    config = importlib.import_module(f"transformers.models.{module}.configuration_{module}")
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    cfg = getattr(config, f"{name}Config")(**TINY)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return randomize_(getattr(modeling, f"{name}Model")(cfg).float().eval())
+
+
+def write_checkpoint(directory, model, model_type):
+    """config.json with hub spellings, the tower's keys under the kind's prefix, two shards."""
+    _, _, prefix, extra = KINDS[model_type]
+    directory.mkdir(parents=True, exist_ok=True)
+    vision = {**TINY, **extra}
+    vision["in_chans"] = vision.pop("in_channels")
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type, "vision_config": vision,
+                                                       "text_config": {"hidden_size": 32}}))
+    state = {prefix + k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    state["model.language_model.embed_tokens.weight"] = torch.zeros(4, 32)
+    keys = sorted(state)
+    weight_map = {}
+    for i, names in enumerate((keys[::2], keys[1::2])):
+        name = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: state[k] for k in names}, str(directory / name))
+        weight_map.update({k: name for k in names})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return directory
+
+
+def pixels_for(grids, seed):
+    return torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 16 * 16,
+                       generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def pair(request, tmp_path_factory):
+    model = hf_tower(request.param)
+    directory = write_checkpoint(tmp_path_factory.mktemp(request.param), model, request.param)
+    return request.param, model, GraphedVisionEncoder.from_pretrained(directory, device="cpu")
+
+
+@pytest.mark.parametrize("case", list(GRIDS))
+def test_matches_each_transformers_class(pair, case):
+    model_type, model, encoder = pair
+    grids = GRIDS[case]
+    pixels = pixels_for(grids, seed=len(case))
+    with torch.no_grad():
+        out = model(pixels, grid_thw=torch.tensor(grids))
+    assert type(model).__name__ == KINDS[model_type][1] + "Model" and getattr(out, "deepstack_features", None) is None
+    got = encoder.encode(pixels, grids)
+    assert got.shape == out.pooler_output.shape == (pixels.shape[0] // 4, 32)
+    assert rel_err(got, out.pooler_output) <= 1e-5, diff_report(got, out.pooler_output)
+
+
+def test_one_tower_no_deepstack_split_and_width(pair):
+    model_type, _, encoder = pair
+    assert type(encoder.tower) is Qwen3VisionTower and len(encoder.tower.deepstack_merger_list) == 0
+    assert type(encoder.config) is Qwen35VisionConfig and encoder.config.deepstack_visual_indexes == ()
+    assert family_for(model_type).config is Qwen35VisionConfig and encoder.output_width == 32
+    grids = GRIDS["mixed"]
+    out = encoder.encode(pixels_for(grids, seed=3), grids)
+    main, deepstack = encoder.split(out)
+    assert deepstack == [] and torch.equal(main, out) and main.data_ptr() == out.data_ptr()
+    with pytest.raises(ValueError, match=r"\[rows, 32\]"):
+        encoder.split(torch.zeros(4, 64))
+
+
+def test_published_processor_values_are_the_defaults(pair):
+    _, _, encoder = pair
+    image, video = encoder.processor, encoder.video_processor
+    for proc in (image, video):
+        assert (proc.patch_size, proc.temporal_patch_size, proc.merge_size) == (16, 2, 2)
+        assert proc.image_mean == proc.image_std == (0.5, 0.5, 0.5)
+    assert (image.min_pixels, image.max_pixels) == (65536, 16777216)
+    assert (video.min_pixels, video.max_pixels) == (4096, 25165824)
+    # A 64 x 64 clip keeps its size by the video defaults (4096 pixels at least); as an image it
+    # is resized up to 256 x 256 (65536 at least).
+    frame = Image.new("RGB", (64, 64), "gray")
+    as_image, as_video = encoder.encode_images([frame], [[frame, frame]])
+    assert as_image.shape == (16 * 16 // 4, 32) and as_video.shape == (4 * 4 // 4, 32)
+
+
+def test_the_checkpoints_processor_files_override_the_defaults(tmp_path):
+    model = hf_tower("qwen3_5")
+    ckpt = write_checkpoint(tmp_path / "c", model, "qwen3_5")
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 1024, "longest_edge": 128 * 128}, "patch_size": 16, "merge_size": 2}))
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 1024, "longest_edge": 64 * 64}, "patch_size": 16, "temporal_patch_size": 2,
+         "merge_size": 2, "image_mean": [0.25, 0.5, 0.75], "image_std": [0.5, 0.5, 0.5]}))
+    encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert (encoder.processor.min_pixels, encoder.processor.max_pixels) == (1024, 16384)
+    assert encoder.processor.image_mean == (0.5, 0.5, 0.5)  # the family's, under the file's sizes
+    assert (encoder.video_processor.min_pixels, encoder.video_processor.max_pixels) == (1024, 4096)
+    assert encoder.video_processor.image_mean == (0.25, 0.5, 0.75)
+    frame = Image.new("RGB", (128, 128), "gray")
+    as_image, as_video = encoder.encode_images([frame], [[frame, frame]])
+    # The image stays 128 x 128 (8 x 8 patches); the clip's frames go down to 64 x 64 (4 x 4).
+    assert as_image.shape == (8 * 8 // 4, 32) and as_video.shape == (4 * 4 // 4, 32)
+    from vitgraph.preprocess import preprocess_video
+
+    pixels, grid = preprocess_video([frame, frame], processor=encoder.video_processor)
+    assert grid.tolist() == [[1, 4, 4]] and torch.equal(as_video, encoder.encode(pixels, grid))
+
+
+@pytest.mark.parametrize("raw, field", [({"patch_size": 0}, "patch_size"), ({"image_std": [1, 0, 1]}, "image_std"),
+                                        ({"size": {"longest_edge": -1}}, "max_pixels"),
+                                        ({"merge_size": "2"}, "merge_size"), ([1, 2], "JSON object")])
+def test_a_bad_video_preprocessor_config_is_refused_by_file_and_field(tmp_path, raw, field):
+    ckpt = write_checkpoint(tmp_path / "c", hf_tower("qwen4_exp"), "qwen4_exp")
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=field) as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert "video_preprocessor_config.json" in str(err.value)
+
+
+def test_a_video_preprocessor_config_outside_the_folder_is_refused(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "c", hf_tower("qwen3_5_moe"), "qwen3_5_moe")
+    (tmp_path / "elsewhere.json").write_text("{}")
+    (ckpt / "video_preprocessor_config.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(ValueError, match="outside the checkpoint folder"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    (ckpt / "video_preprocessor_config.json").unlink()
+    (ckpt / "video_preprocessor_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="video_preprocessor_config.json is not valid JSON"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+
+
+def test_deepstack_indexes_are_optional_here_and_refused_when_given():
+    bare = {k: v for k, v in TINY.items()}
+    for model_type in KINDS:
+        assert Qwen35VisionConfig.from_dict({"model_type": model_type, "vision_config": bare}) == \
+            Qwen35VisionConfig(**bare)
+    with pytest.raises(ValueError, match="deepstack_visual_indexes must be empty"):
+        family_for("qwen3_5").config.from_dict({"vision_config": {**bare, "deepstack_visual_indexes": [1]}})
+    with pytest.raises(ValueError, match="missing required field.*deepstack_visual_indexes"):
+        family_for("qwen3_vl").config.from_dict({"vision_config": bare})  # Qwen3-VL's stays required
+    with pytest.raises(ValueError, match="num_position_embeddings must be a square"):
+        Qwen35VisionConfig.from_dict({"vision_config": {**bare, "num_position_embeddings": 60}})
+
+
+def test_qwen36_preset_is_the_published_shape():
+    from vitgraph.models import PRESETS
+
+    cfg = PRESETS["qwen3.6-27b"]
+    assert type(cfg) is Qwen35VisionConfig and cfg.deepstack_visual_indexes == ()
+    assert (cfg.depth, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.out_hidden_size) == \
+        (27, 1152, 4304, 16, 5120)
+    assert cfg.num_position_embeddings == 2304 and cfg.patch_width == 1536 and cfg.head_dim == 72
+
+
+def test_bench_reference_tower_is_transformers_qwen35(tmp_path, capsys):
+    """The bench's hf_eager system: transformers' Qwen3_5VisionModel holding the encoder's weights."""
+    from vitgraph.bench import common, latency
+
+    encoder = GraphedVisionEncoder.from_config(Qwen35VisionConfig(**TINY), device="cpu", seed=1)
+    hf = common.hf_tower_like(encoder)
+    assert type(hf).__name__ == "Qwen3_5VisionModel"
+    grids = GRIDS["mixed"]
+    pixels = pixels_for(grids, seed=5)
+    ref = common.hf_call(hf, encoder.device)(pixels, grids)
+    got = encoder.encode(pixels, grids)
+    assert rel_err(got, ref) <= 1e-5, diff_report(got, ref)
+    ckpt = write_checkpoint(tmp_path / "c", hf_tower("qwen3_5_moe"), "qwen3_5_moe")
+    result = latency.main(["--model", str(ckpt), "--device", "cpu", "--iters", "1", "--warmup", "0",
+                           "--cases", "1x256", "--systems", "hf_eager", "vitgraph_eager"])
+    check = result["cases"][0]["check"]
+    assert set(check) == {"hf_eager", "vitgraph_eager"} and check["hf_eager"] <= 1e-5
