@@ -65,7 +65,8 @@ def test_graph_replay_equals_eager_for_images(graph_enc):
         want = bank.run_eager(step.bucket).clone()
         got = bank.replay(step.bucket)
         assert torch.equal(got[:step.tokens // 4], want[:step.tokens // 4])
-    assert (eager.encode(rows, grid) - graph_enc.encode(rows, grid)).abs().max() < 5e-2
+    exact, padded = eager.encode(rows, grid).float(), graph_enc.encode(rows, grid).float()
+    assert ((exact - padded).norm() / exact.norm()).item() < 2e-2  # bf16: padded and exact layouts round apart
 
 
 def _hf_processor(proc):
