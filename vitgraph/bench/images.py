@@ -94,7 +94,7 @@ def _hf_processors(enc, low: int, high: int, device: torch.device):
         pass
     if device.type == "cuda":
         try:
-            import torchvision  # noqa: F401
+            import torchvision  # noqa: F401  (the processor needs it)
             from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
             tv = Qwen2VLImageProcessor(**kwargs)
         except Exception:  # no torchvision, or one that does not load with this torch

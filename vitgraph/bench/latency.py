@@ -10,7 +10,7 @@ Every system's output is checked before it is timed against an fp32 eager run of
 weights (in fp32: against ``vitgraph_eager``): no farther from it than transformers' own
 bf16/fp16 tower is, by half again, and never beyond the dtype's tolerance unless that is. The
 timed region is the whole call as a user makes it (planning, metadata, copies).
-Prints a table, then one compact JSON line last; ``--json`` and ``--plot`` write files.
+Prints a table of median milliseconds per call; ``--json`` and ``--plot`` write files.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -232,21 +231,24 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {name}: " + ", ".join(f"{s} {v:.2f} ms" for s, v in entry["ms"].items())
               + "; rel err " + ", ".join(f"{s} {e:.1e}" for s, e in entry["check"].items()), file=sys.stderr)
 
+    gemm = f", gemm {result['gemm']}" if device.type == "cuda" else ""  # the GEMM backend is a GPU choice
     print(f"\n{result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "
-          f"{result['date']}; attention {result['attention']}, gemm {result['gemm']}; "
-          f"GEMM {ceilings['gemm_tflops']:.3g} TFLOP/s, copy {ceilings['copy_tbps']:.3g} TB/s")
+          f"{result['date']}; attention {result['attention']}{gemm}; "
+          f"measured GEMM {ceilings['gemm_tflops']:.3g} TFLOP/s, copy {ceilings['copy_tbps']:.3g} TB/s")
     if graph_enc is not None:
         print(f"captured {len(result['buckets'])} buckets in {capture_s:.1f} s, pool {result['pool_bytes'] / 2**20:.0f} MiB"
               f" ({result['pool_workspace_bytes'] / 2**20:.0f} MiB of it cuBLAS workspaces)"
               f" (eager activation peak of the largest bucket {result['eager_peak_bytes'] / 2**20:.0f} MiB)")
     shown = [s for s in systems if s in runners]
-    common.print_table(["case", "tokens", "floor"] + shown + (["compile_s"] if compile_seconds else []),
+    print("median ms per call; floor: the least time the case can take here, max(its FLOPs at the "
+          "measured GEMM rate, its weight bytes at the measured copy rate)")
+    common.print_table(["case", "tokens", "floor ms"] + [f"{s} ms" for s in shown]
+                       + (["compile s"] if compile_seconds else []),
                        [[c["case"], c["tokens"], c["floor_ms"]] + [c["ms"].get(s) for s in shown]
                         + ([c["compile_s"]] if compile_seconds else []) for c in result["cases"]])
     common.write_json(result, args.json)
     if args.plot:
         plot(result, args.plot, shown)
-    print(json.dumps(result, separators=(",", ":")))
     return result
 
 

@@ -9,13 +9,12 @@ Requests arrive on a virtual clock (seeded Poisson process). An encoder loop tak
 every queued request, up to the largest bucket's token budget, into one ``encode``
 call; the call really runs on the device, synchronised, and the clock advances by
 its measured duration. Latency is completion minus arrival. Reports p50/p90/p99
-latency and throughput per system and load; prints a table, then one JSON line.
+latency and throughput per system and load; prints a table; ``--json`` writes the results.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -212,7 +211,6 @@ def main(argv: list[str] | None = None) -> dict:
                            [[m["load_rps"], m["system"], m["p50_ms"], m["p90_ms"], m["p99_ms"], m["utilisation"]]
                             for m in result["medians"]])
     common.write_json(result, args.json)
-    print(json.dumps(result, separators=(",", ":")))
     return result
 
 
@@ -240,7 +238,6 @@ def _saturation(args, result, runners, systems, streams, pixels_for, max_budget,
             stop()
     _print_saturation(result)
     common.write_json(result, args.json)
-    print(json.dumps(result, separators=(",", ":")))
     return result
 
 
