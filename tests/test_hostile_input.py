@@ -411,6 +411,43 @@ def test_broken_extras_fall_back_with_one_warning(tmp_path, monkeypatch, caplog)
         cudnn_attention.available.cache_clear()
 
 
+@pytest.mark.parametrize("raw, values", [
+    ({"merge_size": 4}, ("merge_size = 4", "spatial_merge_size = 2")),
+    ({"patch_size": 7, "temporal_patch_size": 8}, ("patch_size = 7", "patch_size = 14")),  # the same row width
+    ({"patch_size": 16}, ("patch_size = 16", "patch_size = 14")),  # another row width
+    ({"temporal_patch_size": 1}, ("temporal_patch_size = 1", "temporal_patch_size = 2")),
+])
+def test_a_processor_that_disagrees_with_the_tower_is_refused_at_load(tmp_path, hf_model, raw, values):
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError) as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    message = str(err.value)
+    assert "preprocessor_config.json" in message and "config.json " in message
+    assert all(v in message for v in values), message
+    # Agreeing values load, and so do files that leave them to the tower.
+    (ckpt / "preprocessor_config.json").write_text(json.dumps({"patch_size": 14, "merge_size": 2}))
+    assert GraphedVisionEncoder.from_pretrained(ckpt, device="cpu").processor.row_width == 3 * 2 * 14 * 14
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"size": {"shortest_edge": 3136}}, "size"), ({"size": {"longest_edge": 3136}}, "size"),
+    ({"size": {"height": 224, "width": 224}}, "size"), ({"size": 224}, "size"),
+    ({"image_std": [1e-6, 0.5, 0.5]}, "image_std"),  # a pixel of 1 normalises past fp16's range
+    ({"image_mean": [0.5] * 3, "image_std": [7e-6] * 3}, "65504"),
+])
+def test_a_processor_size_or_std_transformers_would_refuse_or_fp16_cannot_hold_is_refused(tmp_path, hf_model, raw,
+                                                                                          field):
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=field) as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert "preprocessor_config.json" in str(err.value)
+    # The largest std that still fits: (1 - 0) / std just under 65504.
+    (ckpt / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.0] * 3, "image_std": [1 / 65000] * 3}))
+    assert GraphedVisionEncoder.from_pretrained(ckpt, device="cpu").processor.image_std == (1 / 65000,) * 3
+
+
 def test_a_model_type_without_a_family_is_named(tmp_path, hf_model):
     ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
     config = json.loads((ckpt / "config.json").read_text())
@@ -435,7 +472,7 @@ def test_the_checkpoints_preprocessor_config_is_followed_and_checked(tmp_path, h
     assert enc.processor.max_pixels == 12544 and enc.processor.image_mean == (0.5, 0.5, 0.5)
     assert enc.encode_images([image])[0].shape == (12, 48)  # 112 x 84 pixels: 8 x 6 patches
     for raw, field in (({"patch_size": 0}, "patch_size"), ({"image_std": [1, 0, 1]}, "image_std"),
-                       ({"size": {"longest_edge": -1}}, "max_pixels"), ([1, 2], "JSON object")):
+                       ({"size": {"shortest_edge": 3136, "longest_edge": -1}}, "max_pixels"), ([1, 2], "JSON object")):
         (ckpt / "preprocessor_config.json").write_text(json.dumps(raw))
         with pytest.raises(ValueError, match=field) as err:
             GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -179,16 +179,29 @@ def read_config(files: CheckpointFiles):
         raise ValueError(f"{files.config}: {err}") from None
 
 
+# Processor fields the tower defines too, under the tower's name: they must agree.
+SHARED_FIELDS = {"patch_size": "patch_size", "temporal_patch_size": "temporal_patch_size",
+                 "merge_size": "spatial_merge_size"}
+
+
 def read_processor(files: CheckpointFiles, config) -> ProcessorConfig:
-    """The checkpoint's preprocessing: its ``preprocessor_config.json`` over the family's defaults."""
-    family = family_of(config)
+    """The checkpoint's preprocessing: its ``preprocessor_config.json`` over the family's
+    defaults, with the fields the tower defines too taken from the tower; a file that sets one
+    of those to another value than ``config.json`` is refused, naming both files."""
+    tower = {name: getattr(config, field) for name, field in SHARED_FIELDS.items()}
+    base = replace(family_of(config).processor, **tower)
     if files.processor is None:
-        return family.processor
+        return base
     raw = read_json(files.processor)
     try:
-        return ProcessorConfig.from_dict(raw, base=family.processor)
+        processor = ProcessorConfig.from_dict(raw, base=base)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{files.processor}: {err}") from None
+    for name, field in SHARED_FIELDS.items():
+        if getattr(processor, name) != tower[name]:
+            raise ValueError(f"{files.processor} sets {name} = {getattr(processor, name)!r} but {files.config} "
+                             f"sets the tower's {field} = {tower[name]!r}; they must agree")
+    return processor
 
 
 def _check_names_and_shapes(config: VisionConfig, shapes: Mapping[str, tuple[int, ...]]) -> None:
