@@ -337,6 +337,69 @@ def test_encode_asks_for_force_and_records_its_source(png, tmp_path, capsys):
     assert json.loads(meta["grid_thw"]) == {"x.png": [1, 6, 4]} and "tiny" in meta["vitgraph_model"]
 
 
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "dangling symlink"])
+def test_encode_writes_only_a_regular_file_or_a_new_one(png, tmp_path, capsys, kind):
+    import os
+
+    target = tmp_path / "target.safetensors"
+    target.write_text("keep me")
+    out = tmp_path / "out.safetensors"
+    if kind == "fifo":
+        os.mkfifo(out)
+    else:
+        out.symlink_to(target if kind == "symlink" else tmp_path / "nowhere")
+    code, _, err = run_cli(["encode", png, "--out", out, "--force"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert ("not a regular file" if kind == "fifo" else "symbolic link") in err
+    assert target.read_text() == "keep me" and (out.is_fifo() if kind == "fifo" else out.is_symlink())
+
+
+@pytest.mark.parametrize("name", ["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+                                  "preprocessor_config.json", "README.md"])
+def test_encode_never_overwrites_a_file_of_the_checkpoint(png, tmp_path, capsys, hf_model, name):
+    import os
+
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=2)
+    (ckpt / "preprocessor_config.json").write_text("{}")
+    (ckpt / "README.md").write_text("a model card")
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    for out in (ckpt / name, ckpt / "." / name):
+        code, _, err = run_cli(["encode", png, "--model", ckpt, "--out", out, "--force"], capsys)
+        assert code == 2 and "file of the checkpoint" in err and err.count("\n") == 1
+    # A path into it through a linked folder; a hard link elsewhere to a file the run reads.
+    (tmp_path / "via").symlink_to(ckpt)
+    os.link(ckpt / name, tmp_path / "hard")
+    for out in [tmp_path / "via" / name] + [tmp_path / "hard"] * (name != "README.md"):
+        code, _, err = run_cli(["encode", png, "--model", ckpt, "--out", out, "--force"], capsys)
+        assert code == 2 and "file of the checkpoint" in err
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    # A new file beside them is written.
+    code, _, err = run_cli(["encode", png, "--model", ckpt, "--out", ckpt / "new.safetensors"], capsys)
+    assert code == 0 and (ckpt / "new.safetensors").stat().st_size > 0
+
+
+def test_a_failed_write_leaves_the_old_output_and_no_temporary_file(png, tmp_path, capsys, monkeypatch):
+    import errno
+
+    import safetensors.torch
+
+    out = tmp_path / "e.safetensors"
+    out.write_text("the old embeddings")
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    code, _, err = run_cli(["encode", png, "--out", out, "--force"], capsys)
+    assert code == 2 and "No space left on device" in err and str(out) in err and err.count("\n") == 1
+    assert out.read_text() == "the old embeddings" and sorted(tmp_path.iterdir()) == sorted([out, png])
+    monkeypatch.undo()
+    code, _, _ = run_cli(["encode", png, "--out", out, "--force"], capsys)
+    assert code == 0 and out.read_bytes() != b"the old embeddings" and sorted(tmp_path.iterdir()) == sorted([out, png])
+
+
 def test_encode_one_line_errors_for_bad_files(png, tmp_path, capsys, monkeypatch, hf_model):
     bomb = tmp_path / "bomb.png"
     Image.new("RGB", (300, 300)).save(bomb)

@@ -37,6 +37,11 @@ class CheckpointFiles:
     config: Path
     shards: dict[Path, list[str]]  # shard file -> the vision keys (full names) it holds
     processor: Path | None = None  # preprocessor_config.json, where the checkpoint has one
+    index: Path | None = None  # model.safetensors.index.json, where the checkpoint has one
+
+    def paths(self) -> list[Path]:
+        """Every file a load reads."""
+        return [p for p in (self.config, self.processor, self.index, *self.shards) if p is not None]
 
 
 def _vision_name(key: str) -> str | None:
@@ -121,7 +126,7 @@ def find_local(directory: Path) -> CheckpointFiles:
             if not shard.is_file():
                 raise ValueError(f"{index} names shard {name}, which is missing from {directory}")
             shards[_inside_checkpoint(shard, directory)] = keys
-        return CheckpointFiles(config, shards, processor)
+        return CheckpointFiles(config, shards, processor, index)
     single = directory / SINGLE_FILE
     if single.is_file():
         single = _inside_checkpoint(single, directory)
@@ -152,7 +157,7 @@ def find_on_hub(repo_id: str, *, revision: str | None, cache_dir: str | Path | N
         return CheckpointFiles(config, {single: _keys_in_file(single)}, processor)
     shards = {fetch(name): keys for name, keys in _shards_from_index(index).items()}
     logger.info("%s: downloaded %d vision shard(s) of the checkpoint", repo_id, len(shards))
-    return CheckpointFiles(config, shards, processor)
+    return CheckpointFiles(config, shards, processor, index)
 
 
 def find_checkpoint(source: str | os.PathLike, *, revision: str | None = None, cache_dir=None,
