@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
@@ -108,27 +109,43 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` exists; a ValueError naming it if it does but is no regular file (a
+    folder, a FIFO, a dangling link) or cannot be looked at (a name too long, say)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.lexists(path):
+            raise ValueError(f"{path} is a symbolic link to nothing") from None
+        return False
+    except OSError as err:
+        raise ValueError(f"{path}: cannot be read ({err.strerror or err})") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path} is not a regular file")
+    return True
+
+
 def find_local(directory: Path) -> CheckpointFiles:
     """The files of a local checkpoint. Every path is checked to lie inside ``directory``
     after symlinks are resolved (:func:`_inside_checkpoint`): nothing outside it is opened."""
     config = directory / "config.json"
-    if not config.is_file():
+    if not _is_file(config):
         raise ValueError(f"checkpoint directory {directory} has no config.json")
     config = _inside_checkpoint(config, directory)
     processor = directory / PROCESSOR_FILE
-    processor = _inside_checkpoint(processor, directory) if processor.is_file() else None
+    processor = _inside_checkpoint(processor, directory) if _is_file(processor) else None
     index = directory / INDEX_FILE
-    if index.is_file():
+    if _is_file(index):
         index = _inside_checkpoint(index, directory)
         shards = {}
         for name, keys in _shards_from_index(index).items():
             shard = directory / name
-            if not shard.is_file():
+            if not _is_file(shard):
                 raise ValueError(f"{index} names shard {name}, which is missing from {directory}")
             shards[_inside_checkpoint(shard, directory)] = keys
         return CheckpointFiles(config, shards, processor, index)
     single = directory / SINGLE_FILE
-    if single.is_file():
+    if _is_file(single):
         single = _inside_checkpoint(single, directory)
         return CheckpointFiles(config, {single: _keys_in_file(single)}, processor)
     raise ValueError(f"checkpoint directory {directory} has neither {INDEX_FILE} nor {SINGLE_FILE}")
@@ -164,10 +181,14 @@ def find_checkpoint(source: str | os.PathLike, *, revision: str | None = None, c
                     local_files_only: bool = False, token=None) -> CheckpointFiles:
     """A local directory if ``source`` is one, otherwise a Hub repo id."""
     path = Path(source).expanduser()
-    if path.is_dir():
-        return find_local(path)
     text = str(source)
-    if path.exists() or not _REPO_ID.fullmatch(text):
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError as err:  # a name too long, say
+        raise ValueError(f"model source {text[:200]!r}: cannot be looked up ({err.strerror or err})") from None
+    if is_dir:
+        return find_local(path)
+    if exists or not _REPO_ID.fullmatch(text):
         raise ValueError(f"model source {text!r} is neither a checkpoint directory nor a Hub repo id")
     return find_on_hub(text, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
 
