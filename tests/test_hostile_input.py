@@ -214,12 +214,49 @@ def test_expected_shapes_are_the_towers_own():
     ([("a", 1)], {"vision_config": TINY_VISION}, TypeError, "state_dict must be a mapping"),
     ({1: torch.zeros(1)}, {"vision_config": TINY_VISION}, TypeError, "keys must be strings"),
     ({"visual.blocks.0.norm1.weight": torch.zeros(64, device="meta")}, {"vision_config": TINY_VISION},
-     ValueError, "blocks.0.norm1.weight"),
+     TypeError, "blocks.0.norm1.weight"),
     ({}, [("depth", 2)], TypeError, "config must be a VisionConfig or a mapping"),
 ])
 def test_from_state_dict_refuses_bad_containers(state, config, error, words):
     with pytest.raises(error, match=words):
         GraphedVisionEncoder.from_state_dict(state, config, device="cpu")
+
+
+@pytest.mark.parametrize("layout", ["sparse", "sparse_csr", "meta"])
+def test_from_state_dict_refuses_a_weight_that_is_not_dense(hf_model, layout):
+    state = vision_state(hf_model)
+    key = "visual.blocks.1.mlp.fc2.weight"
+    state[key] = {"sparse": torch.Tensor.to_sparse, "sparse_csr": torch.Tensor.to_sparse_csr,
+                  "meta": lambda t: t.to("meta")}[layout](state[key])
+    with pytest.raises(TypeError, match=r"state_dict\['blocks.1.mlp.fc2.weight'\] must be a dense tensor"):
+        GraphedVisionEncoder.from_state_dict(state, {"vision_config": TINY_VISION}, device="cpu")
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_unless_allowed(tmp_path, hf_model):
+    import copy
+
+    model = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        model.blocks[1].mlp.fc2.weight[3, 5] = float("nan")
+        model.merger.ln_q.bias[0] = float("-inf")
+    ckpt = write_checkpoint(tmp_path / "c", model, shards=2)
+    with pytest.raises(ValueError, match="non-finite") as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    message = str(err.value)
+    assert "blocks.1.mlp.fc2.weight" in message and "merger.ln_q.bias" in message and "allow_nonfinite" in message
+    assert "blocks.0" not in message
+    enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", allow_nonfinite_weights=True)
+    assert enc.tower.blocks[1].mlp.fc2.weight[3, 5].isnan()
+    with pytest.raises(TypeError, match="allow_nonfinite_weights must be a bool"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", allow_nonfinite_weights="yes")
+    # A finite fp32 weight that fp16 cannot hold is as non-finite as it runs.
+    with torch.no_grad():
+        model = copy.deepcopy(hf_model)
+        model.blocks[0].attn.qkv.weight[0, 0] = 1e6
+    ckpt = write_checkpoint(tmp_path / "big", model, shards=1)
+    assert GraphedVisionEncoder.from_pretrained(ckpt, device="cpu").tower.blocks[0].attn.qkv.weight.isfinite().all()
+    with pytest.raises(ValueError, match="blocks.0.attn.qkv.weight"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float16)
 
 
 # -- preprocessing ----------------------------------------------------------------------

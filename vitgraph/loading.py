@@ -270,7 +270,22 @@ def build_tower(config, device: torch.device, dtype: torch.dtype) -> torch.nn.Mo
     return tower.to(dtype=dtype).eval().requires_grad_(False)
 
 
-def load_tower(files: CheckpointFiles, config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def check_finite(state: Mapping[str, torch.Tensor], where: str) -> None:
+    """Refuse weights holding a NaN or an inf (in the dtype they will run in), naming them: one
+    flag per tensor on its device, read back once."""
+    names = list(state)
+    if not names:
+        return
+    flags = torch.stack([torch.isfinite(state[n]).all() for n in names]).tolist()
+    bad = [n for n, ok in zip(names, flags) if not ok]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise ValueError(f"{where}: non-finite values (NaN or inf) in weight(s) {shown}; pass "
+                         f"allow_nonfinite_weights=True to load them anyway")
+
+
+def load_tower(files: CheckpointFiles, config, device: torch.device, dtype: torch.dtype,
+               allow_nonfinite_weights: bool = False) -> torch.nn.Module:
     all_keys = [k for keys in files.shards.values() for k in keys]
     names = _strip_prefixes(all_keys)
     shapes: dict[str, tuple[int, ...]] = {}
@@ -301,6 +316,8 @@ def load_tower(files: CheckpointFiles, config, device: torch.device, dtype: torc
                     state[names[key]] = f.get_tensor(key).to(dtype)
                 except (SafetensorError, RuntimeError, OSError) as err:  # e.g. a file truncated mid-tensor
                     raise ValueError(f"{shard}: tensor {key!r} cannot be read ({err})") from None
+    if not allow_nonfinite_weights:
+        check_finite(state, f"checkpoint {files.config.parent}")
     with torch.device("meta"):
         tower = family_of(config).tower(config)
     return _assign(tower, state)
@@ -322,8 +339,9 @@ def tower_from_state_dict(state_dict: Mapping[str, torch.Tensor], config, device
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] must be a torch.Tensor, got {type(value).__name__}")
-        if value.is_meta:
-            raise ValueError(f"state_dict[{name!r}] is a meta tensor (no data)")
+        if value.is_meta or value.layout != torch.strided:  # a sparse weight loaded, then every encode raised
+            raise TypeError(f"state_dict[{name!r}] must be a dense tensor with data, got "
+                            f"{'a meta tensor' if value.is_meta else f'layout {value.layout}'}")
         if not value.is_floating_point():
             raise ValueError(f"state_dict[{name!r}] is {value.dtype}; vision weights must be floating point")
     _check_names_and_shapes(config, {n: tuple(t.shape) for n, t in state.items()})
