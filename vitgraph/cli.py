@@ -172,10 +172,42 @@ def cmd_info(args) -> None:
               f"{', '.join(str(b.tokens) for b in enc.requested_buckets)})")
 
 
+def _check_serve_args(args) -> None:
+    """Everything ``serve`` can check before Ray starts: the options, the device and the model
+    (a local folder with a config.json, or a Hub id that resolves; its configs read)."""
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"--device must be cpu or cuda[:index], got {args.device!r}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda[:index], got {args.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: no CUDA GPU is available")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA GPU(s)")
+    if args.model:
+        from .loading import find_checkpoint, read_config, read_processor
+
+        files = find_checkpoint(args.model)
+        read_processor(files, read_config(files))
+
+
+def _stop_on_sigterm(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM shuts down as Ctrl-C does
+
+
 def cmd_serve(args) -> None:
-    """Start a local Ray instance and the Ray Serve app (POST /encode); Ctrl-C shuts both down."""
+    """Start a local Ray instance and the Ray Serve app (POST /encode); Ctrl-C or SIGTERM shuts
+    both down. Bad arguments are refused before Ray is imported."""
+    import signal
     import time
 
+    _check_serve_args(args)
     try:
         import ray
         from ray import serve
@@ -183,12 +215,9 @@ def cmd_serve(args) -> None:
         raise ValueError("vitgraph serve needs Ray Serve: pip install 'vitgraph[serve]'") from None
     from .serve import build_app
 
-    if args.replicas < 1:
-        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     app = build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype, num_replicas=args.replicas)
     ray.init()
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name="vitgraph", route_prefix="/")
@@ -199,8 +228,12 @@ def cmd_serve(args) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def build_parser() -> argparse.ArgumentParser:
