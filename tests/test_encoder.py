@@ -153,6 +153,8 @@ BAD_INPUTS = [
     (torch.zeros(6, 1176), [(1, 2, 3)], ValueError, "divisible by the merge size 2"),
     (torch.zeros(5, 1176), [(1, 2, 2)], ValueError, "pixels has 5 rows but grid_thw sums to 4"),
     (torch.empty(4, 1176, device="meta"), [(1, 2, 2)], ValueError, "meta device"),
+    (torch.zeros(4, 1176), torch.tensor([[1, 2, 2]], device="meta"), ValueError, "grid_thw is a tensor on the meta"),
+    (torch.zeros(4, 1176), torch.tensor([[1, 2, 2]]).to_sparse(), TypeError, "grid_thw must be a dense tensor"),
 ]
 
 

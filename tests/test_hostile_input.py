@@ -214,12 +214,49 @@ def test_expected_shapes_are_the_towers_own():
     ([("a", 1)], {"vision_config": TINY_VISION}, TypeError, "state_dict must be a mapping"),
     ({1: torch.zeros(1)}, {"vision_config": TINY_VISION}, TypeError, "keys must be strings"),
     ({"visual.blocks.0.norm1.weight": torch.zeros(64, device="meta")}, {"vision_config": TINY_VISION},
-     ValueError, "blocks.0.norm1.weight"),
+     TypeError, "blocks.0.norm1.weight"),
     ({}, [("depth", 2)], TypeError, "config must be a VisionConfig or a mapping"),
 ])
 def test_from_state_dict_refuses_bad_containers(state, config, error, words):
     with pytest.raises(error, match=words):
         GraphedVisionEncoder.from_state_dict(state, config, device="cpu")
+
+
+@pytest.mark.parametrize("layout", ["sparse", "sparse_csr", "meta"])
+def test_from_state_dict_refuses_a_weight_that_is_not_dense(hf_model, layout):
+    state = vision_state(hf_model)
+    key = "visual.blocks.1.mlp.fc2.weight"
+    state[key] = {"sparse": torch.Tensor.to_sparse, "sparse_csr": torch.Tensor.to_sparse_csr,
+                  "meta": lambda t: t.to("meta")}[layout](state[key])
+    with pytest.raises(TypeError, match=r"state_dict\['blocks.1.mlp.fc2.weight'\] must be a dense tensor"):
+        GraphedVisionEncoder.from_state_dict(state, {"vision_config": TINY_VISION}, device="cpu")
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_unless_allowed(tmp_path, hf_model):
+    import copy
+
+    model = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        model.blocks[1].mlp.fc2.weight[3, 5] = float("nan")
+        model.merger.ln_q.bias[0] = float("-inf")
+    ckpt = write_checkpoint(tmp_path / "c", model, shards=2)
+    with pytest.raises(ValueError, match="non-finite") as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    message = str(err.value)
+    assert "blocks.1.mlp.fc2.weight" in message and "merger.ln_q.bias" in message and "allow_nonfinite" in message
+    assert "blocks.0" not in message
+    enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", allow_nonfinite_weights=True)
+    assert enc.tower.blocks[1].mlp.fc2.weight[3, 5].isnan()
+    with pytest.raises(TypeError, match="allow_nonfinite_weights must be a bool"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", allow_nonfinite_weights="yes")
+    # A finite fp32 weight that fp16 cannot hold is as non-finite as it runs.
+    with torch.no_grad():
+        model = copy.deepcopy(hf_model)
+        model.blocks[0].attn.qkv.weight[0, 0] = 1e6
+    ckpt = write_checkpoint(tmp_path / "big", model, shards=1)
+    assert GraphedVisionEncoder.from_pretrained(ckpt, device="cpu").tower.blocks[0].attn.qkv.weight.isfinite().all()
+    with pytest.raises(ValueError, match="blocks.0.attn.qkv.weight"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float16)
 
 
 # -- preprocessing ----------------------------------------------------------------------
@@ -337,6 +374,70 @@ def test_encode_asks_for_force_and_records_its_source(png, tmp_path, capsys):
     assert json.loads(meta["grid_thw"]) == {"x.png": [1, 6, 4]} and "tiny" in meta["vitgraph_model"]
 
 
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "dangling symlink"])
+def test_encode_writes_only_a_regular_file_or_a_new_one(png, tmp_path, capsys, kind):
+    import os
+
+    target = tmp_path / "target.safetensors"
+    target.write_text("keep me")
+    out = tmp_path / "out.safetensors"
+    if kind == "fifo":
+        os.mkfifo(out)
+    else:
+        out.symlink_to(target if kind == "symlink" else tmp_path / "nowhere")
+    code, _, err = run_cli(["encode", png, "--out", out, "--force"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert ("not a regular file" if kind == "fifo" else "symbolic link") in err
+    assert target.read_text() == "keep me" and (out.is_fifo() if kind == "fifo" else out.is_symlink())
+
+
+@pytest.mark.parametrize("name", ["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+                                  "preprocessor_config.json", "README.md"])
+def test_encode_never_overwrites_a_file_of_the_checkpoint(png, tmp_path, capsys, hf_model, name):
+    import os
+
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=2)
+    (ckpt / "preprocessor_config.json").write_text("{}")
+    (ckpt / "README.md").write_text("a model card")
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    for out in (ckpt / name, ckpt / "." / name):
+        code, _, err = run_cli(["encode", png, "--model", ckpt, "--out", out, "--force"], capsys)
+        assert code == 2 and "file of the checkpoint" in err and err.count("\n") == 1
+    # A path into it through a linked folder; a hard link elsewhere to a file the run reads.
+    (tmp_path / "via").symlink_to(ckpt)
+    os.link(ckpt / name, tmp_path / "hard")
+    for out in [tmp_path / "via" / name] + [tmp_path / "hard"] * (name != "README.md"):
+        code, _, err = run_cli(["encode", png, "--model", ckpt, "--out", out, "--force"], capsys)
+        assert code == 2 and "file of the checkpoint" in err
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    # A new file beside them is written.
+    code, _, err = run_cli(["encode", png, "--model", ckpt, "--out", ckpt / "new.safetensors"], capsys)
+    assert code == 0 and (ckpt / "new.safetensors").stat().st_size > 0
+
+
+def test_a_failed_write_leaves_the_old_output_and_no_temporary_file(png, tmp_path, capsys, monkeypatch):
+    import errno
+
+    import safetensors.torch
+
+    out = tmp_path / "e.safetensors"
+    out.write_text("the old embeddings")
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    code, _, err = run_cli(["encode", png, "--out", out, "--force"], capsys)
+    error = err.splitlines()[-1]  # after the random weights' warning
+    assert code == 2 and "No space left on device" in error and str(out) in error and err.count("error:") == 1
+    assert out.read_text() == "the old embeddings" and sorted(tmp_path.iterdir()) == sorted([out, png])
+    monkeypatch.undo()
+    code, _, _ = run_cli(["encode", png, "--out", out, "--force"], capsys)
+    assert code == 0 and out.read_bytes() != b"the old embeddings" and sorted(tmp_path.iterdir()) == sorted([out, png])
+
+
 def test_encode_one_line_errors_for_bad_files(png, tmp_path, capsys, monkeypatch, hf_model):
     bomb = tmp_path / "bomb.png"
     Image.new("RGB", (300, 300)).save(bomb)
@@ -411,6 +512,43 @@ def test_broken_extras_fall_back_with_one_warning(tmp_path, monkeypatch, caplog)
         cudnn_attention.available.cache_clear()
 
 
+@pytest.mark.parametrize("raw, values", [
+    ({"merge_size": 4}, ("merge_size = 4", "spatial_merge_size = 2")),
+    ({"patch_size": 7, "temporal_patch_size": 8}, ("patch_size = 7", "patch_size = 14")),  # the same row width
+    ({"patch_size": 16}, ("patch_size = 16", "patch_size = 14")),  # another row width
+    ({"temporal_patch_size": 1}, ("temporal_patch_size = 1", "temporal_patch_size = 2")),
+])
+def test_a_processor_that_disagrees_with_the_tower_is_refused_at_load(tmp_path, hf_model, raw, values):
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError) as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    message = str(err.value)
+    assert "preprocessor_config.json" in message and "config.json " in message
+    assert all(v in message for v in values), message
+    # Agreeing values load, and so do files that leave them to the tower.
+    (ckpt / "preprocessor_config.json").write_text(json.dumps({"patch_size": 14, "merge_size": 2}))
+    assert GraphedVisionEncoder.from_pretrained(ckpt, device="cpu").processor.row_width == 3 * 2 * 14 * 14
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"size": {"shortest_edge": 3136}}, "size"), ({"size": {"longest_edge": 3136}}, "size"),
+    ({"size": {"height": 224, "width": 224}}, "size"), ({"size": 224}, "size"),
+    ({"image_std": [1e-6, 0.5, 0.5]}, "image_std"),  # a pixel of 1 normalises past fp16's range
+    ({"image_mean": [0.5] * 3, "image_std": [7e-6] * 3}, "65504"),
+])
+def test_a_processor_size_or_std_transformers_would_refuse_or_fp16_cannot_hold_is_refused(tmp_path, hf_model, raw,
+                                                                                          field):
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=field) as err:
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert "preprocessor_config.json" in str(err.value)
+    # The largest std that still fits: (1 - 0) / std just under 65504.
+    (ckpt / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.0] * 3, "image_std": [1 / 65000] * 3}))
+    assert GraphedVisionEncoder.from_pretrained(ckpt, device="cpu").processor.image_std == (1 / 65000,) * 3
+
+
 def test_a_model_type_without_a_family_is_named(tmp_path, hf_model):
     ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
     config = json.loads((ckpt / "config.json").read_text())
@@ -435,7 +573,7 @@ def test_the_checkpoints_preprocessor_config_is_followed_and_checked(tmp_path, h
     assert enc.processor.max_pixels == 12544 and enc.processor.image_mean == (0.5, 0.5, 0.5)
     assert enc.encode_images([image])[0].shape == (12, 48)  # 112 x 84 pixels: 8 x 6 patches
     for raw, field in (({"patch_size": 0}, "patch_size"), ({"image_std": [1, 0, 1]}, "image_std"),
-                       ({"size": {"longest_edge": -1}}, "max_pixels"), ([1, 2], "JSON object")):
+                       ({"size": {"shortest_edge": 3136, "longest_edge": -1}}, "max_pixels"), ([1, 2], "JSON object")):
         (ckpt / "preprocessor_config.json").write_text(json.dumps(raw))
         with pytest.raises(ValueError, match=field) as err:
             GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")

@@ -204,3 +204,85 @@ def test_loading_a_checkpoint_and_encoding_never_imports_torch_dynamo(checkpoint
     done = subprocess.run([sys.executable, "-c", code, str(checkpoint)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["False"]
+
+
+# -- JSON files: bounded, regular, and every failure a ValueError naming the file -----------
+
+JSON_FILES = ["config.json", "preprocessor_config.json", "model.safetensors.index.json"]
+
+
+def _load_in_thread(ckpt):
+    """from_pretrained, given 20 s: a FIFO read would block it for ever."""
+    import threading
+
+    result = {}
+
+    def run():
+        try:
+            GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+            result["error"] = None
+        except Exception as err:  # noqa: BLE001 - the test inspects it
+            result["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert "error" in result, "from_pretrained blocked"
+    return result["error"]
+
+
+def _replace_with(path: Path, kind: str, tmp_path: Path) -> None:
+    import os
+
+    path.unlink(missing_ok=True)
+    if kind == "huge":  # sparse: 17 MiB long, nothing on disk
+        with open(path, "wb") as f:
+            f.truncate(17 << 20)
+    elif kind == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "long int":
+        path.write_text('{"model_type": "qwen2_vl", "weight_map": {}, "patch_size": 1' + "0" * 5000 + "}")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dangling symlink":
+        path.symlink_to(tmp_path / "nowhere.json")
+
+
+@pytest.mark.parametrize("kind, words", [("huge", "bytes"), ("deep", "nested too deeply"),
+                                         ("long int", "not valid JSON"), ("directory", "not a regular file"),
+                                         ("fifo", "not a regular file"), ("dangling symlink", "")])
+@pytest.mark.parametrize("name", JSON_FILES)
+def test_a_json_file_that_is_huge_deep_or_not_a_file_is_a_named_error(tmp_path, hf_model, name, kind, words):
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=2)
+    (ckpt / "preprocessor_config.json").write_text("{}")
+    _replace_with(ckpt / name, kind, tmp_path)
+    err = _load_in_thread(ckpt)
+    assert isinstance(err, ValueError) and name in str(err) and words in str(err), repr(err)
+    (ckpt / name).rmdir() if kind == "directory" else (ckpt / name).unlink()
+    if name != "preprocessor_config.json":  # put it back: the encoder then loads
+        write_checkpoint(tmp_path / "c", hf_model, shards=2)
+    assert _load_in_thread(ckpt) is None
+
+
+def test_read_json_bounds_and_names(tmp_path):
+    from vitgraph.models.config_parsing import read_json
+
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({"a": [1, 2, 3]}))
+    assert read_json(small) == {"a": [1, 2, 3]}
+    size = small.stat().st_size
+    with pytest.raises(ValueError, match=f"small.json is {size} bytes; a JSON config must be at most {size - 1}"):
+        read_json(small, max_bytes=size - 1)
+    assert read_json(small, max_bytes=size) == {"a": [1, 2, 3]}
+    for path in (tmp_path / ("x" * 300 + ".json"), tmp_path / "missing.json"):
+        with pytest.raises(ValueError, match="cannot be read") as err:
+            read_json(path)
+        assert str(path) in str(err.value)
+
+
+def test_a_very_long_model_path_is_a_named_error(tmp_path):
+    for source in (str(tmp_path / ("a" * 300)), str(tmp_path / ("a" * 300) / "b")):
+        with pytest.raises(ValueError, match="cannot be looked up"):
+            GraphedVisionEncoder.from_pretrained(source, device="cpu")

@@ -519,7 +519,7 @@ def test_from_pretrained_starts_the_workers_before_the_weights_load_and_stops_th
     monkeypatch.setattr(vitgraph.encoder, "start_early",
                         lambda config, *args: events.append(("start_early", config.depth)) or early)
 
-    def failing_load(files, config, device, dtype):
+    def failing_load(files, config, device, dtype, *rest):
         events.append("load_tower")
         raise _Sentinel
 

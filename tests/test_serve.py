@@ -138,8 +138,11 @@ def test_the_python_handle(app, direct):
         handle.encode.remote(pixels, [(1, 4, 5)]).result()
 
 
-def test_the_cli_serves_until_interrupted(tmp_path):
-    """``vitgraph serve`` starts Ray and the app, answers, and Ctrl-C (SIGINT) stops both cleanly."""
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_the_cli_serves_until_interrupted(tmp_path, stop):
+    """``vitgraph serve`` starts Ray and the app, answers, and Ctrl-C (SIGINT) or SIGTERM stops
+    both cleanly. Whatever happens, nothing it started is left running (its process group)."""
+    import os
     import signal
     import subprocess
     import sys
@@ -147,25 +150,81 @@ def test_the_cli_serves_until_interrupted(tmp_path):
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "vitgraph", "serve", "--preset", "tiny", "--device", "cpu",
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        pixels, body = rows_payload([(1, 4, 4)], seed=1)
-        deadline, status = time.time() + 150, None
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                status, answer = post(f"http://127.0.0.1:{port}/encode", body, "application/octet-stream")
-                if status != 404:  # 404: the proxy is up, the app not deployed yet
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            time.sleep(1)
-        assert status == 200, (status, proc.poll())
-        assert load_safetensors(answer)["embeddings"].shape == (4, 48)
+        try:
+            pixels, body = rows_payload([(1, 4, 4)], seed=1)
+            deadline, status = time.time() + 150, None
+            while time.time() < deadline and proc.poll() is None:
+                try:
+                    status, answer = post(f"http://127.0.0.1:{port}/encode", body, "application/octet-stream")
+                    if status != 404:  # 404: the proxy is up, the app not deployed yet
+                        break
+                except (urllib.error.URLError, ConnectionError):
+                    pass
+                time.sleep(1)
+            assert status == 200, (status, proc.poll())
+            assert load_safetensors(answer)["embeddings"].shape == (4, 48)
+        finally:
+            proc.send_signal(getattr(signal, stop))
+            out, err = proc.communicate(timeout=120)
     finally:
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the server and any Ray process it left behind
+        except ProcessLookupError:
+            pass
+        proc.wait()
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "/nonexistent/checkpoint"], "neither a checkpoint directory nor a Hub repo id"),
+    (["--device", "cuda"], "no CUDA GPU is available"),
+    (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--replicas", "0"], "--replicas"),
+    (["--port", "70000"], "--port"),
+])
+def test_serve_refuses_bad_arguments_before_ray_starts(monkeypatch, capsys, args, words):
+    import sys
+
+    from vitgraph.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # importing Ray now fails: the checks come first
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = main(["serve", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and err.count("\n") == 1, err
+
+
+def test_serve_checks_the_checkpoints_configs_before_ray_starts(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from vitgraph.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2_vl", "vision_config": {"depth": -1}}')
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"visual.x": "a.safetensors"}}')
+    (tmp_path / "a.safetensors").write_bytes(b"")  # never opened: the config is refused first
+    code = main(["serve", "--model", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "config.json" in err and err.count("\n") == 1, err
+    (tmp_path / "config.json").unlink()
+    code = main(["serve", "--model", str(tmp_path)])
+    assert code == 2 and "has no config.json" in capsys.readouterr().err
+
+
+def test_serve_with_a_missing_model_exits_2_in_seconds():
+    import subprocess
+    import sys
+    import time
+
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "vitgraph", "serve", "--model", "/nonexistent/checkpoint"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "/nonexistent/checkpoint" in proc.stderr and time.perf_counter() - start < 60
 
 
 def test_the_saturation_benchmark_drives_the_app_over_http(tmp_path):

@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import os
+import stat
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -40,38 +42,85 @@ def cmd_demo(args) -> None:
 
 
 def _check_out(out: str, inputs: list[Path], force: bool) -> Path:
-    """The output path, checked before anything is loaded: not an input, in a writable folder,
+    """The output path, checked before anything is loaded: a regular file or a new one (never a
+    link, a device or a FIFO: the write would replace it), not an input, in a writable folder,
     and not overwriting a file unless ``force``."""
     path = Path(out).expanduser()
-    if path.is_dir():
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as err:
+        raise ValueError(f"--out {out}: cannot be checked ({err.strerror})") from None
+    if mode is not None and stat.S_ISDIR(mode):
         raise ValueError(f"--out {out}: is a directory; give a file path")
-    resolved = path.resolve()
+    if mode is not None and stat.S_ISLNK(mode):
+        raise ValueError(f"--out {out}: is a symbolic link; give the file itself")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise ValueError(f"--out {out}: is not a regular file (a device, a FIFO or a socket)")
     for source in inputs:
-        if resolved == source.resolve() or (path.exists() and path.samefile(source)):
+        if path.resolve() == source.resolve() or (mode is not None and source.exists() and path.samefile(source)):
             raise ValueError(f"--out {out}: is one of the input images; it would be overwritten")
-    folder = resolved.parent
+    folder = path.resolve().parent
     if not folder.is_dir():
         raise ValueError(f"--out {out}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise ValueError(f"--out {out}: folder {folder} is not writable")
-    if path.exists() and not force:
+    if mode is not None and not force:
         raise ValueError(f"--out {out}: exists; pass --force to overwrite it")
     return path
+
+
+def _check_out_is_not_the_checkpoint(out: Path, model: str) -> None:
+    """Refuse an ``out`` that is a file of the checkpoint (its folder or Hub snapshot, and the
+    cache blobs a snapshot links to): the run reads them."""
+    from .loading import find_checkpoint
+
+    files = find_checkpoint(model)
+    if not out.exists():
+        return
+    target = out.resolve()
+    snapshot = files.config.parent.resolve()
+    roots = [snapshot] + ([snapshot.parent.parent / "blobs"] if snapshot.parent.name == "snapshots" else [])
+    if (any(root == target.parent or root in target.parents for root in roots)
+            or any(target == p.resolve() or out.samefile(p) for p in files.paths())):
+        raise ValueError(f"--out {out}: is a file of the checkpoint {model}; it would be overwritten")
+
+
+def _write_atomically(tensors: dict, out: Path, metadata: dict) -> None:
+    """Write through a temporary file in ``out``'s folder, then rename it over ``out``: a failed
+    write (a full disk) leaves the old file as it was."""
+    from safetensors.torch import save_file
+
+    fd, name = tempfile.mkstemp(dir=out.resolve().parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        old_mode = stat.S_IMODE(os.stat(out).st_mode) if out.exists() else 0o644
+        save_file(tensors, name, metadata=metadata)
+        os.chmod(name, old_mode)
+        os.replace(name, out)
+    except OSError as err:  # a full disk, say
+        os.unlink(name)
+        raise ValueError(f"--out {out}: could not be written ({err.strerror or err}); left as it was") from None
+    except BaseException:
+        os.unlink(name)
+        raise
 
 
 def cmd_encode(args) -> None:
     """Encode image files; write one tensor per file, keyed by file name, to a safetensors file
     whose metadata records the model source and each file's grid_thw."""
-    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
 
     from .decode import open_encoded, read_file
-    from tqdm.auto import tqdm
 
     paths = [Path(name) for name in args.files]
     keys = [p.name for p in paths]
     if len(set(keys)) != len(keys):
         raise ValueError("two inputs share a file name; rename one so each output key is unique")
     out = _check_out(args.out, paths, args.force)
+    if args.model:
+        _check_out_is_not_the_checkpoint(out, args.model)
     for path in paths:  # every input is an image (its header read, nothing decoded) before the model loads
         open_encoded(read_file(path, "input"), str(path)).close()
     enc = _load(args, progress=False)
@@ -92,7 +141,7 @@ def cmd_encode(args) -> None:
                 tensors[key] = embedding.to("cpu").contiguous()
                 grids[key] = thw
             bar.update(len(batch_keys))
-    save_file(tensors, str(out), metadata={"vitgraph_model": source, "grid_thw": json.dumps(grids)})
+    _write_atomically(tensors, out, {"vitgraph_model": source, "grid_thw": json.dumps(grids)})
     print(f"wrote {len(tensors)} embedding(s) to {out}: " +
           ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items()))
 
@@ -115,10 +164,42 @@ def cmd_info(args) -> None:
               f"{', '.join(str(b.tokens) for b in enc.requested_buckets)})")
 
 
+def _check_serve_args(args) -> None:
+    """Everything ``serve`` can check before Ray starts: the options, the device and the model
+    (a local folder with a config.json, or a Hub id that resolves; its configs read)."""
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"--device must be cpu or cuda[:index], got {args.device!r}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda[:index], got {args.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: no CUDA GPU is available")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA GPU(s)")
+    if args.model:
+        from .loading import find_checkpoint, read_config, read_processor
+
+        files = find_checkpoint(args.model)
+        read_processor(files, read_config(files))
+
+
+def _stop_on_sigterm(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM shuts down as Ctrl-C does
+
+
 def cmd_serve(args) -> None:
-    """Start a local Ray instance and the Ray Serve app (POST /encode); Ctrl-C shuts both down."""
+    """Start a local Ray instance and the Ray Serve app (POST /encode); Ctrl-C or SIGTERM shuts
+    both down. Bad arguments are refused before Ray is imported."""
+    import signal
     import time
 
+    _check_serve_args(args)
     try:
         import ray
         from ray import serve
@@ -126,12 +207,9 @@ def cmd_serve(args) -> None:
         raise ValueError("vitgraph serve needs Ray Serve: pip install 'vitgraph[serve]'") from None
     from .serve import build_app
 
-    if args.replicas < 1:
-        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     app = build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype, num_replicas=args.replicas)
     ray.init()
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name="vitgraph", route_prefix="/")
@@ -142,8 +220,12 @@ def cmd_serve(args) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -145,9 +145,13 @@ class GraphedVisionEncoder:
 
     @classmethod
     def from_pretrained(cls, source, *, device=None, dtype=None, revision: str | None = None, cache_dir=None,
-                        local_files_only: bool = False, token=None, **options: Any) -> "GraphedVisionEncoder":
-        """Load from a local checkpoint directory or a Hub repo id (vision shards only)."""
+                        local_files_only: bool = False, token=None, allow_nonfinite_weights: bool = False,
+                        **options: Any) -> "GraphedVisionEncoder":
+        """Load from a local checkpoint directory or a Hub repo id (vision shards only). A weight
+        holding a NaN or an inf is refused, naming it, unless ``allow_nonfinite_weights``."""
         engine = EngineOptions(**options)  # refuse bad options before any download or load
+        if not isinstance(allow_nonfinite_weights, bool):
+            raise TypeError(f"allow_nonfinite_weights must be a bool, got {allow_nonfinite_weights!r}")
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         files = find_checkpoint(source, revision=revision, cache_dir=cache_dir,
@@ -160,7 +164,7 @@ class GraphedVisionEncoder:
         graphs = uses_graphs(engine, device) and isinstance(config, VisionConfig)  # the precompiled kernels are Qwen2-VL's
         early = _start_early(config, device, dtype, engine) if graphs else None
         try:
-            tower = load_tower(files, config, device, dtype)
+            tower = load_tower(files, config, device, dtype, allow_nonfinite_weights)
         except BaseException:
             if early is not None:
                 early.stop()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -39,6 +40,12 @@ class CheckpointFiles:
     shards: dict[Path, list[str]]  # shard file -> the vision keys (full names) it holds
     processor: Path | None = None  # preprocessor_config.json, where the checkpoint has one
     video_processor: Path | None = None  # video_preprocessor_config.json, where the checkpoint has one
+    index: Path | None = None  # model.safetensors.index.json, where the checkpoint has one
+
+    def paths(self) -> list[Path]:
+        """Every file a load reads."""
+        return [p for p in (self.config, self.processor, self.video_processor, self.index, *self.shards)
+                if p is not None]
 
 
 def _vision_name(key: str) -> str | None:
@@ -105,28 +112,44 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` exists; a ValueError naming it if it does but is no regular file (a
+    folder, a FIFO, a dangling link) or cannot be looked at (a name too long, say)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.lexists(path):
+            raise ValueError(f"{path} is a symbolic link to nothing") from None
+        return False
+    except OSError as err:
+        raise ValueError(f"{path}: cannot be read ({err.strerror or err})") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path} is not a regular file")
+    return True
+
+
 def find_local(directory: Path) -> CheckpointFiles:
     """The files of a local checkpoint. Every path is checked to lie inside ``directory``
     after symlinks are resolved (:func:`_inside_checkpoint`): nothing outside it is opened."""
     config = directory / "config.json"
-    if not config.is_file():
+    if not _is_file(config):
         raise ValueError(f"checkpoint directory {directory} has no config.json")
     config = _inside_checkpoint(config, directory)
     processor, video = directory / PROCESSOR_FILE, directory / VIDEO_PROCESSOR_FILE
-    processor = _inside_checkpoint(processor, directory) if processor.is_file() else None
-    video = _inside_checkpoint(video, directory) if video.is_file() else None
+    processor = _inside_checkpoint(processor, directory) if _is_file(processor) else None
+    video = _inside_checkpoint(video, directory) if _is_file(video) else None
     index = directory / INDEX_FILE
-    if index.is_file():
+    if _is_file(index):
         index = _inside_checkpoint(index, directory)
         shards = {}
         for name, keys in _shards_from_index(index).items():
             shard = directory / name
-            if not shard.is_file():
+            if not _is_file(shard):
                 raise ValueError(f"{index} names shard {name}, which is missing from {directory}")
             shards[_inside_checkpoint(shard, directory)] = keys
-        return CheckpointFiles(config, shards, processor, video)
+        return CheckpointFiles(config, shards, processor, video, index)
     single = directory / SINGLE_FILE
-    if single.is_file():
+    if _is_file(single):
         single = _inside_checkpoint(single, directory)
         return CheckpointFiles(config, {single: _keys_in_file(single)}, processor, video)
     raise ValueError(f"checkpoint directory {directory} has neither {INDEX_FILE} nor {SINGLE_FILE}")
@@ -158,17 +181,21 @@ def find_on_hub(repo_id: str, *, revision: str | None, cache_dir: str | Path | N
         return CheckpointFiles(config, {single: _keys_in_file(single)}, processor, video)
     shards = {fetch(name): keys for name, keys in _shards_from_index(index).items()}
     logger.info("%s: downloaded %d vision shard(s) of the checkpoint", repo_id, len(shards))
-    return CheckpointFiles(config, shards, processor, video)
+    return CheckpointFiles(config, shards, processor, video, index)
 
 
 def find_checkpoint(source: str | os.PathLike, *, revision: str | None = None, cache_dir=None,
                     local_files_only: bool = False, token=None) -> CheckpointFiles:
     """A local directory if ``source`` is one, otherwise a Hub repo id."""
     path = Path(source).expanduser()
-    if path.is_dir():
-        return find_local(path)
     text = str(source)
-    if path.exists() or not _REPO_ID.fullmatch(text):
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError as err:  # a name too long, say
+        raise ValueError(f"model source {text[:200]!r}: cannot be looked up ({err.strerror or err})") from None
+    if is_dir:
+        return find_local(path)
+    if exists or not _REPO_ID.fullmatch(text):
         raise ValueError(f"model source {text!r} is neither a checkpoint directory nor a Hub repo id")
     return find_on_hub(text, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
 
@@ -185,25 +212,40 @@ def read_config(files: CheckpointFiles):
         raise ValueError(f"{files.config}: {err}") from None
 
 
+# Processor fields the tower defines too, under the tower's name: they must agree.
+SHARED_FIELDS = {"patch_size": "patch_size", "temporal_patch_size": "temporal_patch_size",
+                 "merge_size": "spatial_merge_size"}
+
+
 def read_processor(files: CheckpointFiles, config) -> ProcessorConfig:
-    """The checkpoint's preprocessing: its ``preprocessor_config.json`` over the family's defaults."""
-    return _processor_file(files.processor, family_of(config).processor)
+    """The checkpoint's preprocessing: its ``preprocessor_config.json`` over the family's
+    defaults, with the fields the tower defines too taken from the tower; a file that sets one
+    of those to another value than ``config.json`` is refused, naming both files."""
+    return _processor_file(files.processor, family_of(config).processor, files.config, config)
 
 
 def read_video_processor(files: CheckpointFiles, config, image: ProcessorConfig) -> ProcessorConfig:
     """The checkpoint's video preprocessing: its ``video_preprocessor_config.json`` over the
-    family's video defaults, or over ``image`` (its image preprocessing) where the family has none."""
-    return _processor_file(files.video_processor, family_of(config).video_processor or image)
+    family's video defaults, or over ``image`` (its image preprocessing) where the family has
+    none; checked against the tower as :func:`read_processor`."""
+    return _processor_file(files.video_processor, family_of(config).video_processor or image, files.config, config)
 
 
-def _processor_file(path: Path | None, base: ProcessorConfig) -> ProcessorConfig:
+def _processor_file(path: Path | None, defaults: ProcessorConfig, config_path: Path, config) -> ProcessorConfig:
+    tower = {name: getattr(config, field) for name, field in SHARED_FIELDS.items()}
+    base = replace(defaults, **tower)
     if path is None:
         return base
     raw = read_json(path)
     try:
-        return ProcessorConfig.from_dict(raw, base=base)
+        processor = ProcessorConfig.from_dict(raw, base=base)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{path}: {err}") from None
+    for name, field in SHARED_FIELDS.items():
+        if getattr(processor, name) != tower[name]:
+            raise ValueError(f"{path} sets {name} = {getattr(processor, name)!r} but {config_path} "
+                             f"sets the tower's {field} = {tower[name]!r}; they must agree")
+    return processor
 
 
 def _check_names_and_shapes(config: VisionConfig, shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -246,7 +288,22 @@ def build_tower(config, device: torch.device, dtype: torch.dtype) -> torch.nn.Mo
     return tower.to(dtype=dtype).eval().requires_grad_(False)
 
 
-def load_tower(files: CheckpointFiles, config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def check_finite(state: Mapping[str, torch.Tensor], where: str) -> None:
+    """Refuse weights holding a NaN or an inf (in the dtype they will run in), naming them: one
+    flag per tensor on its device, read back once."""
+    names = list(state)
+    if not names:
+        return
+    flags = torch.stack([torch.isfinite(state[n]).all() for n in names]).tolist()
+    bad = [n for n, ok in zip(names, flags) if not ok]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise ValueError(f"{where}: non-finite values (NaN or inf) in weight(s) {shown}; pass "
+                         f"allow_nonfinite_weights=True to load them anyway")
+
+
+def load_tower(files: CheckpointFiles, config, device: torch.device, dtype: torch.dtype,
+               allow_nonfinite_weights: bool = False) -> torch.nn.Module:
     all_keys = [k for keys in files.shards.values() for k in keys]
     names = _strip_prefixes(all_keys)
     shapes: dict[str, tuple[int, ...]] = {}
@@ -277,6 +334,8 @@ def load_tower(files: CheckpointFiles, config, device: torch.device, dtype: torc
                     state[names[key]] = f.get_tensor(key).to(dtype)
                 except (SafetensorError, RuntimeError, OSError) as err:  # e.g. a file truncated mid-tensor
                     raise ValueError(f"{shard}: tensor {key!r} cannot be read ({err})") from None
+    if not allow_nonfinite_weights:
+        check_finite(state, f"checkpoint {files.config.parent}")
     with torch.device("meta"):
         tower = family_of(config).tower(config)
     return _assign(tower, state)
@@ -298,8 +357,9 @@ def tower_from_state_dict(state_dict: Mapping[str, torch.Tensor], config, device
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] must be a torch.Tensor, got {type(value).__name__}")
-        if value.is_meta:
-            raise ValueError(f"state_dict[{name!r}] is a meta tensor (no data)")
+        if value.is_meta or value.layout != torch.strided:  # a sparse weight loaded, then every encode raised
+            raise TypeError(f"state_dict[{name!r}] must be a dense tensor with data, got "
+                            f"{'a meta tensor' if value.is_meta else f'layout {value.layout}'}")
         if not value.is_floating_point():
             raise ValueError(f"state_dict[{name!r}] is {value.dtype}; vision weights must be floating point")
     _check_names_and_shapes(config, {n: tuple(t.shape) for n, t in state.items()})

@@ -54,6 +54,13 @@ class ProcessorConfig:
                     or (name == "image_std" and any(v <= 0 for v in value))):
                 raise ValueError(f"{name} must be three finite numbers{' > 0' if name == 'image_std' else ''}, "
                                  f"got {value!r}")
+        # Pixels in [0, 1] must normalise to values fp16 holds (its max, 65504, is below bf16's).
+        ceiling = 65504.0
+        widest = max(max(abs(m), abs(1 - m)) / s for m, s in zip(self.image_mean, self.image_std))
+        if not widest < ceiling:
+            raise ValueError(f"image_std {self.image_std} with image_mean {self.image_mean} normalises pixels in "
+                             f"[0, 1] to {widest:.4g} in magnitude; it must stay below {ceiling:g} "
+                             f"(the float16 maximum)")
 
     @property
     def factor(self) -> int:
@@ -72,11 +79,10 @@ class ProcessorConfig:
             raise ValueError(f"a preprocessor config must be a JSON object, got {type(raw).__name__}")
         values: dict[str, Any] = {}
         size = raw.get("size")
-        if isinstance(size, dict):
-            if "shortest_edge" in size:
-                values["min_pixels"] = size["shortest_edge"]
-            if "longest_edge" in size:
-                values["max_pixels"] = size["longest_edge"]
+        if size is not None:  # as transformers: both pixel counts, or no size at all
+            if not isinstance(size, dict) or not {"shortest_edge", "longest_edge"} <= size.keys():
+                raise ValueError(f"size must be an object with 'shortest_edge' and 'longest_edge', got {size!r}")
+            values["min_pixels"], values["max_pixels"] = size["shortest_edge"], size["longest_edge"]
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
             if name in raw and raw[name] is not None:
                 values[name] = raw[name]

@@ -23,6 +23,10 @@ def _is_int(value) -> bool:
 def normalize_grid(grid_thw, merge_size: int) -> list[Grid]:
     """``grid_thw`` as a list of ``(t, h, w)`` ints, checked."""
     if isinstance(grid_thw, (torch.Tensor, np.ndarray)):
+        if isinstance(grid_thw, torch.Tensor) and grid_thw.is_meta:
+            raise ValueError("grid_thw is a tensor on the meta device (it holds no values)")
+        if isinstance(grid_thw, torch.Tensor) and grid_thw.layout != torch.strided:
+            raise TypeError(f"grid_thw must be a dense tensor, got layout {grid_thw.layout}")
         if isinstance(grid_thw, np.ndarray):
             integer = grid_thw.dtype.kind in "iu"
         else:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..ops import cudnn_attention, kernels
 from ..ops.activations import ACTIVATIONS
-from ..ops.attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked, fa4_kernel
+from ..ops.attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked, fa4_kernel, finite_values_
 from ..ops.gemm import (bias_free_stream, fc1_kernel, linear_qkv, linear_qkv_rope, linear_quick_gelu, linear_split_k,
                         qkv_kernel, qkv_rope_kernel, rope_in_gemm)
 
@@ -218,6 +218,7 @@ class FusedForward:
             if lane is not None:
                 out = dense_masked(q, k, v, cfg.head_dim ** -0.5)
             elif ragged is not None:  # reads q, k, v out of qkv itself
+                finite_values_(v)  # its tiles past a segment's end weigh the next one's values 0
                 out = cudnn_attention.ragged_attention(qkv.view(rows, 3, cfg.num_heads, -1), ragged,
                                                        batch.max_seqlen)
             else:

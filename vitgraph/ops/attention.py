@@ -11,6 +11,12 @@ loads whole key tiles past a segment's end, so the fused forward zeroes padding
 rows for it; the masked-SDPA fallback zeroes them before its matmuls. Every later
 op is row-local, so padding never reaches a real output row, whatever the memory
 holds.
+
+Items stay isolated: a key outside a query's segment gets weight exactly 0, but 0 * NaN is
+NaN, so a backend that multiplies values outside a segment (FlashAttention 4's and cuDNN's
+key tiles past a segment's end, the masked-SDPA fallback's one dense product) only ever sees
+finite ones there (:func:`finite_values`); the fallback then marks every row of a segment
+that held a non-finite value NaN, as attending that segment alone would.
 """
 
 from __future__ import annotations
@@ -303,12 +309,35 @@ def dense_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, False, False, scale=scale)[0])
 
 
+def finite_values(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with every non-finite value 0: what a kernel may multiply by a masked-out weight."""
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def finite_values_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`finite_values` in place (a view of a packed qkv, say)."""
+    return torch.nan_to_num_(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _isolated_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal attention over segment ``ids`` (-1: padding, its own block) as one dense
+    masked product, capturable: q, k, v enter it finite, and a segment that held a non-finite
+    value comes out NaN on every row, so no segment's values reach another's rows."""
+    same = ids[:, None] == ids[None, :]
+    finite = torch.isfinite(q).logical_and_(torch.isfinite(k)).logical_and_(torch.isfinite(v)).flatten(1).all(1)
+    out = _sdpa_dense(finite_values(q), finite_values(k), finite_values(v), same)
+    poisoned = same.logical_and_(~finite[None, :]).any(1)
+    return torch.where(poisoned[:, None, None], float("nan"), out)
+
+
 def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: SegmentedBatch,
            padding_zeroed: bool = False, tuning: AttentionTuning = DEFAULT_ATTENTION) -> torch.Tensor:
     """Non-causal attention inside each segment of ``batch.cu_seqlens``. ``padding_zeroed``: the
     caller has zeroed the padding rows of ``v`` (FlashAttention 4 reads them, weighted 0).
     ``tuning``: the tower's (FlashAttention 4's tiles)."""
     if backend == "fa4":
+        if not batch.dense:  # FA4 weighs the next segment's values 0 past a segment's end: finite only
+            v = finite_values(v)
         if batch.padded and not padding_zeroed:
             v = torch.where((batch.segment_ids >= 0)[:, None, None], v, 0.0)
         return _fa4_attend(q, k, v, batch, tuning)
@@ -330,10 +359,5 @@ def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batc
         parts = zip(*(x.split(batch.segment_lengths) for x in (q, k, v)))
         return torch.cat([_sdpa_dense(qs, ks, vs, None) for qs, ks, vs in parts])
     if backend == "sdpa":
-        # Block-diagonal mask built on the device. Padding rows (id -1) may hold NaN,
-        # and a masked-out NaN still poisons a matmul (0 * NaN = NaN), so zero them first.
-        ids = batch.segment_ids
-        real = (ids >= 0)[:, None, None]
-        q, k, v = (torch.where(real, x, 0.0) for x in (q, k, v))
-        return _sdpa_dense(q, k, v, ids[:, None] == ids[None, :])
+        return _isolated_sdpa(q, k, v, batch.segment_ids)
     raise ValueError(f"unknown attention backend {backend!r}")

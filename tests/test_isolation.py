@@ -1,0 +1,143 @@
+"""Items stay isolated: a NaN or an inf in one item of a step leaves every other item's output
+bitwise as it is when that item is finite, in every family, every attention backend and every
+layout: the padded layout the graphs use (eager on the CPU; eager and replayed on CUDA)."""
+
+import pytest
+import torch
+
+from vitgraph import GraphedVisionEncoder
+from vitgraph.models import family_for
+from vitgraph.ops.attention import BACKENDS, available_backends
+
+# Tiny towers: Qwen2.5 with windows of 4 x 4 patches between full-attention blocks, Qwen3 with
+# a deepstack merger.
+FAMILIES = {
+    "qwen2_vl": dict(depth=2, embed_dim=64, num_heads=4, mlp_ratio=2, hidden_size=48, hidden_act="quick_gelu",
+                     patch_size=14, temporal_patch_size=2, spatial_merge_size=2, in_channels=3),
+    "qwen2_5_vl": dict(depth=3, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=48,
+                       window_size=56, fullatt_block_indexes=[0, 2], hidden_act="silu", patch_size=14,
+                       temporal_patch_size=2, spatial_merge_size=2, in_channels=3),
+    "qwen3_vl": dict(depth=3, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=32,
+                     num_position_embeddings=64, deepstack_visual_indexes=[0, 2], hidden_act="gelu_pytorch_tanh",
+                     patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3),
+}
+GRIDS = [(1, 8, 8), (2, 4, 6), (1, 2, 2), (1, 6, 4)]  # item 1 is a two-frame video
+POISONS = [float("nan"), float("inf"), float("-inf")]
+PADDING = 40  # rows past the items, as a bucket has
+CPU_BACKENDS = [b for b in BACKENDS if b in available_backends("cpu")]
+
+
+def encoder(family: str, attention: str, device: str = "cpu", dtype=torch.float32, **options):
+    config = family_for(family).config.from_dict({"model_type": family, "vision_config": FAMILIES[family]})
+    return GraphedVisionEncoder.from_config(config, device=device, dtype=dtype, attention=attention,
+                                            progress=False, **options)
+
+
+def item_rows(grids, unit=1):
+    """Each item's ``(start, stop)`` rows, in pixel rows / ``unit``."""
+    spans, start = [], 0
+    for t, h, w in grids:
+        spans.append((start // unit, (start + t * h * w) // unit))
+        start += t * h * w
+    return spans
+
+
+def pixels_for(enc, grids, device="cpu", dtype=torch.float32):
+    rows = sum(t * h * w for t, h, w in grids)
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(rows, enc.tower.input_width, generator=g).to(device, dtype)
+
+
+def poisoned(pixels, grids, item, value, seed=0):
+    """``pixels`` with ``value`` in a few places of ``item``'s rows (a copy)."""
+    start, stop = item_rows(grids)[item]
+    out = pixels.clone()
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(start, stop, (3,), generator=g)
+    cols = torch.randint(0, pixels.shape[1], (3,), generator=g)
+    out[rows, cols] = value
+    return out
+
+
+def padded_forward(tower, pixels, grids):
+    """The tower's forward on the padded layout a bucket gives (spare rows, frame slots and a
+    loose ``max_seqlen``), NaN in the padding rows; the rows of the items."""
+    real = pixels.shape[0]
+    pad = torch.full((PADDING, pixels.shape[1]), float("nan"), device=pixels.device, dtype=pixels.dtype)
+    batch = tower.build_batch(grids, num_tokens=real + PADDING, num_segments=len(grids) + 3,
+                              max_seqlen=real + PADDING)
+    with torch.no_grad():
+        return tower(torch.cat([pixels, pad]), batch.to(pixels.device))[:real // tower.merge_unit]
+
+
+def assert_isolated(run, enc, pixels, grids, label):
+    """For each item and poison: every other item's output is bitwise the clean one's, and the
+    poisoned item's is not finite."""
+    clean = run(pixels)
+    spans = item_rows(grids, enc.tower.merge_unit)
+    assert torch.isfinite(clean).all(), label
+    for item in range(len(grids)):
+        for value in POISONS:
+            got = run(poisoned(pixels, grids, item, value))
+            for other, (start, stop) in enumerate(spans):
+                if other == item:
+                    assert not torch.isfinite(got[start:stop]).all(), f"{label}: item {item} {value} came out finite"
+                else:
+                    assert torch.equal(got[start:stop], clean[start:stop]), (
+                        f"{label}: {value} in item {item} changed item {other}")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_non_finite_item_leaves_the_others_bitwise_unchanged_on_the_cpu(family, backend):
+    enc = encoder(family, backend)
+    pixels = pixels_for(enc, GRIDS)
+    assert_isolated(lambda p: padded_forward(enc.tower, p, GRIDS), enc, pixels, GRIDS, f"{family}/{backend} padded")
+    # The exact layout, one segment after another, and through the encoder's own call.
+    assert_isolated(lambda p: enc.encode(p, GRIDS), enc, pixels, GRIDS, f"{family}/{backend} encode")
+
+
+def test_the_masked_product_keeps_segments_apart():
+    """attend's dense masked product on its own: a non-finite q, k or v in one segment leaves the
+    other segments' rows bitwise unchanged and marks its own segment's rows NaN."""
+    from vitgraph.ops.attention import attend
+
+    class Batch:  # three segments and two padding rows
+        cu_seqlens = torch.tensor([0, 5, 9, 16, 16], dtype=torch.int32)
+        segment_ids = torch.tensor([0] * 5 + [1] * 4 + [2] * 7 + [-1] * 2, dtype=torch.int32)
+        max_seqlen, segment_lengths, padded, dense = 18, None, True, False
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(18, 2, 8, generator=g) for _ in range(3))
+    clean = attend("sdpa", q, k, v, Batch())
+    for which in range(3):
+        for value in POISONS:
+            qkv = [q.clone(), k.clone(), v.clone()]
+            qkv[which][6, 1, 3] = value  # segment 1
+            got = attend("sdpa", *qkv, Batch())
+            assert torch.equal(got[:5], clean[:5]) and torch.equal(got[9:16], clean[9:16]), (which, value)
+            assert got[5:9].isnan().all(), (which, value)
+
+
+CUDA_BACKENDS = [b for b in BACKENDS if torch.cuda.is_available() and b in available_backends("cuda")]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_non_finite_item_leaves_the_others_bitwise_unchanged_on_cuda(family, backend, fuse):
+    """Every backend, in bf16, fused and reference forward: the padded layout eager (packed and,
+    for one item alone, a one-slot layout), then replayed from graphs (dense and packed buckets,
+    the cudnn backend's ragged attention and the dense variants)."""
+    if fuse and family != "qwen2_vl":
+        fuse = None  # the others have one forward
+    kwargs = dict(budgets=[64, 256, 1024], max_items=8, dense_max_tokens=1024, route_to_faster_buckets=False)
+    enc = encoder(family, backend, "cuda", torch.bfloat16, mode="graph", fuse=fuse, **kwargs)
+    pixels = pixels_for(enc, GRIDS, "cuda", torch.bfloat16)
+    label = f"{family}/{backend}/fuse={fuse}"
+    assert_isolated(lambda p: padded_forward(enc.tower, p, GRIDS), enc, pixels, GRIDS, f"{label} padded")
+    assert_isolated(lambda p: enc.encode(p, GRIDS).clone(), enc, pixels, GRIDS, f"{label} graph")
+    one = GRIDS[:1] + GRIDS[2:3]  # small items alone in a step: dense buckets where there are
+    assert_isolated(lambda p: enc.encode(p, one).clone(), enc, pixels[:sum(t * h * w for t, h, w in one)], one,
+                    f"{label} graph, small")
