@@ -298,8 +298,10 @@ def test_encode_images_names_the_bad_item():
         enc.encode_images(videos=[[IMAGE, IMAGE], IMAGE])
     with pytest.raises(TypeError, match="videos must be a list"):
         enc.encode_images(videos=IMAGE)
-    with pytest.raises(TypeError, match=r"images\[1\]"):
+    with pytest.raises(ValueError, match=r"images\[1\]: not an image: no such file"):  # a str is a path
         enc.encode_images([IMAGE, "not an image"])
+    with pytest.raises(TypeError, match=r"images\[1\] must be a PIL image"):
+        enc.encode_images([IMAGE, 3.5])
     with pytest.raises(ValueError, match=r"videos\[0\]\[1\]"):
         enc.encode_images(videos=[[IMAGE, Image.new("RGB", (0, 0))]])
     with pytest.raises(ValueError, match="min_pixels"):

@@ -142,7 +142,8 @@ def test_the_checkpoints_processor_files_override_the_defaults(tmp_path):
 
 
 @pytest.mark.parametrize("raw, field", [({"patch_size": 0}, "patch_size"), ({"image_std": [1, 0, 1]}, "image_std"),
-                                        ({"size": {"longest_edge": -1}}, "max_pixels"),
+                                        ({"size": {"shortest_edge": 1024, "longest_edge": -1}}, "max_pixels"),
+                                        ({"size": {"longest_edge": 4096}}, "shortest_edge"),
                                         ({"merge_size": "2"}, "merge_size"), ([1, 2], "JSON object")])
 def test_a_bad_video_preprocessor_config_is_refused_by_file_and_field(tmp_path, raw, field):
     ckpt = write_checkpoint(tmp_path / "c", hf_tower("qwen4_exp"), "qwen4_exp")
