@@ -170,6 +170,26 @@ def test_rotary_zero_padding_clears_padding_rows_only():
         kernels.rotary_(qkv, cos, sin, heads, zero_padding=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_zero_padding_zeroes_the_non_finite_values_of_v_only(dtype):
+    """Every non-finite value of v becomes 0 (FlashAttention 4 multiplies the next segment's
+    values by 0); its finite values, and q and k, stay as they were."""
+    rows, heads, head_dim = 12, 2, 8
+    qkv, cos, sin = _qkv_case(rows, heads, head_dim, dtype, seed=5)
+    view = qkv.view(rows, 3, heads, head_dim)
+    view[2, 2, 1, 3] = float("nan")
+    view[4, 2, 0, 0] = float("inf")
+    view[7, 2, 1, 6] = float("-inf")
+    view[9, 0, 0, 1] = float("nan")  # in q: left to attention, where it stays inside its segment
+    segment_ids = (torch.arange(rows, device=DEVICE) // 4).to(torch.int32)
+    expect_v = torch.nan_to_num(view[:, 2].clone(), nan=0.0, posinf=0.0, neginf=0.0)
+    expect_q, expect_k = apply_rotary(view[:, 0].clone(), view[:, 1].clone(), cos, sin)
+    q, k, v = kernels.rotary_(qkv, cos, sin, heads, segment_ids, zero_padding=True)
+    assert torch.equal(v, expect_v)
+    assert torch.isnan(q[9]).any() and torch.equal(q[:9].isfinite(), expect_q[:9].isfinite())
+    assert rel_err(k, expect_k) <= TOL[dtype]
+
+
 def test_rotary_lane_masks_padding_keys():
     """q/k get an extra lane; attention through it equals exact attention over the real rows,
     even when the padding rows hold NaN."""

@@ -222,8 +222,12 @@ class FusedForward:
                 out = cudnn_attention.ragged_attention(qkv.view(rows, 3, cfg.num_heads, -1), ragged,
                                                        batch.max_seqlen)
             else:
+                finite = zero_padding  # the rotary kernel zeroed v's non-finite values too
+                if rope_epilogue and attn.backend == "fa4" and not batch.dense:  # the GEMM's epilogue did not
+                    finite_values_(v)
+                    finite = True
                 out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding or rope_epilogue,
-                             tuning=self.tuning.attention)
+                             tuning=self.tuning.attention, values_finite=finite)
             del q, k, v, qkv
             if bias_free:
                 x.addmm_(out.reshape(rows, -1), attn.proj.weight.t())

@@ -28,11 +28,13 @@ def rotary_attention(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torc
 def fused_attention(h: torch.Tensor, attn: nn.Module, heads: int, cos: torch.Tensor, sin: torch.Tensor,
                     backend: str, segments, tuning: AttentionTuning) -> torch.Tensor:
     """The same in the fused forward: qkv's GEMM, the rotary kernel in place (zeroing padding
-    rows where FlashAttention 4 reads them past a segment's end), attention on views of qkv."""
+    rows and v's non-finite values where FlashAttention 4 reads them past a segment's end),
+    attention on views of qkv."""
     qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
     zero = segments.padded and backend == "fa4"
     q, k, v = kernels.rotary_(qkv, cos, sin, heads, segments.segment_ids if zero else None, zero_padding=zero)
-    return attend(backend, q, k, v, segments, padding_zeroed=zero, tuning=tuning).reshape(h.shape[0], -1)
+    return attend(backend, q, k, v, segments, padding_zeroed=zero, tuning=tuning,
+                  values_finite=zero).reshape(h.shape[0], -1)
 
 
 class ReferenceTower(RotaryFrequencies, nn.Module):

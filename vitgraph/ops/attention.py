@@ -331,12 +331,14 @@ def _isolated_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch
 
 
 def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: SegmentedBatch,
-           padding_zeroed: bool = False, tuning: AttentionTuning = DEFAULT_ATTENTION) -> torch.Tensor:
+           padding_zeroed: bool = False, tuning: AttentionTuning = DEFAULT_ATTENTION,
+           values_finite: bool = False) -> torch.Tensor:
     """Non-causal attention inside each segment of ``batch.cu_seqlens``. ``padding_zeroed``: the
-    caller has zeroed the padding rows of ``v`` (FlashAttention 4 reads them, weighted 0).
+    caller has zeroed the padding rows of ``v`` (FlashAttention 4 reads them, weighted 0);
+    ``values_finite``: and every non-finite value of ``v`` (the rotary kernel's ``zero_padding``).
     ``tuning``: the tower's (FlashAttention 4's tiles)."""
     if backend == "fa4":
-        if not batch.dense:  # FA4 weighs the next segment's values 0 past a segment's end: finite only
+        if not batch.dense and not values_finite:  # FA4 weighs the next segment's values 0: finite only
             v = finite_values(v)
         if batch.padded and not padding_zeroed:
             v = torch.where((batch.segment_ids >= 0)[:, None, None], v, 0.0)

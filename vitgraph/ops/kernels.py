@@ -155,7 +155,7 @@ if available():
     def _rotary_kernel(pair_ptr, cos_ptr, sin_ptr, seg_ptr, q_ptr, k_ptr, rows, pad_score,
                        H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, LANE: tl.constexpr, ZERO_PAD: tl.constexpr,
-                       BITS: tl.constexpr):
+                       BITS: tl.constexpr, FINITE_V: tl.constexpr = False):
         # qkv keeps the two dims a rotation mixes side by side (the tower's interleaved layout),
         # so it is read as one integer per pair: tile [rows, heads, pairs], contiguous, no gathers.
         dtype = q_ptr.dtype.element_ty
@@ -182,7 +182,15 @@ if available():
             pad = tl.load(seg_ptr + r, mask=row_ok, other=-1) < 0
             zero = tl.zeros_like(oq)
             oq, ok = tl.where(pad, zero, oq), tl.where(pad, zero, ok)
-            tl.store(pair_ptr + src + 2 * H * half, zero, mask=mask & pad)
+            if FINITE_V:
+                # And v's non-finite values 0: a key tile past a segment's end weighs the next
+                # segment's values 0, and 0 * NaN would carry one item's NaN into another's rows.
+                v0, v1 = _unpack_pair(tl.load(pair_ptr + src + 2 * H * half, mask=mask, other=0), dtype, BITS)
+                v0 = tl.where(((v0 - v0) == 0.0) & ~pad, v0, 0.0)  # x - x is 0 only for finite x
+                v1 = tl.where(((v1 - v1) == 0.0) & ~pad, v1, 0.0)
+                tl.store(pair_ptr + src + 2 * H * half, _pack_pair(v0, v1, dtype, BITS), mask=mask)
+            else:
+                tl.store(pair_ptr + src + 2 * H * half, zero, mask=mask & pad)
         if LANE:
             # New q, k [rows, H, DP]: the rotated pairs, then lanes whose first masks padding
             # keys: every real query gives a padding key (pad_score) exactly zero weight.
@@ -293,7 +301,8 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
     ``[T, D/2]``, one angle per rotated pair (:meth:`Qwen2VisionTower.rotary`).
 
     Without ``lane_dim``: rotates in place and returns ``(q, k, v)`` views ``[T, H, D]`` of ``qkv``;
-    with ``zero_padding`` it also zeroes q, k and v of the rows whose ``segment_ids < 0``.
+    with ``zero_padding`` it also zeroes q, k and v of the rows whose ``segment_ids < 0``, and
+    every non-finite value of v (FlashAttention 4 multiplies values past a segment's end by 0).
     With ``lane_dim = DP > D``: returns new ``q, k [T, H, DP]`` whose lane ``D`` masks padding keys
     (rows with ``segment_ids < 0``), and ``v``, a view of ``qkv`` with padding rows zeroed.
     """
@@ -320,7 +329,8 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
         _rotary_kernel[(triton.cdiv(rows, per),)](
             qkv.view(_PAIR_TYPES[bits]), cos, sin, segment_ids if segment_ids is not None else cos, q_out, k_out,
             rows, PAD_KEY_SCORE, H=num_heads, D=head_dim, DP=dp, BLOCK_H=block_h, BLOCK_HALF=block_half, ROWS=per,
-            LANE=lane_dim is not None, ZERO_PAD=zero_padding or lane_dim is not None, BITS=bits, num_warps=4)
+            LANE=lane_dim is not None, ZERO_PAD=zero_padding or lane_dim is not None, BITS=bits,
+            FINITE_V=zero_padding and lane_dim is None, num_warps=4)
     if lane_dim is None:
         return views
     return q_out, k_out, views[2]
