@@ -104,3 +104,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def diff_report(a: torch.Tensor, b: torch.Tensor) -> str:
     d = (a.double() - b.double()).abs()
     return f"max abs diff {d.max().item():.3e}, mean {d.mean().item():.3e}, rel {rel_err(a, b):.3e}"
+
+
+def run_eager(bank, bucket):
+    """The forward a bucket's graph holds, run eagerly on the bank's static buffers."""
+    with torch.inference_mode():
+        return bank.model(bank.pixels_view(bucket), bank.batch_view(bucket))

@@ -10,13 +10,13 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import diff_report, hf_forward, hf_tower, random_pixels, rel_err, vision_state
+from helpers import diff_report, hf_forward, hf_tower, random_pixels, rel_err, run_eager, vision_state
 
 import vitgraph.ops.gemm
 from vitgraph import GraphedVisionEncoder
 from vitgraph.ops import kernels
 from vitgraph.ops.attention import available_backends
-from vitgraph.engine.planner import Bucket
+from vitgraph.engine.planner import Bucket, padded_batch
 from vitgraph.config import PRESETS
 from vitgraph.ops.gemm import linear_qkv, linear_quick_gelu, quack_available
 
@@ -98,7 +98,7 @@ def test_every_bucket_replay_is_bitwise_equal_to_eager_on_the_same_buffers(graph
     for bucket in bank.buckets:
         grids, tokens = load_random_frames(bank, bucket, rng)
         replayed = bank.replay(bucket)[:tokens // 4].clone()
-        eager = bank.run_eager(bucket)[:tokens // 4]
+        eager = run_eager(bank, bucket)[:tokens // 4]
         assert torch.equal(replayed, eager), f"bucket {bucket.name}: {diff_report(replayed, eager)}"
         print(f"\n[bitwise] bucket {bucket.name:>7}: {len(grids)} frames, {tokens} tokens, replay == eager")
 
@@ -120,7 +120,7 @@ def test_layernorm_launching_its_dependents_changes_no_bit(graph_enc):
             _, tokens = load_random_frames(bank, bucket, rng)
             replayed = bank.replay(bucket)[:tokens // 4].clone()
             graph_enc.tower.set_tuning(plain_way)
-            plain = bank.run_eager(bucket)[:tokens // 4]
+            plain = run_eager(bank, bucket)[:tokens // 4]
             graph_enc.tower.set_tuning(tuned)
             assert torch.equal(replayed, plain), f"bucket {bucket.name}: {diff_report(replayed, plain)}"
     finally:
@@ -176,7 +176,7 @@ def load_frames(bank, bucket, grids):
     """Load random pixels of ``grids`` into ``bucket``'s buffers; returns (grids, tokens)."""
     tokens = sum(t * h * w for t, h, w in grids)
     pixels = random_pixels(grids, width=1176, seed=bucket.tokens).cuda().bfloat16()
-    bank.load(bucket, pixels, bank.stage_grids(bucket, grids))
+    bank.load(bucket, pixels, bank.stage(padded_batch(bank.model, bucket, grids)))
     return grids, tokens
 
 
@@ -202,7 +202,8 @@ def test_single_frames_follow_the_routing_measured_at_capture(weights, graph_enc
     measured = graph_enc.stats()["single_frame_packed_below"]
     print(f"\n[routing] single frames to the packed bucket below: {measured}")
     assert set(measured) <= {1024} and all(0 < n <= 1025 for n in measured.values())
-    assert graph_enc.bank.time_replay(graph_enc.buckets[0], [(1, 2, 2)]) > 0
+    bucket = graph_enc.buckets[0]
+    assert graph_enc.bank.time_replay(bucket, graph_enc.bank.stage(padded_batch(graph_enc.tower, bucket, [(1, 2, 2)]))) > 0
     # Force the 512 budget's single frames into its packed bucket: same numbers, other graph.
     enc = make(weights, mode="graph", budgets=[256, 512], route_single_frames=False)
     assert enc.stats()["single_frame_packed_below"] == {}
@@ -255,7 +256,7 @@ def _poison_and_check(graph_enc, eager_enc):
     # Run the largest graph on NaN pixels with no real segment: every activation in the
     # shared pool becomes NaN. Then poison the static pixel buffer's padding rows too.
     bank.static_pixels.fill_(float("nan"))
-    bank.load(largest, bank.static_pixels[:0], bank.stage_grids(largest, []))
+    bank.load(largest, bank.static_pixels[:0], bank.stage(padded_batch(bank.model, largest, [])))
     bank.replay(largest)
     torch.cuda.synchronize()
     bank.static_pixels.fill_(float("nan"))
@@ -271,7 +272,7 @@ def _poison_and_check(graph_enc, eager_enc):
 def test_load_refuses_metadata_staged_for_another_bucket(graph_enc, eager_enc):
     bank = graph_enc.bank
     small, large = bank.buckets[0], bank.buckets[-1]
-    staged = bank.stage_grids(small, [(1, 2, 2)])
+    staged = bank.stage(padded_batch(bank.model, small, [(1, 2, 2)]))
     with pytest.raises(ValueError, match="staged metadata"):
         bank.load(large, bank.static_pixels[:0], staged)
     grids = [(1, 4, 6)]
@@ -707,7 +708,7 @@ def test_short_frame_buckets_replay_bitwise_and_take_short_steps(weights, eager_
         grids, tokens = load_random_frames(enc.bank, bucket, rng) if bucket.max_seqlen == bucket.tokens else \
             _load_short_frames(enc.bank, bucket)
         replayed = enc.bank.replay(bucket)[:tokens // 4].clone()
-        eager = enc.bank.run_eager(bucket)[:tokens // 4]
+        eager = run_eager(enc.bank, bucket)[:tokens // 4]
         assert torch.equal(replayed, eager), f"bucket {bucket.name}: {diff_report(replayed, eager)}"
     short = [(1, 8, 8), (1, 6, 10), (1, 10, 12)]  # 244 tokens, longest frame 120
     long = [(1, 8, 8), (1, 12, 12)]  # 208 tokens, longest frame 144

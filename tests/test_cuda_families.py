@@ -12,9 +12,10 @@ import random
 
 import pytest
 import torch
-from helpers import diff_report, randomize_, rel_err
+from helpers import diff_report, randomize_, rel_err, run_eager
 
 from vitgraph import GraphedVisionEncoder
+from vitgraph.engine.planner import padded_batch
 from vitgraph.ops.attention import available_backends
 
 pytestmark = pytest.mark.cuda
@@ -132,9 +133,10 @@ def test_every_bucket_replay_is_bitwise_equal_to_eager_on_the_same_buffers(graph
             grids.append(g)
         grids = grids or [(1, 2, 2)]
         tokens = sum(t * h * w for t, h, w in grids)
-        bank.load(bucket, pixels_for(graph_enc, grids, bucket.tokens).bfloat16(), bank.stage_grids(bucket, grids))
+        staged = bank.stage(padded_batch(bank.model, bucket, grids))
+        bank.load(bucket, pixels_for(graph_enc, grids, bucket.tokens).bfloat16(), staged)
         replayed = bank.replay(bucket)[:tokens // 4].clone()
-        eager = bank.run_eager(bucket)[:tokens // 4]
+        eager = run_eager(bank, bucket)[:tokens // 4]
         assert replayed.shape[1] == graph_enc.output_width
         assert torch.equal(replayed, eager), f"bucket {bucket.name}: {diff_report(replayed, eager)}"
         print(f"\n[bitwise] bucket {bucket.name:>7}: {len(grids)} frames, {tokens} tokens, replay == eager")
@@ -167,7 +169,7 @@ def test_poisoned_pool_and_padding_never_reach_outputs(weights, backend):
     bank = enc.bank
     largest = bank.buckets[-1]
     bank.static_pixels.fill_(float("nan"))
-    bank.load(largest, bank.static_pixels[:0], bank.stage_grids(largest, []))
+    bank.load(largest, bank.static_pixels[:0], bank.stage(padded_batch(bank.model, largest, [])))
     bank.replay(largest)
     torch.cuda.synchronize()
     bank.static_pixels.fill_(float("nan"))

@@ -30,17 +30,17 @@ def modules() -> dict[str, Path]:
 
 
 def imports_of(path: Path, known: set[str]) -> set[str]:
-    """The vitgraph modules ``path`` imports anywhere in it (functions too), except under
-    ``if TYPE_CHECKING:``."""
+    """The vitgraph modules ``path`` imports anywhere in it: at the top, inside functions and
+    under ``if TYPE_CHECKING:`` alike (a cycle through any of them is still a cycle), and the
+    modules a lazy ``_EXPORTS`` table names."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     tree = ast.parse(path.read_text())
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-               and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
+        if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets)
+                and isinstance(node.value, ast.Dict)):
+            found |= {package + v.value if v.value.startswith(".") else v.value for v in node.value.values}
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("vitgraph")}
         elif isinstance(node, ast.ImportFrom):
@@ -74,6 +74,21 @@ def test_dependencies_point_one_way():
             assert all(d.startswith(allowed) for d in deps), (name, deps)
             assert not any(d in ("vitgraph.engine.graphs", "vitgraph.engine.planner") for d in deps)
     assert edges["vitgraph.models.qwen2_vl"] and edges["vitgraph.engine.graphs"]  # the scan sees imports
+
+
+ENGINE_ALONE = r"""
+import sys
+import vitgraph.engine, vitgraph.engine.planner, vitgraph.engine.contract
+heavy = sorted(m for m in sys.modules if m.startswith(("vitgraph.models", "vitgraph.ops", "vitgraph.encoder", "PIL",
+                                                       "triton", "transformers", "safetensors", "huggingface_hub")))
+print(heavy)
+"""
+
+
+def test_importing_the_engine_loads_no_model_no_pil_no_triton():
+    out = subprocess.run([sys.executable, "-c", ENGINE_ALONE], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_no_import_cycles():
@@ -159,19 +174,22 @@ def test_both_towers_keep_the_contract():
 
 @pytest.mark.cuda
 def test_the_engine_captures_a_tower_that_is_not_qwen():
+    from helpers import run_eager
     from vitgraph.engine import GraphBank, make_buckets
+    from vitgraph.engine.planner import padded_batch
 
     torch.manual_seed(0)
     tower = MeanPoolTower().cuda().eval()
-    bank = GraphBank(tower, make_buckets([64, 128], 4, tower.merge_unit), torch.device("cuda"), torch.float32)
+    layouts = {b: padded_batch(tower, b) for b in make_buckets([64, 128], 4, tower.merge_unit)}
+    bank = GraphBank(tower, layouts, torch.device("cuda"), torch.float32)
     bank.capture(progress=False)
     assert len(bank.buckets) == 2
     grids = [(1, 4, 6), (2, 2, 4), (1, 6, 2)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), 12, device="cuda")
     exact = tower(pixels, tower.build_batch(grids).to("cuda"))
     for bucket in bank.buckets:
-        bank.load(bucket, pixels, bank.stage_grids(bucket, grids))
-        eager = bank.run_eager(bucket)[:exact.shape[0]].clone()
+        bank.load(bucket, pixels, bank.stage(padded_batch(bank.model, bucket, grids)))
+        eager = run_eager(bank, bucket)[:exact.shape[0]].clone()
         replayed = bank.replay(bucket)[:exact.shape[0]]
         assert torch.equal(replayed, eager)
         assert torch.allclose(replayed, exact, atol=1e-5), (replayed - exact).abs().max()

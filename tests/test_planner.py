@@ -197,17 +197,19 @@ def test_routing_thresholds_follow_the_measured_times():
 
     margin = 1 - RoutingTuning().margin  # packed must beat dense x (1 - margin)
     bank = FakeBank({1024: 1.5 / margin, 2048: 5.0 / margin, 4096: 100.0})
-    got = single_frame_thresholds(bank, lambda n: (1, 2, n // 2), unit=4)
+    got = single_frame_thresholds(bank.buckets, bank.time_replay, lambda n: (1, 2, n // 2), unit=4)
     # 1024 (frames of 4..1024 tokens land there: no smaller budget): packed wins below
     # sqrt(0.5) * 1000 = 707 tokens; the interpolation in n^2 is exact for this fake.
     assert 705 <= got[1024] <= 708
     assert got[2048] == 2000  # packed 1 + n^2 = 5 at n = 2000: interpolation in n^2 is exact here
     assert got[4096] == 4097  # packed wins even at a full bucket
     assert ("4096x16", 2052) not in bank.calls  # no low-fill timing needed there
-    assert single_frame_thresholds(FakeBank({1024: 0.5, 2048: 0.5, 4096: 0.5}), lambda n: (1, 2, n // 2), 4) == {}
+    quick = FakeBank({1024: 0.5, 2048: 0.5, 4096: 0.5})
+    assert single_frame_thresholds(quick.buckets, quick.time_replay, lambda n: (1, 2, n // 2), 4) == {}
     # A tie within the margin stays dense: packed at full fill 1.1% faster is not enough to
     # move frames that fill the bucket, only smaller ones.
-    tie = single_frame_thresholds(FakeBank({1024: 2.05, 2048: 100.0, 4096: 100.0}), lambda n: (1, 2, n // 2), 4)
+    even = FakeBank({1024: 2.05, 2048: 100.0, 4096: 100.0})
+    tie = single_frame_thresholds(even.buckets, even.time_replay, lambda n: (1, 2, n // 2), 4)
     assert tie[1024] < 1024
 
 
@@ -245,7 +247,7 @@ def test_faster_next_buckets_follow_the_measured_times():
     margin = 1 - tuning.faster_next_margin
     bank = FakeBank({256: 1.0, 320: 1.2, 352: 1.1, 384: 1.2 * margin * 1.001, 416: 1.2 * margin, 4096: 9.0,
                      4608: 1.0})
-    got = faster_next_buckets(bank, lambda n: (1, 2, n // 2), tuning)
+    got = faster_next_buckets(bank.buckets, bank.time_replay, lambda n: (1, 2, n // 2), tuning)
     # 320 -> 352 (8% faster); 352 -> 384 no (slower); 384 -> 416 by exactly the margin, not enough;
     # 416 -> 4096 no (slower); 4096 -> 4608 is above faster_next_max_tokens: not timed at all.
     assert got == {Bucket(320, 16): Bucket(352, 16)}
@@ -253,11 +255,13 @@ def test_faster_next_buckets_follow_the_measured_times():
     assert ("352x16", 320) in bank.calls and ("320x16", 320) in bank.calls  # the pair on the smaller's input
     assert ("4096x16", 416) in bank.calls and not any(n == 4096 or name.startswith("4608") for name, n in bank.calls)
     assert len([c for c in bank.calls if c == ("320x16", 320)]) == tuning.faster_next_reps
-    assert faster_next_buckets(FakeBank({256: 1.0, 512: 2.0}), lambda n: (1, 2, n // 2)) == {}
+    small = FakeBank({256: 1.0, 512: 2.0})
+    assert faster_next_buckets(small.buckets, small.time_replay, lambda n: (1, 2, n // 2)) == {}
     slow_first = {256: 2.0, 512: 1.0}
-    assert faster_next_buckets(FakeBank(slow_first), lambda n: (1, 2, n // 2)) == {Bucket(256, 16): Bucket(512, 16)}
+    slow = FakeBank(slow_first)
+    assert faster_next_buckets(slow.buckets, slow.time_replay, lambda n: (1, 2, n // 2)) == {Bucket(256, 16): Bucket(512, 16)}
     off = RoutingTuning(faster_next_max_tokens=0)  # what ab_setting.py routing.faster_next_max_tokens=0 builds
-    assert faster_next_buckets(FakeBank(slow_first), lambda n: (1, 2, n // 2), off) == {}
+    assert faster_next_buckets(slow.buckets, slow.time_replay, lambda n: (1, 2, n // 2), off) == {}
 
 
 def test_large_single_frames_run_eagerly_at_their_exact_shape():

@@ -1,11 +1,20 @@
-"""vitgraph: the Qwen2-VL vision encoder, replayed from CUDA graphs."""
+"""vitgraph: the vision encoders of the Qwen VL families (ViT plus patch merger), replayed from
+CUDA graphs. Importing a part costs only that part: the names below load on first use."""
 
-from .config import VisionConfig
-from .encoder import GraphedVisionEncoder
-from .models.qwen2_vl import Qwen2VisionTower, VisionBatch
-from .preprocess import preprocess_images, preprocess_video, smart_resize
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["GraphedVisionEncoder", "Qwen2VisionTower", "VisionBatch", "VisionConfig", "__version__",
-           "preprocess_images", "preprocess_video", "smart_resize"]
+_EXPORTS = {"GraphedVisionEncoder": ".encoder", "VisionConfig": ".models.qwen2_vl", "Qwen2VisionTower": ".models.qwen2_vl",
+            "VisionBatch": ".models.qwen2_vl", "preprocess_images": ".preprocess", "preprocess_video": ".preprocess",
+            "smart_resize": ".preprocess"}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module 'vitgraph' has no attribute {name!r}")

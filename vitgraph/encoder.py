@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import os
 import threading
@@ -11,14 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 import time
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from .config import VisionConfig
 from .models import FAMILIES, PRESETS, family_for, family_of
 from .engine.graphs import GraphBank
-from .engine.planner import Bucket, Plan, Step, plan_call
+from .engine.planner import Bucket, Plan, Step, padded_batch, plan_call
 from .engine.routing import faster_next_buckets, single_frame_thresholds
 from .loading import (build_tower, find_checkpoint, load_tower, read_config, read_processor, read_video_processor,
                       tower_from_state_dict)
@@ -41,7 +40,7 @@ def _start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype,
 @dataclass
 class _Prepared:
     plan: Plan
-    staged: list  # per step: GraphBank.stage_grids() of its padded metadata, None for an eager step
+    staged: list  # per step: GraphBank.stage() of its padded metadata, None for an eager step
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +136,8 @@ class GraphedVisionEncoder:
         self._precompile_seconds = 0.0
         self._counters = _Counters()
         if self.use_graphs:
-            self.bank = GraphBank(self.tower, self.requested_buckets, self.device, self.dtype, self.tuning.capture)
+            layouts = {b: padded_batch(self.tower, b) for b in self.requested_buckets}  # empty: for capture
+            self.bank = GraphBank(self.tower, layouts, self.device, self.dtype, self.tuning.capture)
             if self.options.capture:
                 self.capture()
 
@@ -202,6 +202,13 @@ class GraphedVisionEncoder:
             tower = build_tower(config, device, torch.float32)
         return cls(tower, device=device, dtype=dtype, **options)
 
+    def _stage(self, bucket: Bucket, grids):
+        """``grids``' metadata laid out for ``bucket``, flat, as the bank loads it (host work)."""
+        return self.bank.stage(padded_batch(self.tower, bucket, grids))
+
+    def _time_replay(self, bucket: Bucket, grids) -> float:
+        return self.bank.time_replay(bucket, self._stage(bucket, grids), reps=1)
+
     def capture(self) -> None:
         """Capture every bucket (largest first, one shared pool). Idempotent."""
         if self.bank is None:
@@ -223,10 +230,11 @@ class GraphedVisionEncoder:
                     return 1, merge, tokens // merge
 
                 if self.options.route_single_frames:
-                    self._packed_single_below = single_frame_thresholds(self.bank, frame, self.tower.merge_unit,
-                                                                        self.tuning.routing)
+                    self._packed_single_below = single_frame_thresholds(
+                        self.bank.buckets, self._time_replay, frame, self.tower.merge_unit, self.tuning.routing)
                 if self.options.route_to_faster_buckets:
-                    self._faster_next = faster_next_buckets(self.bank, frame, self.tuning.routing)
+                    self._faster_next = faster_next_buckets(self.bank.buckets, self._time_replay, frame,
+                                                            self.tuning.routing)
                 self._routing_seconds += time.perf_counter() - start
             self._prepared.clear()
             self._prepared_bytes = 0
@@ -259,8 +267,7 @@ class GraphedVisionEncoder:
         eager_padding = None if self.attention in plans.packed_eager_slower else plans.eager_min_padding
         plan = plan_call(grids, self.buckets, self.options.exact_eager_above, self._packed_single_below,
                          eager_padding, self._faster_next)
-        staged = [None if step.bucket is None else self.bank.stage_grids(step.bucket, step.grids)
-                  for step in plan.steps]
+        staged = [None if step.bucket is None else self._stage(step.bucket, step.grids) for step in plan.steps]
         prepared = _Prepared(plan, staged)
         with self._lock:
             if key not in self._prepared:
@@ -291,28 +298,17 @@ class GraphedVisionEncoder:
             return out if out is not None else self._new_output(0)
         if pixels.dtype == torch.uint8:  # 8x fewer bytes than fp32 rows to bring over
             pixels = self.device_rows(pixels)
+        result = out if out is not None else self._new_output(rows)
         unit = self.tower.merge_unit
-        result = out
-
-        def target_of(step: Step) -> torch.Tensor:
-            # Allocated once the first step is launched: before a replay's launch, every host
-            # op is time the GPU waits.
-            nonlocal result
-            if result is None:
-                result = self._new_output(rows)
-            if step.tokens == tokens:  # the whole call: no slice to make
-                return result
-            return result[step.token_offset // unit:(step.token_offset + step.tokens) // unit]
-
         prepared = self._prepare(grids)
         for step, staged in zip(prepared.plan.steps, prepared.staged):
-            step_pixels = pixels
-            if step.tokens != tokens:
-                step_pixels = pixels[step.token_offset:step.token_offset + step.tokens]
+            whole = step.tokens == tokens  # the whole call: no slice to make
+            step_pixels = pixels if whole else pixels[step.token_offset:step.token_offset + step.tokens]
+            target = result if whole else result[step.token_offset // unit:(step.token_offset + step.tokens) // unit]
             if step.bucket is None:
-                self._run_eager(step, step_pixels, functools.partial(target_of, step))
+                self._run_eager(step, step_pixels, target)
             else:
-                self._run_graph(step, staged, step_pixels, functools.partial(target_of, step))
+                self._run_graph(step, staged, step_pixels, target)
         return result
 
     @property
@@ -388,22 +384,22 @@ class GraphedVisionEncoder:
                                                          thread_name_prefix="vitgraph-images")
         return self._host_pool
 
-    def _run_eager(self, step: Step, pixels: torch.Tensor, target_of: Callable[[], torch.Tensor]) -> None:
+    def _run_eager(self, step: Step, pixels: torch.Tensor, target: torch.Tensor) -> None:
         batch = self.tower.build_batch(step.grids)
         batch = batch.to(self.device, non_blocking=True)
-        target_of().copy_(self.tower(pixels.to(self.device, non_blocking=True), batch))
+        target.copy_(self.tower(pixels.to(self.device, non_blocking=True), batch))
         with self._lock:
             self._counters.eager[step.reason or "eager"] += 1
 
-    def _run_graph(self, step: Step, staged, pixels: torch.Tensor, target_of: Callable[[], torch.Tensor]) -> None:
+    def _run_graph(self, step: Step, staged, pixels: torch.Tensor, target: torch.Tensor) -> None:
         bucket = step.bucket
         with self._lock:
             stream = torch.cuda.current_stream(self.device)
             if self._idle is not None:
                 stream.wait_event(self._idle)  # the previous replay's output copy is done reading the pool
-            self.bank.load_for_replay(bucket, pixels, staged)
+            self.bank.load(bucket, pixels, staged, replay=True)
             output = self.bank.replay(bucket)
-            target_of().copy_(output[:step.tokens // self.tower.merge_unit])
+            target.copy_(output[:step.tokens // self.tower.merge_unit])
             if self._idle is None:
                 self._idle = torch.cuda.Event()
             self._idle.record(stream)

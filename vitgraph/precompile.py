@@ -51,7 +51,7 @@ import torch
 
 from .ops import kernels
 from .ops.attention import FA4_CACHE_SWITCH, _has_fa4
-from .engine.graphs import padded_batch
+from .engine.planner import padded_batch
 from .engine.planner import Bucket
 from .config import VisionConfig
 from .ops.gemm import quack_available

@@ -1,8 +1,10 @@
 """CUDA-graph capture and replay over a bank of buckets. Knows nothing of Qwen.
 
-The model contract it uses: ``model.input_width``, ``model.output_width``, ``model.merge_unit``,
-``model.build_batch(grids, num_tokens=, num_segments=, max_seqlen=)`` and
-``model(pixels, batch)``.
+The run side of plan/run: the caller plans on the host (which bucket, the metadata laid out
+for it: :func:`vitgraph.engine.planner.padded_batch`) and hands the bank each bucket's empty
+layout at construction and a step's staged metadata at :meth:`GraphBank.load`; the bank only
+captures, loads and replays, calling the model's forward (and ``warm_up``) and nothing else of
+it. It reads ``model.input_width``, ``model.output_width`` and ``model.merge_unit``.
 
 Static buffers: pixel rows sized to the largest bucket (each bucket reads a prefix),
 and one flat int32 metadata buffer in which each bucket's tensors lie back to back,
@@ -28,12 +30,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Mapping
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .contract import BatchLayout, VisionTower
 from .planner import Bucket
 
 logger = logging.getLogger(__name__)
@@ -72,11 +75,11 @@ def _external_event() -> torch.cuda.Event | None:
         return None
 
 
-def padded_batch(model, bucket: Bucket, grids=()):
-    """Host metadata of ``grids`` in ``bucket``'s padded layout; none: the empty layout that
-    warm-up and capture run on."""
-    return model.build_batch(grids, num_tokens=bucket.tokens, num_segments=bucket.max_segments,
-                             max_seqlen=bucket.max_seqlen)
+def _int32_layout(layout: BatchLayout) -> BatchLayout:
+    for name, t in layout.tensors().items():
+        if t.dtype != torch.int32:
+            raise TypeError(f"the graph engine stages int32 metadata; {name} is {t.dtype}")
+    return layout
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -93,15 +96,17 @@ class CapturedGraph:
 class GraphBank:
     """Static buffers plus one captured graph per bucket."""
 
-    def __init__(self, model: torch.nn.Module, buckets: Sequence[Bucket], device: torch.device,
+    def __init__(self, model: VisionTower, layouts: Mapping[Bucket, BatchLayout], device: torch.device,
                  dtype: torch.dtype, tuning: CaptureTuning = CaptureTuning()) -> None:
+        """``layouts``: each bucket's empty padded layout (valid metadata for warm-up and capture;
+        :func:`vitgraph.engine.planner.padded_batch` with no grids)."""
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model = model
         self.tuning = tuning
         self.device = device
         self.dtype = dtype
-        self.requested = sorted(buckets)
+        self.requested = sorted(layouts)
         self.graphs: dict[Bucket, CapturedGraph] = {}
         self.dropped: dict[Bucket, str] = {}
         self.capture_seconds = 0.0
@@ -111,7 +116,7 @@ class GraphBank:
         # Every graph copies its result here, so no graph keeps its own output alive in the pool.
         self.static_output = torch.zeros(largest.tokens // model.merge_unit, model.output_width, device=device,
                                          dtype=dtype)
-        self._layouts = {b: self._layout(b) for b in self.requested}  # empty: valid metadata for capture
+        self._layouts = {b: _int32_layout(layouts[b]) for b in self.requested}
         sizes = {b: sum(t.numel() for t in layout.tensors().values()) for b, layout in self._layouts.items()}
         size = max(sizes.values())
         self.static_meta = torch.zeros(size, device=device, dtype=torch.int32)
@@ -143,13 +148,6 @@ class GraphBank:
         """Requested buckets with no graph yet (never captured, or dropped), largest first."""
         return [b for b in reversed(self.requested) if b not in self.graphs]
 
-    def _layout(self, bucket: Bucket):
-        layout = padded_batch(self.model, bucket)
-        for name, t in layout.tensors().items():
-            if t.dtype != torch.int32:
-                raise TypeError(f"the graph engine stages int32 metadata; {name} is {t.dtype}")
-        return layout
-
     @staticmethod
     def _carve(layout, flat: torch.Tensor):
         """``layout`` with each tensor replaced by a view of ``flat``, back to back in field order."""
@@ -171,22 +169,13 @@ class GraphBank:
         copies: its tensors back to back in field order. Callers may cache it per plan."""
         return np.concatenate([t.numpy().reshape(-1) for t in host_batch.tensors().values()])
 
-    def stage_grids(self, bucket: Bucket, grids) -> np.ndarray:
-        """:meth:`stage` of ``grids`` laid out for ``bucket``: what :meth:`load` takes for them."""
-        return self.stage(padded_batch(self.model, bucket, grids))
-
-    def load(self, bucket: Bucket, pixels: torch.Tensor, staged: np.ndarray) -> None:
+    def load(self, bucket: Bucket, pixels: torch.Tensor, staged: np.ndarray, *, replay: bool = False) -> None:
         """Copy one step's inputs into the static buffers, on the current stream (rows past
         ``pixels`` keep stale values: they lie outside every segment, so no real row reads them).
-        ``staged``: :meth:`stage` of a batch built for ``bucket``'s layout."""
-        self._load(bucket, pixels, staged, copy_metadata=True)
-
-    def load_for_replay(self, bucket: Bucket, pixels: torch.Tensor, staged: np.ndarray) -> None:
-        """:meth:`load` for a replay of ``bucket`` that follows at once: where the graphs copy
-        their metadata themselves, only the pixels are copied here and the metadata staged."""
-        self._load(bucket, pixels, staged, copy_metadata=not self.copies_metadata_in_graph)
-
-    def _load(self, bucket: Bucket, pixels: torch.Tensor, staged: np.ndarray, copy_metadata: bool) -> None:
+        ``staged``: :meth:`stage` of a batch built for ``bucket``'s layout. ``replay``: a replay
+        of ``bucket`` follows at once, so where the graphs copy their metadata themselves only
+        the pixels are copied here and the metadata staged."""
+        copy_metadata = not (replay and self.copies_metadata_in_graph)
         meta, pinned, pinned_np = self._meta_copy[bucket]
         if staged.shape != pinned_np.shape:
             raise ValueError(f"staged metadata has {staged.shape[0]} values; bucket {bucket.name} takes "
@@ -197,11 +186,6 @@ class GraphBank:
         if copy_metadata:
             meta.copy_(pinned, non_blocking=True)
             self._staged.record()
-
-    def run_eager(self, bucket: Bucket) -> torch.Tensor:
-        """The same forward the graph holds, run eagerly on the static buffers (for tests)."""
-        with torch.inference_mode():
-            return self.model(self.pixels_view(bucket), self.batch_view(bucket))
 
     def capture(self, *, pool_limit_bytes: int | None = None, progress: bool = True) -> None:
         """Capture every requested bucket, largest first, into one shared pool."""
@@ -336,11 +320,11 @@ class GraphBank:
             stream.synchronize()
         return torch.cuda.max_memory_allocated(self.device) - base
 
-    def time_replay(self, bucket: Bucket, grids, reps: int = 2) -> float:
-        """GPU milliseconds of one replay of ``bucket`` holding ``grids`` (the least of ``reps``
-        replays, timed by CUDA events). The pixel rows are whatever the static buffer holds: the
-        work does not depend on their values. Overwrites the static output."""
-        self.load(bucket, self.static_pixels[:0], self.stage_grids(bucket, grids))
+    def time_replay(self, bucket: Bucket, staged: np.ndarray, reps: int = 2) -> float:
+        """GPU milliseconds of one replay of ``bucket`` holding the ``staged`` metadata (the least
+        of ``reps`` replays, timed by CUDA events). The pixel rows are whatever the static buffer
+        holds: the work does not depend on their values. Overwrites the static output."""
+        self.load(bucket, self.static_pixels[:0], staged)
         stream = torch.cuda.current_stream(self.device)
         times = []
         for _ in range(reps):

@@ -285,3 +285,10 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
             left -= take
     flush()
     return plan
+
+
+def padded_batch(model, bucket: Bucket, grids=()):
+    """Host metadata of ``grids`` in ``bucket``'s padded layout (the tower's ``build_batch``);
+    no grids: the empty layout that warm-up and capture run on."""
+    return model.build_batch(grids, num_tokens=bucket.tokens, num_segments=bucket.max_segments,
+                             max_seqlen=bucket.max_seqlen)

@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
-from .graphs import GraphBank
 from .planner import Bucket, Grid
 
 @dataclass(frozen=True)
@@ -44,14 +43,16 @@ class RoutingTuning:
     faster_next_reps: int = 3  # interleaved replays of each, the least kept
 
 
-def single_frame_thresholds(bank: GraphBank, frame_grid: Callable[[int], Grid], unit: int,
+def single_frame_thresholds(buckets: Sequence[Bucket], time: Callable[[Bucket, list[Grid]], float],
+                            frame_grid: Callable[[int], Grid], unit: int,
                             tuning: RoutingTuning = RoutingTuning()) -> dict[int, int]:
     """``{budget: n}``: a single frame of fewer than ``n`` tokens replays faster in the packed
     bucket of that budget than in its dense one. Budgets without both graphs, or where the
-    dense one always wins, are left out. ``frame_grid(n)`` is a one-frame grid of ``n`` tokens
+    dense one always wins, are left out. ``time(bucket, grids)``: GPU ms of one replay of the
+    captured ``bucket`` holding ``grids``; ``frame_grid(n)`` is a one-frame grid of ``n`` tokens
     (``n`` a multiple of ``unit``)."""
     pairs: dict[int, dict[bool, Bucket]] = {}  # budget -> {dense?: bucket}
-    for b in bank.buckets:
+    for b in buckets:
         if b.max_seqlen == b.tokens:  # dense against the packed bucket that takes any frame
             pairs.setdefault(b.tokens, {})[b.max_segments == 1] = b
     thresholds = {}
@@ -62,12 +63,12 @@ def single_frame_thresholds(bank: GraphBank, frame_grid: Callable[[int], Grid], 
         if tokens < tuning.min_tokens or len(pair) != 2:
             continue
         dense, packed = pair[True], pair[False]
-        d = bank.time_replay(dense, [frame_grid(tokens)], reps=1) * (1 - tuning.margin)
-        p_full = bank.time_replay(packed, [frame_grid(tokens)], reps=1)
+        d = time(dense, [frame_grid(tokens)]) * (1 - tuning.margin)
+        p_full = time(packed, [frame_grid(tokens)])
         if p_full <= d:
             thresholds[tokens] = tokens + 1  # packed wins even for a frame that fills the bucket
             continue
-        p_low = bank.time_replay(packed, [frame_grid(low)], reps=1) if low < tokens else p_full
+        p_low = time(packed, [frame_grid(low)]) if low < tokens else p_full
         if p_low >= d:
             continue  # dense wins for every frame of this budget
         share = (d - p_low) / (p_full - p_low)
@@ -75,14 +76,15 @@ def single_frame_thresholds(bank: GraphBank, frame_grid: Callable[[int], Grid], 
     return thresholds
 
 
-def faster_next_buckets(bank: GraphBank, frame_grid: Callable[[int], Grid],
+def faster_next_buckets(buckets: Sequence[Bucket], time: Callable[[Bucket, list[Grid]], float],
+                        frame_grid: Callable[[int], Grid],
                         tuning: RoutingTuning = RoutingTuning()) -> dict[Bucket, Bucket]:
     """``{bucket: larger}``: packed buckets of up to ``tuning.faster_next_max_tokens`` tokens
     whose filling input (one frame, ``frame_grid(bucket.tokens)``) replays at least
     ``tuning.faster_next_margin`` faster in the next larger packed bucket, which holds every
     step the smaller one does. Each pair is timed on the same input, its replays interleaved
     so that both see the same clock."""
-    packed = sorted(b for b in bank.buckets if b.max_seqlen == b.tokens and b.max_segments > 1)
+    packed = sorted(b for b in buckets if b.max_seqlen == b.tokens and b.max_segments > 1)
     faster = {}
     for small, large in zip(packed, packed[1:]):
         if small.tokens > tuning.faster_next_max_tokens:
@@ -93,7 +95,7 @@ def faster_next_buckets(bank: GraphBank, frame_grid: Callable[[int], Grid],
         times = {small: [], large: []}
         for _ in range(tuning.faster_next_reps):
             for bucket in (small, large):
-                times[bucket].append(bank.time_replay(bucket, grids, reps=1))
+                times[bucket].append(time(bucket, grids))
         if min(times[large]) < min(times[small]) * (1 - tuning.faster_next_margin):
             faster[small] = large
     return faster

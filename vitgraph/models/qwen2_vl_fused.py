@@ -4,7 +4,7 @@ layout takes. A mixin of :class:`~vitgraph.models.qwen2_vl.Qwen2VisionTower`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
@@ -12,12 +12,13 @@ import torch.nn.functional as F
 
 from ..ops import cudnn_attention, kernels
 from ..ops.activations import ACTIVATIONS
-from ..ops.attention import FLASH_BACKENDS, LANE_PAD, attend, dense_masked, fa4_kernel, finite_values_
+from ..ops.attention import (FLASH_BACKENDS, LANE_PAD, SegmentedBatch, attend, dense_masked, fa4_kernel,
+                             finite_values_)
 from ..ops.gemm import (bias_free_stream, fc1_kernel, linear_qkv, linear_qkv_rope, linear_quick_gelu, linear_split_k,
                         qkv_kernel, qkv_rope_kernel, rope_in_gemm)
 
-if TYPE_CHECKING:
-    from .qwen2_vl import VisionBatch
+# The batch is Qwen2-VL's VisionBatch; typed by what attention reads of it (no import back into qwen2_vl).
+VisionBatch = SegmentedBatch
 
 
 class FusedPaths(NamedTuple):
