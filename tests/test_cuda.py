@@ -17,7 +17,7 @@ from vitgraph import GraphedVisionEncoder
 from vitgraph.ops import kernels
 from vitgraph.ops.attention import available_backends
 from vitgraph.engine.planner import Bucket, padded_batch
-from vitgraph.config import PRESETS
+from vitgraph.models import PRESETS
 from vitgraph.ops.gemm import linear_qkv, linear_quick_gelu, quack_available
 
 pytestmark = pytest.mark.cuda
@@ -566,7 +566,7 @@ def test_qkv_rope_epilogue_against_gemm_plus_triton_rotary():
     """qkv with the rotary in quack's epilogue against F.linear plus the Triton rotary pass, at
     the real widths, positions far from 0 (angles up to ~1000 rad), NaN in the padding rows'
     inputs; eagerly and replayed on new inputs."""
-    from vitgraph.config import PRESETS
+    from vitgraph.models import PRESETS
     from vitgraph.ops.gemm import _gemm_config, linear_qkv_rope
     from vitgraph.ops.gemm_rope import qkv_rope
     from vitgraph.models.qwen2_vl import Qwen2VisionTower

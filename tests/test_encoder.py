@@ -11,7 +11,9 @@ from helpers import diff_report, random_pixels, rel_err
 from vitgraph import GraphedVisionEncoder
 from vitgraph.ops.attention import available_backends, resolve_backend
 from vitgraph.engine.planner import make_buckets, plan_call
-from vitgraph.config import TINY
+from vitgraph.models import PRESETS
+
+TINY = PRESETS["tiny"]
 from vitgraph.options import EngineOptions, dense_limit, short_cap_rule
 from vitgraph.ops.attention import attention_tuning
 from vitgraph.ops.gemm import resolve_gemm

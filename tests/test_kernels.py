@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from helpers import rel_err
 
 from vitgraph.ops import kernels
-from vitgraph.config import PRESETS
+from vitgraph.models import PRESETS
 from vitgraph.ops.gemm import TILE, Tile, gemm_tuning, rope_in_gemm
 from vitgraph.models.qwen2_vl import Qwen2VisionTower, apply_rotary
 from vitgraph.ops.activations import quick_gelu

@@ -69,7 +69,7 @@ def test_dependencies_point_one_way():
         if name.startswith("vitgraph.ops"):
             assert all(d.startswith("vitgraph.ops") for d in deps), (name, deps)
         if name.startswith("vitgraph.models"):
-            allowed = ("vitgraph.models", "vitgraph.ops", "vitgraph.config", "vitgraph.preprocess",
+            allowed = ("vitgraph.models", "vitgraph.ops", "vitgraph.preprocess",
                        "vitgraph.engine.contract")
             assert all(d.startswith(allowed) for d in deps), (name, deps)
             assert not any(d in ("vitgraph.engine.graphs", "vitgraph.engine.planner") for d in deps)
@@ -121,9 +121,14 @@ class PoolBatch(BatchLayout):
 
 class MeanPoolTower(torch.nn.Module):
     """Not a ViT: each row is projected, merged in pairs, and each pair gets the mean of its
-    segment added; two outputs side by side (as a tower with deepstack features returns)."""
+    segment added; two outputs side by side (as a tower with deepstack features returns).
+    It has only what the contract asks."""
 
-    input_width, merge_unit, output_width = 12, 2, 2 * 8
+    input_width, merge_unit, output_width, output_parts = 12, 2, 2 * 8, 2
+    config, gemm_backends, fused = None, ("cublas",), False
+
+    def configure(self, attention, fused, tuning):
+        self.fused = fused
 
     def __init__(self):
         super().__init__()
@@ -160,16 +165,18 @@ class MeanPoolTower(torch.nn.Module):
         return self(pixels, batch)
 
 
-def test_both_towers_keep_the_contract():
-    from vitgraph.config import TINY
-    from vitgraph.models.qwen2_vl import Qwen2VisionTower
+def test_every_family_and_the_toy_keep_the_contract():
+    from vitgraph.engine.contract import Precompiled
+    from vitgraph.models import FAMILIES, PRESETS
 
-    assert isinstance(MeanPoolTower(), VisionTower)
+    assert isinstance(MeanPoolTower(), VisionTower) and not isinstance(MeanPoolTower(), Precompiled)
     with torch.device("meta"):
-        assert isinstance(Qwen2VisionTower(TINY), VisionTower)
-    members = [m for m in vars(VisionTower) if not m.startswith("_") or m == "__call__"]
-    members += list(VisionTower.__annotations__)
-    assert len(set(members)) <= 6, members
+        for family in FAMILIES:
+            config = next(c for c in PRESETS.values() if type(c) is family.config)
+            assert isinstance(family.tower(config), VisionTower), family.name
+    members = {m for m in vars(VisionTower) if not m.startswith("_") or m == "__call__"} | set(VisionTower.__annotations__)
+    assert members == {"config", "input_width", "output_width", "output_parts", "merge_unit", "gemm_backends", "fused",
+                       "configure", "build_batch", "__call__", "warm_up"}, members
 
 
 @pytest.mark.cuda

@@ -18,12 +18,13 @@ import vitgraph.models.qwen2_vl
 import vitgraph.models.qwen2_vl_fused
 import vitgraph.precompile
 from vitgraph.engine.planner import Bucket
-from vitgraph.config import VisionConfig
+from vitgraph.models import VisionConfig
 from vitgraph.ops.gemm import gemm_tuning
 from vitgraph.options import EngineOptions, buckets_for
 from vitgraph.tuning import Tuning, tuning_for
 from vitgraph.loading import build_tower
-from vitgraph.precompile import (EarlyWorkers, KernelJob, PrecompileTuning, _persists, _spawn, _spec, _tail, kernel_jobs, precompile,
+from vitgraph.precompile import (EarlyWorkers, KernelJob, PrecompileTuning, TowerSetup, _persists, _spawn, _spec, _tail,
+                                 kernel_jobs, precompile,
                                  start_early, worker_main)
 
 H200_SMS = 132
@@ -54,6 +55,11 @@ def tower(attention="fa4", gemm="quack", fused=True, **config):
     t.fused = fused  # as on a GPU; nothing here runs a kernel
     t.set_tuning(h200(t.config, gemm).kernels)
     return t
+
+
+def setup_of(t):
+    """How the encoder would have configured ``t`` (what precompile's workers copy)."""
+    return TowerSetup(t.blocks[0].attn.backend, t.fused, t.tuning, t.blocks[0].attn.qkv.weight.dtype)
 
 
 def default_buckets(t):
@@ -196,9 +202,10 @@ def test_run_triton_kernels_runs_nothing_for_the_plain_forward(monkeypatch):
 
 def test_precompile_with_no_workers_or_no_kernels_does_nothing():
     t = tower()
-    report = precompile(t, default_buckets(t), torch.device("cpu"), workers=0)
+    report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), workers=0)
     assert (report.kernels, report.workers, report.cold) == (PrecompileTuning().early_workers, 0, False)
-    report = precompile(tower(attention="varlen", gemm="cublas"), [Bucket(256, 16)], torch.device("cpu"))
+    plain = tower(attention="varlen", gemm="cublas")
+    report = precompile(plain, setup_of(plain), [Bucket(256, 16)], torch.device("cpu"))
     assert (report.kernels, report.workers) == (0, 0)
 
 
@@ -207,7 +214,7 @@ def test_warm_caches_leave_every_kernel_to_capture(monkeypatch, files, started):
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)  # a kernel loaded from disk
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: files)  # and no new file
-    report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
+    report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), workers=2)
     # With no kernel on disk the workers start before the first kernel, and are stopped after it.
     assert (report.kernels, report.workers, report.cold, report.failures) == (PrecompileTuning().early_workers, started,
                                                                              False, [])
@@ -220,7 +227,7 @@ def test_failed_or_missing_workers_leave_the_kernels_to_capture(monkeypatch, cap
     files = iter(range(files_before, 100))
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: next(files))  # each call finds one more
     # The workers run FlashAttention 4 and quack on this machine's CPU: each fails, and says so.
-    report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
+    report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), workers=2)
     assert report.cold and report.workers == 2
     assert len(report.failures) == 2 and all(f.startswith("exit 1: ") for f in report.failures)
     assert "capture compiles its kernels" in caplog.text
@@ -230,7 +237,7 @@ def test_failed_or_missing_workers_leave_the_kernels_to_capture(monkeypatch, cap
         raise OSError("fork refused")
 
     monkeypatch.setattr(vitgraph.precompile.subprocess, "Popen", no_processes)
-    report = precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
+    report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), workers=2)
     assert report.workers == 0 and report.failures == ["could not start a worker: fork refused"]
 
 
@@ -245,7 +252,7 @@ def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_he
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: next(files))  # cold
     monkeypatch.setattr(vitgraph.precompile, "_spawn", lambda spec: (subprocess.Popen([sys.executable, "-c", ""]),
                                                                      open(os.devnull, "rb")))
-    report = precompile(t, buckets, torch.device("cpu"), workers=2)
+    report = precompile(t, setup_of(t), buckets, torch.device("cpu"), workers=2)
     assert report.cold and report.workers == 2 and report.failures == [] and report.triton_seconds > 0
     # The first JIT kernel, then each bucket's Triton kernels, smallest first.
     assert order == [kernel_jobs(t, buckets)[0].op] + sorted(b.tokens for b in buckets)
@@ -258,13 +265,13 @@ def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_he
         order.append(batch.positions.shape[0])
 
     monkeypatch.setattr(t, "run_triton_kernels", out_of_memory_above_1024)
-    report = precompile(t, buckets, torch.device("cpu"), workers=2)
+    report = precompile(t, setup_of(t), buckets, torch.device("cpu"), workers=2)
     assert report.cold and report.failures == [] and order[1:] == sorted(b.tokens for b in buckets if b.tokens <= 1024)
     assert "out of GPU memory compiling the Triton kernels of bucket 1152x16" in caplog.text
     # Warm caches: no workers to wait for, so capture loads them as it goes.
     order.clear()
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: 5)
-    report = precompile(t, buckets, torch.device("cpu"), workers=2)
+    report = precompile(t, setup_of(t), buckets, torch.device("cpu"), workers=2)
     assert order == [kernel_jobs(t, buckets)[0].op] and report.triton_seconds == 0
 
 
@@ -276,13 +283,13 @@ def test_workers_only_compile_kernels_whose_cache_is_on(monkeypatch, switch, kep
     files = iter(range(100))
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: next(files))  # cold
     started = []
-    monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, shares, device, report: started.extend(shares) or [])
+    monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, setup, shares, device, report: started.extend(shares) or [])
     if switch == "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED":
         set_fa4_cache(monkeypatch, False)  # FA4's default
     else:
         monkeypatch.setenv(switch, "0")
     jobs = kernel_jobs(t, default_buckets(t))
-    precompile(t, default_buckets(t), torch.device("cpu"), workers=16)
+    precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), workers=16)
     # The first kept kernel runs here; a kernel whose cache is off compiles at capture.
     assert [job for share in started for job in share] == [j for j in jobs if j.op in kept][1:]
 
@@ -294,7 +301,7 @@ def test_only_the_caches_of_the_kernels_in_use_are_read(monkeypatch, attention, 
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
     read = []
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda names: read.append(names) or 1)  # warm
-    precompile(t, default_buckets(t), torch.device("cpu"), workers=2)
+    precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), workers=2)
     assert read == [caches, caches]
 
 
@@ -313,11 +320,11 @@ def test_kernel_files_are_counted_in_each_cache_that_loads(tmp_path, monkeypatch
 
 def test_a_worker_runs_its_jobs_and_reports_what_failed():
     t = tower(attention="sdpa", gemm="cublas", fused=False)  # attention runs on the CPU
-    proc, log = _spawn(_spec(t, [KernelJob("attention", (), Bucket(64, 4)), KernelJob("attention", (), Bucket(128, 1))],
+    proc, log = _spawn(_spec(t.config, setup_of(t), [KernelJob("attention", (), Bucket(64, 4)), KernelJob("attention", (), Bucket(128, 1))],
                              torch.device("cpu")))
     assert proc.wait(timeout=120) == 0, _tail(log)
     assert json.loads(_tail(log))["dynamo_imported"] is False
-    proc, log = _spawn(_spec(t, [KernelJob("attention", (), Bucket(64, 4)), KernelJob("fc2", (), Bucket(64, 4))],
+    proc, log = _spawn(_spec(t.config, setup_of(t), [KernelJob("attention", (), Bucket(64, 4)), KernelJob("fc2", (), Bucket(64, 4))],
                              torch.device("cpu")))
     assert proc.wait(timeout=120) == 1
     assert "op must be one of" in _tail(log) and "'fc2'" in _tail(log)
@@ -385,22 +392,22 @@ def test_early_workers_are_adopted_only_where_the_libraries_keep_their_kernels(e
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: ran.append(op))
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: 3)  # the workers wrote some already
     started = []
-    monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, shares, device, report: started.extend(shares) or [])
+    monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, setup, shares, device, report: started.extend(shares) or [])
     stopped = []
     procs = [("proc", "log")] * 0  # nothing to wait for here
     early = EarlyWorkers(procs, dict(roots))
     monkeypatch.setattr(early, "stop", lambda: stopped.append(True))
     monkeypatch.setattr(vitgraph.precompile, "_cache_roots", lambda caches: dict(roots))
-    report = precompile(t, default_buckets(t), torch.device("cpu"), early=early)
+    report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), early=early)
     assert report.early and report.cold and report.workers == 0 and stopped == [] and started == []
     assert ran == [] and report.first_kernel_seconds == 0  # the early workers compile every kernel
     # The libraries, imported, keep their kernels elsewhere: those workers looked at the wrong
     # directories, so they are stopped and the usual check runs (here: warm).
     monkeypatch.setattr(vitgraph.precompile, "_cache_roots",
                         lambda caches: {**roots, "quack.cache.jit": roots["quack.cache.jit"].parent / "other"})
-    report = precompile(t, default_buckets(t), torch.device("cpu"), early=early)
+    report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), early=early)
     assert not report.early and not report.cold and stopped == [True] and started == [] and len(ran) == 1
-    report = precompile(t, default_buckets(t), torch.device("cpu"), workers=0, early=early)
+    report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), workers=0, early=early)
     assert stopped == [True, True]  # no precompiling at all: stopped too
 
 
@@ -423,7 +430,7 @@ def test_an_early_worker_compiles_its_share_of_the_kernels_the_encoder_will_run(
     ran = []
     monkeypatch.setattr(vitgraph.models.qwen2_vl.Qwen2VisionTower, "run_jit_kernel",
                         lambda self, op, batch: ran.append((op, batch.positions.shape[0])))
-    spec = {"started": 0.0, "config": dataclasses.asdict(VisionConfig(depth=1)), "dtype": "bfloat16",
+    spec = {"started": 0.0, "family": "qwen2_vl", "config": dataclasses.asdict(VisionConfig(depth=1)), "dtype": "bfloat16",
             "device": "cpu", "options": dataclasses.asdict(options)}
     for index in range(3):
         ran.clear()
@@ -454,7 +461,7 @@ COLD_START = textwrap.dedent("""
     import torch
     import vitgraph.encoder
     from vitgraph import GraphedVisionEncoder
-    from vitgraph.config import VisionConfig
+    from vitgraph.models import VisionConfig
     roots = [pathlib.Path(p) for p in sys.argv[1:]]
     objects = lambda: sorted(str(p.relative_to(r)) for r in roots for p in r.rglob("*.o"))
     triton_root = pathlib.Path(os.environ["TRITON_CACHE_DIR"])

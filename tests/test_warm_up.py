@@ -12,7 +12,7 @@ import torch
 import vitgraph.models.qwen2_vl
 import vitgraph.models.qwen3_vl
 import vitgraph.models.reference_tower
-from vitgraph.config import PRESETS
+from vitgraph.models import PRESETS
 from vitgraph.models import Qwen25VisionConfig, Qwen35VisionConfig, Qwen3VisionConfig
 from vitgraph.models.qwen2_5_vl import Qwen25VisionTower
 from vitgraph.models.qwen2_vl import Qwen2VisionTower

@@ -14,16 +14,15 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .config import VisionConfig
 from .models import FAMILIES, PRESETS, family_for, family_of
+from .engine.contract import Precompiled, VisionTower
 from .engine.graphs import GraphBank
 from .engine.planner import Bucket, Plan, Step, padded_batch, plan_call
 from .engine.routing import faster_next_buckets, single_frame_thresholds
 from .loading import (build_tower, find_checkpoint, load_tower, read_config, read_processor, read_video_processor,
                       tower_from_state_dict)
-from .models.qwen2_vl import Qwen2VisionTower
 from .options import EngineOptions, buckets_for, configure_tower, resolve_device, resolve_dtype, uses_graphs
-from .precompile import PrecompileReport, precompile, start_early
+from .precompile import PrecompileReport, TowerSetup, precompile, start_early
 from .tuning import Tuning, derive_tuning
 from .ops.normalize import normalize_rows
 from .preprocess import check_same_rows, statistics
@@ -32,7 +31,10 @@ from .validation import check_out, check_pixels, check_rows, normalize_grid
 logger = logging.getLogger(__name__)
 
 
-def _start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype, options: EngineOptions):
+def _start_early(config, device: torch.device, dtype: torch.dtype, options: EngineOptions):
+    """Kernel-compiling workers for a family whose forward compiles kernels (else None)."""
+    if not issubclass(family_of(config).tower, Precompiled):
+        return None
     tuning = derive_tuning(config, device, options.tuning).precompile
     return start_early(config, device, dtype, asdict(options), tuning)
 
@@ -62,7 +64,7 @@ class _Counters:
 
 
 class GraphedVisionEncoder:
-    """The Qwen2-VL vision encoder (ViT + patch merger), replayed from CUDA graphs.
+    """A Qwen VL family's vision encoder (ViT + patch merger), replayed from CUDA graphs.
 
     ``encode(pixels, grid_thw)`` validates the input, plans it into bucket replays
     on the host, copies each step into static buffers, replays, and returns the
@@ -80,7 +82,7 @@ class GraphedVisionEncoder:
     backend and fusion, and captures graphs that read its weights in place.
     """
 
-    def __init__(self, tower: Qwen2VisionTower, *, device=None, dtype=None, _early_workers=None, _processor=None,
+    def __init__(self, tower: VisionTower, *, device=None, dtype=None, _early_workers=None, _processor=None,
                  _video_processor=None, **options: Any) -> None:
         try:
             self.options = EngineOptions(**options)
@@ -94,7 +96,7 @@ class GraphedVisionEncoder:
             # With no compiled kernel on disk, kernel-compiling workers start now (or started
             # as from_pretrained read the checkpoint's config), before this process loads the
             # kernel libraries, so that their start-up overlaps its own.
-            if _early_workers is None and self.use_graphs and isinstance(tower.config, VisionConfig):
+            if _early_workers is None and self.use_graphs:
                 _early_workers = _start_early(tower.config, self.device, self.dtype, self.options)
             elif _early_workers is not None and not self.use_graphs:  # nothing will wait for them
                 _early_workers.stop()
@@ -109,7 +111,7 @@ class GraphedVisionEncoder:
                 _early_workers.stop()
             raise
         self._early_workers = _early_workers
-        self.config: VisionConfig = tower.config
+        self.config = tower.config  # the family's config: its shape
         # How encode_images turns images into rows: the checkpoint's preprocessor_config.json
         # (from_pretrained), else the family's defaults.
         self.processor = _processor or family_of(tower.config).processor
@@ -161,8 +163,7 @@ class GraphedVisionEncoder:
         video_processor = read_video_processor(files, config, processor)
         # Cold kernel caches: the workers need only the shapes, so they compile while the
         # weights load (seconds for a 2B tower's shards).
-        graphs = uses_graphs(engine, device) and isinstance(config, VisionConfig)  # the precompiled kernels are Qwen2-VL's
-        early = _start_early(config, device, dtype, engine) if graphs else None
+        early = _start_early(config, device, dtype, engine) if uses_graphs(engine, device) else None
         try:
             tower = load_tower(files, config, device, dtype, allow_nonfinite_weights)
         except BaseException:
@@ -173,7 +174,7 @@ class GraphedVisionEncoder:
                    _video_processor=video_processor, **options)
 
     @classmethod
-    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: VisionConfig | Mapping, *,
+    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config, *,
                         device=None, dtype=None, **options: Any) -> "GraphedVisionEncoder":
         """Build from weights already in memory (``visual.``-prefixed, ``model.visual.``-prefixed or bare)."""
         EngineOptions(**options)
@@ -217,7 +218,8 @@ class GraphedVisionEncoder:
             before = self.bank.buckets
             todo = self.bank.uncaptured
             if todo:
-                self._precompile = precompile(self.tower, todo, self.device, self.options.compile_workers,
+                setup = TowerSetup(self.attention, self.tower.fused, self.tuning.kernels, self.dtype)
+                self._precompile = precompile(self.tower, setup, todo, self.device, self.options.compile_workers,
                                               early=self._early_workers, tuning=self.tuning.precompile)
                 self._early_workers = None
                 self._precompile_seconds += self._precompile.seconds
@@ -320,7 +322,7 @@ class GraphedVisionEncoder:
     def split(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``encode``'s rows as ``(main, [deepstack features...])``, views of ``embeddings``
         (no deepstack features but for Qwen3-VL)."""
-        parts = getattr(self.tower, "output_parts", 1)
+        parts = self.tower.output_parts
         if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2 or embeddings.shape[1] != self.output_width:
             raise ValueError(f"embeddings must be [rows, {self.output_width}] as encode returns them, got "
                              f"{getattr(embeddings, 'shape', type(embeddings).__name__)}")

@@ -18,14 +18,13 @@ from typing import Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import VisionConfig
-from .models import family_for, family_of
+from .models import FAMILIES, family_for, family_of
 from .models.config_parsing import read_json
 from .preprocess import ProcessorConfig
 
 logger = logging.getLogger(__name__)
 
-VISION_PREFIXES = ("model.visual.", "visual.")  # longest first
+VISION_PREFIXES = tuple(sorted({p for f in FAMILIES for p in f.prefixes}, key=len, reverse=True))  # longest first
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -248,7 +247,7 @@ def _processor_file(path: Path | None, defaults: ProcessorConfig, config_path: P
     return processor
 
 
-def _check_names_and_shapes(config: VisionConfig, shapes: Mapping[str, tuple[int, ...]]) -> None:
+def _check_names_and_shapes(config, shapes: Mapping[str, tuple[int, ...]]) -> None:
     """Refuse a checkpoint whose vision keys or shapes differ from ``config``'s, before any module is built."""
     expected = family_of(config).expected_shapes(config)
     missing = sorted(set(expected) - set(shapes))

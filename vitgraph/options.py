@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .engine.planner import Bucket, budget_ladder, make_buckets
-from .models.qwen2_vl import Qwen2VisionTower
+from .engine.contract import VisionTower
 from .ops import kernels
 from .ops.attention import fa4_short_cap, resolve_backend
 from .ops.gemm import GEMM_BACKENDS, resolve_gemm
@@ -110,28 +110,25 @@ def short_cap_rule(options: EngineOptions, attention_backend: str, heads: int, d
     return lambda budget: fa4_short_cap(budget, heads, unit, tuning.attention)
 
 
-def configure_tower(tower: Qwen2VisionTower, options: EngineOptions, tuning: Tuning, device: torch.device,
+def configure_tower(tower: VisionTower, options: EngineOptions, tuning: Tuning, device: torch.device,
                     dtype: torch.dtype) -> tuple[str, Tuning]:
     """Set ``tower``'s attention backend, fusion, GEMM backend and kernel tuning as ``options``
     and ``tuning`` ask (resolving "auto" for ``device`` and ``dtype``); returns the attention
     backend and the tuning with the GEMM backend chosen."""
     attention = resolve_backend(options.attention, device, dtype)
-    tower.set_attention_backend(attention)
     fuse = options.fuse
     if fuse is None:
         fuse = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and kernels.usable(device)
-    tower.fuse(fuse)  # refuses fuse=True where the kernels cannot run
-    # quack's GEMM epilogues are written for Qwen2-VL's MLP and rotary; other towers keep cuBLAS.
-    epilogues = isinstance(tower, Qwen2VisionTower)
-    if options.gemm == "quack" and not epilogues:
-        raise ValueError(f"gemm='quack': the {type(tower).__name__} has no quack GEMM path; use 'cublas' or 'auto'")
-    gemm = resolve_gemm(options.gemm, device, dtype, tower.fused and epilogues)
+    if options.gemm not in ("auto", "cublas") and options.gemm not in tower.gemm_backends:
+        raise ValueError(f"gemm={options.gemm!r}: the {type(tower).__name__} has no {options.gemm} GEMM path; "
+                         f"use 'cublas' or 'auto'")
+    gemm = resolve_gemm(options.gemm, device, dtype, fuse and "quack" in tower.gemm_backends)
     tuning = dataclasses.replace(tuning, gemm=dataclasses.replace(tuning.gemm, backend=gemm))
-    tower.set_tuning(tuning.kernels)
+    tower.configure(attention, fuse, tuning.kernels)  # refuses fuse=True where the kernels cannot run
     return attention, tuning
 
 
-def buckets_for(tower: Qwen2VisionTower, options: EngineOptions, attention: str,
+def buckets_for(tower: VisionTower, options: EngineOptions, attention: str,
                 device: torch.device, tuning: Tuning) -> list[Bucket]:
     """The buckets an encoder with these options asks to capture."""
     budgets = options.budgets

@@ -51,11 +51,10 @@ import torch
 
 from .ops import kernels
 from .ops.attention import FA4_CACHE_SWITCH, _has_fa4
-from .engine.planner import padded_batch
-from .engine.planner import Bucket
-from .config import VisionConfig
+from .engine.contract import Precompiled, VisionTower
+from .engine.planner import Bucket, padded_batch
+from .models import family_of
 from .ops.gemm import quack_available
-from .models.qwen2_vl import Qwen2VisionTower
 from .tuning import PrecompileTuning
 
 logger = logging.getLogger(__name__)
@@ -93,11 +92,11 @@ class PrecompileReport:
     failures: list[str] = field(default_factory=list)  # workers that did not finish cleanly
 
 
-def kernel_jobs(tower: Qwen2VisionTower, buckets: Sequence[Bucket]) -> list[KernelJob]:
+def kernel_jobs(tower: VisionTower, buckets: Sequence[Bucket]) -> list[KernelJob]:
     """One job per distinct kernel the forwards of ``buckets`` run, with the smallest bucket
     that runs it; attention first (FlashAttention 4's compiles take longest)."""
     jobs: dict[tuple, KernelJob] = {}
-    if not hasattr(tower, "jit_kernels"):  # a tower without a fused forward compiles nothing ahead
+    if not isinstance(tower, Precompiled):  # a tower without such kernels compiles nothing ahead
         return []
     for bucket in sorted(buckets):
         for op, key in tower.jit_kernels(padded_batch(tower, bucket)):
@@ -118,20 +117,31 @@ def _shares(jobs: Sequence[KernelJob], workers: int) -> list[list[KernelJob]]:
     return [list(jobs[i::workers]) for i in range(workers)]
 
 
-def _base_spec(config: VisionConfig, device: torch.device, dtype: torch.dtype) -> dict:
-    """What every worker's spec holds: a one-block tower's shape, where it runs, and when it was started."""
+@dataclass(frozen=True)
+class TowerSetup:
+    """How the encoder configured its tower (:meth:`VisionTower.configure`): what a worker's
+    one-block tower is configured with."""
+
+    attention: str
+    fused: bool
+    kernel_tuning: object  # vitgraph.ops.tuning.KernelTuning, its GEMM backend resolved
+    dtype: torch.dtype
+
+
+def _base_spec(config, device: torch.device, dtype: torch.dtype) -> dict:
+    """What every worker's spec holds: a one-block tower of the family's shape, where it runs,
+    and when it was started."""
     return {"started": time.time(),  # the worker reports how long its start and imports took
-            "config": asdict(replace(config, depth=1)), "dtype": str(dtype).removeprefix("torch."),
-            "device": str(device)}
+            "family": family_of(config).name, "config": asdict(replace(config, depth=1)),
+            "dtype": str(dtype).removeprefix("torch."), "device": str(device)}
 
 
-def _spec(tower: Qwen2VisionTower, jobs: Sequence[KernelJob], device: torch.device) -> str:
-    """A worker's spec for ``jobs``, with the backends ``tower`` resolved."""
-    block = tower.blocks[0]
+def _spec(config, setup: TowerSetup, jobs: Sequence[KernelJob], device: torch.device) -> str:
+    """A worker's spec for ``jobs``, with the encoder's backends."""
     return json.dumps({
-        **_base_spec(tower.config, device, block.attn.qkv.weight.dtype),
-        "attention": block.attn.backend, "gemm": tower.tuning.gemm.backend, "fused": tower.fused,
-        "kernel_tuning": base64.b64encode(pickle.dumps(tower.tuning)).decode(),  # from this process: trusted
+        **_base_spec(config, device, setup.dtype),
+        "attention": setup.attention, "gemm": setup.kernel_tuning.gemm.backend, "fused": setup.fused,
+        "kernel_tuning": base64.b64encode(pickle.dumps(setup.kernel_tuning)).decode(),  # from this process: trusted
         "jobs": [[j.op, j.bucket.tokens, j.bucket.max_segments, j.bucket.max_seqlen] for j in jobs],
     })
 
@@ -183,11 +193,12 @@ def _spawn(spec: str):
     return proc, log
 
 
-def _start(tower: Qwen2VisionTower, shares: list[list[KernelJob]], device: torch.device, report: PrecompileReport):
+def _start(tower: VisionTower, setup: TowerSetup, shares: list[list[KernelJob]], device: torch.device,
+           report: PrecompileReport):
     procs = []
     for share in shares:
         try:
-            procs.append(_spawn(_spec(tower, share, device)))
+            procs.append(_spawn(_spec(tower.config, setup, share, device)))
         except OSError as err:  # no processes to be had here: capture compiles instead
             report.failures.append(f"could not start a worker: {err}")
             break
@@ -236,7 +247,7 @@ def _early_caches(device: torch.device, dtype: torch.dtype, options: dict) -> li
     return caches
 
 
-def start_early(config: VisionConfig, device: torch.device, dtype: torch.dtype, options: dict,
+def start_early(config, device: torch.device, dtype: torch.dtype, options: dict,
                 tuning: PrecompileTuning = PrecompileTuning()) -> EarlyWorkers | None:
     """Where no compiled kernel of FlashAttention 4's or quack's is on disk, start the workers
     now, before the encoder loads those libraries (seconds of imports each process spends,
@@ -269,7 +280,7 @@ def _tail(log) -> str:
     return lines[-1] if lines else "no output"
 
 
-def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch.device,
+def precompile(tower: VisionTower, setup: TowerSetup, buckets: Sequence[Bucket], device: torch.device,
                workers: int | None = None, early: EarlyWorkers | None = None,
                tuning: PrecompileTuning = PrecompileTuning()) -> PrecompileReport:
     """Compile, in parallel processes when the disk caches are cold, the kernels the forwards of
@@ -301,7 +312,7 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
                 report.failures.extend(early.failures)
         before = _kernel_files(caches)  # imports FA4 and quack: the first kernel's time is then its own
         if procs is None and before == 0:  # no kernel on disk at all: cold for certain, so start at once
-            procs = _start(tower, shares, device, report)
+            procs = _start(tower, setup, shares, device, report)
         if not report.early:  # early workers compile the first kernel too
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -314,7 +325,7 @@ def precompile(tower: Qwen2VisionTower, buckets: Sequence[Bucket], device: torch
             for proc, _ in procs or ():
                 proc.kill()
         elif procs is None:  # kernels on disk, but not this one (another release, other buckets)
-            procs = _start(tower, shares, device, report)
+            procs = _start(tower, setup, shares, device, report)
         if report.cold and procs and tuning.triton_while_waiting and _triton_compiles(device):
             # Idle here until the workers finish: compile the Triton kernels capture would.
             t0 = time.perf_counter()
@@ -368,6 +379,7 @@ def _synchronize(device: torch.device) -> None:
 def worker_main(spec_json: str) -> None:
     """A worker: compile (or load) each job's kernel of the spec :func:`precompile` wrote."""
     from .loading import build_tower
+    from .models import FAMILIES
 
     spec = json.loads(spec_json)
     timings = {"start_s": round(time.time() - spec["started"], 2)}  # Python, torch and vitgraph imports
@@ -376,7 +388,8 @@ def worker_main(spec_json: str) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = getattr(torch, spec["dtype"])
-    tower = build_tower(VisionConfig(**spec["config"]), device, dtype)
+    family = next(f for f in FAMILIES if f.name == spec["family"])
+    tower = build_tower(family.config.from_dict(spec["config"]), device, dtype)
     from .options import EngineOptions, buckets_for, configure_tower
     from .tuning import derive_tuning
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import platform
@@ -18,9 +17,8 @@ from typing import Callable
 
 import torch
 
-from ..config import VisionConfig
 from ..encoder import GraphedVisionEncoder
-from ..models import PRESETS, Qwen35VisionConfig
+from ..models import PRESETS, transformers_tower
 
 Grid = tuple[int, int, int]
 
@@ -337,39 +335,7 @@ def build_systems(args, systems: list[str], max_budget: int, **engine_options):
 def hf_tower_like(encoder: GraphedVisionEncoder):
     """transformers' tower of the encoder's family (sdpa) holding the same weights, or None
     without transformers."""
-    cfg = encoder.config
-    try:
-        if isinstance(cfg, VisionConfig):
-            from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig as Config
-            from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as Model
-        elif type(cfg).__name__ == "Qwen25VisionConfig":
-            from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as Config
-            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-                Qwen2_5_VisionTransformerPretrainedModel as Model)
-        elif isinstance(cfg, Qwen35VisionConfig):  # Qwen3.5, Qwen3.6 and Qwen4-Exp share this tower
-            from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig as Config
-            from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel as Model
-        else:
-            from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig as Config
-            from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Model
-    except ImportError:
-        return None
-    if isinstance(cfg, VisionConfig):
-        fields = dict(depth=cfg.depth, embed_dim=cfg.embed_dim, num_heads=cfg.num_heads,
-                      mlp_ratio=int(cfg.mlp_ratio) if float(cfg.mlp_ratio).is_integer() else cfg.mlp_ratio,
-                      hidden_size=cfg.hidden_size, hidden_act=cfg.hidden_act, patch_size=cfg.patch_size,
-                      temporal_patch_size=cfg.temporal_patch_size, spatial_merge_size=cfg.spatial_merge_size,
-                      in_channels=cfg.in_channels)
-    else:  # the reference families name their fields as transformers does
-        fields = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()
-                  if k != "rope_theta" and not (k == "deepstack_visual_indexes" and not v)}
-    hf_cfg = Config(**fields)
-    hf_cfg._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = Model(hf_cfg)
-    model.load_state_dict(encoder.tower.state_dict(), strict=True, assign=True)
-    model.rotary_pos_emb.inv_freq = encoder.tower.inv_freq.clone()
-    return model.eval().requires_grad_(False)
+    return transformers_tower(encoder.config, encoder.tower.state_dict(), encoder.tower.inv_freq)
 
 
 def hf_call(model, device: torch.device):

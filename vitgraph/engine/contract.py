@@ -9,7 +9,7 @@ its static buffers before each replay and bakes every other field into the graph
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -33,7 +33,8 @@ class BatchLayout:
 
 @runtime_checkable
 class VisionTower(Protocol):
-    """The six members the engine uses.
+    """What the runtime (the graph bank, the encoder, its options and the kernel precompile)
+    calls of a tower, and nothing else.
 
     ``forward`` returns ``[T / merge_unit, output_width]``. A tower with several outputs
     (Qwen3-VL's deepstack features) returns them side by side along the width, the layout
@@ -41,9 +42,17 @@ class VisionTower(Protocol):
     item's rows stay contiguous.
     """
 
+    config: Any  # the family's shape: num_heads, head_dim, spatial_merge_size, ... (models.config_parsing)
     input_width: int  # values per pixel row
     output_width: int  # values per output row, every output side by side
+    output_parts: int  # outputs side by side in each row (1, or 1 + deepstack features)
     merge_unit: int  # pixel rows per output row
+    gemm_backends: tuple[str, ...]  # the GEMM backends its fused forward has (vitgraph.ops.gemm)
+    fused: bool  # whether the fused forward (vitgraph's kernels) runs
+
+    def configure(self, attention: str, fused: bool, tuning: Any) -> None:
+        """Set the attention backend, the fused forward (on or off) and the kernels' tuning
+        (``vitgraph.ops.tuning.KernelTuning``); refuses what cannot run here."""
 
     def build_batch(self, grids: Sequence[Grid], *, num_tokens: int | None = None,
                     num_segments: int | None = None, max_seqlen: int | None = None) -> BatchLayout:
@@ -54,4 +63,20 @@ class VisionTower(Protocol):
         """``[T, input_width]`` -> ``[T / merge_unit, output_width]``; no host sync, no data-dependent shapes."""
 
     def warm_up(self, pixels: torch.Tensor, batch: BatchLayout) -> object:
-        """Run every kernel ``__call__`` runs for this layout, for less work (before a capture)."""
+        """Run every kernel ``__call__`` runs for this layout (one block of each kind), for less
+        work (before a capture)."""
+
+
+@runtime_checkable
+class Precompiled(Protocol):
+    """The hooks of a tower whose forward compiles kernels on first use (FlashAttention 4's,
+    quack's, Triton's): the precompile runs each once, in worker processes, before capture."""
+
+    def jit_kernels(self, batch: BatchLayout) -> list[tuple[str, tuple]]:
+        """``(op, key)`` of each kernel compiled on first use that the forward runs for ``batch``."""
+
+    def run_jit_kernel(self, op: str, batch: BatchLayout) -> None:
+        """Run the one kernel of ``op`` that ``batch``'s forward runs (compiling it)."""
+
+    def run_triton_kernels(self, batch: BatchLayout) -> None:
+        """Run vitgraph's Triton kernels at ``batch``'s shapes (compiling them)."""

@@ -7,39 +7,49 @@ from dataclasses import dataclass
 from dataclasses import replace
 from typing import Callable
 
-from ..config import QWEN2_VL_2B, TINY, VisionConfig
 from ..preprocess import QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR, ProcessorConfig
 from . import qwen2_5_vl, qwen3_vl
 from .qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTower
 from .qwen3_vl import Qwen35VisionConfig, Qwen3VisionConfig, Qwen3VisionTower
-from .qwen2_vl import Qwen2VisionTower, VisionBatch, expected_shapes
+from .qwen2_vl import Qwen2VisionTower, VisionBatch, VisionConfig, expected_shapes
 
 
 @dataclass(frozen=True)
 class Family:
-    """What loading needs to know of a family."""
+    """Everything the rest of vitgraph knows of a family: one row of :data:`FAMILIES`."""
 
     name: str
     model_types: tuple[str, ...]  # config.json's model_type values it serves
     config: type  # parses the vision_config block
     tower: type  # the nn.Module, built on the meta device and loaded with assign=True
     expected_shapes: Callable[[VisionConfig], dict[str, tuple[int, ...]]]  # checkpoint names and shapes
+    # transformers' tower and its config class ("module:Class"): the numerical oracle of tests and benchmarks
+    reference: tuple[str, str]
     processor: ProcessorConfig = QWEN2_VL_PROCESSOR  # image preprocessing where a checkpoint has no config of its own
     video_processor: ProcessorConfig | None = None  # video preprocessing defaults; None: the image processor's
+    prefixes: tuple[str, ...] = ("model.visual.", "visual.")  # where checkpoints keep the tower's weights, longest first
 
 
 # Qwen3-VL's (and Qwen3.5's, Qwen3.6's) published video_preprocessor_config.json: size
 # {shortest_edge: 4096, longest_edge: 25165824}, patch 16, temporal 2, merge 2, mean/std 0.5.
 QWEN3_VL_VIDEO_PROCESSOR = replace(QWEN3_VL_PROCESSOR, min_pixels=4096, max_pixels=25165824)
 
-FAMILIES = (Family("qwen2_vl", ("qwen2_vl",), VisionConfig, Qwen2VisionTower, expected_shapes),
-            Family("qwen2_5_vl", ("qwen2_5_vl",), Qwen25VisionConfig, Qwen25VisionTower,
-                   qwen2_5_vl.expected_shapes),
+_HF = "transformers.models."
+FAMILIES = (Family("qwen2_vl", ("qwen2_vl",), VisionConfig, Qwen2VisionTower, expected_shapes,
+                   (_HF + "qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel",
+                    _HF + "qwen2_vl.configuration_qwen2_vl:Qwen2VLVisionConfig")),
+            Family("qwen2_5_vl", ("qwen2_5_vl",), Qwen25VisionConfig, Qwen25VisionTower, qwen2_5_vl.expected_shapes,
+                   (_HF + "qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
+                    _HF + "qwen2_5_vl.configuration_qwen2_5_vl:Qwen2_5_VLVisionConfig")),
             Family("qwen3_vl", ("qwen3_vl", "qwen3_vl_moe"), Qwen3VisionConfig, Qwen3VisionTower,
-                   qwen3_vl.expected_shapes, QWEN3_VL_PROCESSOR, QWEN3_VL_VIDEO_PROCESSOR),
+                   qwen3_vl.expected_shapes, (_HF + "qwen3_vl.modeling_qwen3_vl:Qwen3VLVisionModel",
+                                              _HF + "qwen3_vl.configuration_qwen3_vl:Qwen3VLVisionConfig"),
+                   QWEN3_VL_PROCESSOR, QWEN3_VL_VIDEO_PROCESSOR),
             # Qwen3-VL's tower with no deepstack mergers: the same module, an empty deepstack list.
             Family("qwen3_5", ("qwen3_5", "qwen3_5_moe", "qwen4_exp"), Qwen35VisionConfig, Qwen3VisionTower,
-                   qwen3_vl.expected_shapes, QWEN3_VL_PROCESSOR, QWEN3_VL_VIDEO_PROCESSOR))
+                   qwen3_vl.expected_shapes, (_HF + "qwen3_5.modeling_qwen3_5:Qwen3_5VisionModel",
+                                              _HF + "qwen3_5.configuration_qwen3_5:Qwen3_5VisionConfig"),
+                   QWEN3_VL_PROCESSOR, QWEN3_VL_VIDEO_PROCESSOR))
 
 
 def _qwen25(out_hidden_size: int) -> Qwen25VisionConfig:
@@ -49,7 +59,8 @@ def _qwen25(out_hidden_size: int) -> Qwen25VisionConfig:
 
 # Random-weight towers of the released shapes (the 2.5 sizes share one tower and differ in
 # the merger's output width), for demos and benchmarks.
-PRESETS = {"qwen2-vl-2b": QWEN2_VL_2B, "tiny": TINY,
+PRESETS = {"qwen2-vl-2b": VisionConfig(hidden_size=1536),  # the real Qwen2-VL-2B tower
+           "tiny": VisionConfig(depth=2, embed_dim=64, num_heads=4, hidden_size=48),  # milliseconds on a CPU
            "qwen2.5-vl-3b": _qwen25(2048), "qwen2.5-vl-7b": _qwen25(3584), "qwen2.5-vl-32b": _qwen25(5120),
            "qwen2.5-vl-72b": _qwen25(8192),
            "qwen3-vl-2b": Qwen3VisionConfig(depth=24, hidden_size=1024, num_heads=16, intermediate_size=4096,
@@ -75,6 +86,29 @@ def family_of(config) -> Family:
     raise TypeError(f"config must be one of {[f.config.__name__ for f in FAMILIES]}, got {type(config).__name__}")
 
 
+def transformers_tower(config, state_dict, inv_freq=None):
+    """transformers' tower of ``config``'s family (sdpa) holding ``state_dict`` (the tower's
+    own names), or None without transformers: the one way tests and benchmarks build the oracle."""
+    import importlib
+
+    import torch
+
+    family = family_of(config)
+    try:
+        model_cls, config_cls = (getattr(importlib.import_module(ref.split(":")[0]), ref.split(":")[1])
+                                 for ref in family.reference)
+    except ImportError:
+        return None
+    hf_config = config_cls(**config.transformers_fields())
+    hf_config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = model_cls(hf_config)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    if inv_freq is not None:  # vitgraph keeps the rotary frequencies in fp32 whatever the dtype
+        model.rotary_pos_emb.inv_freq = inv_freq.clone()
+    return model.eval().requires_grad_(False)
+
+
 def family_for(model_type: str | None) -> Family:
     """The family serving ``model_type`` (None, a config with no model_type: Qwen2-VL)."""
     if model_type is None:
@@ -87,6 +121,5 @@ def family_for(model_type: str | None) -> Family:
 
 
 __all__ = ["FAMILIES", "PRESETS", "Family", "Qwen25VisionConfig", "Qwen25VisionTower", "Qwen35VisionConfig",
-           "Qwen3VisionConfig",
-           "Qwen3VisionTower", "Qwen2VisionTower", "VisionBatch",
-           "family_for", "family_of"]
+           "Qwen3VisionConfig", "Qwen3VisionTower", "Qwen2VisionTower", "VisionBatch", "VisionConfig",
+           "family_for", "family_of", "transformers_tower"]

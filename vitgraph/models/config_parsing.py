@@ -88,10 +88,29 @@ def check_block_indexes(name: str, blocks, depth: int) -> None:
         raise ValueError(f"vision_config.{name} must be distinct block indexes in [0, {depth}), got {blocks!r}")
 
 
+class TowerShape:
+    """What every family's config derives from its fields (``embed_dim``: the tower's width)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def patch_width(self) -> int:
+        """Values per input row: C * T * P * P (1176 for patch 14, 1536 for patch 16)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patch tokens per merged output row (4)."""
+        return self.spatial_merge_size ** 2
+
+
 class FamilyConfig:
-    """What the families' frozen config dataclasses share: ``hidden_size`` as the tower's width,
-    the common checks, and reading from ``config.json``. Subclasses set ``CEILINGS``,
-    ``REQUIRED`` and ``TUPLES`` and add their own checks in ``check``."""
+    """What the families' frozen config dataclasses share: the common checks (on ``embed_dim``,
+    the tower's width: ``hidden_size`` unless a family names it otherwise) and reading from
+    ``config.json``. Subclasses set ``CEILINGS``, ``REQUIRED`` and ``TUPLES`` and add their own
+    checks in ``check``."""
 
     CEILINGS: dict[str, int] = {}
     REQUIRED: tuple[str, ...] = ()
@@ -102,8 +121,10 @@ class FamilyConfig:
 
         check_ints(self, self.CEILINGS)
         check_positive_number("rope_theta", self.rope_theta)
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
-            raise ValueError(f"vision_config.hidden_size ({self.hidden_size}) must split into num_heads "
+        width = "embed_dim" if "embed_dim" in self.__dataclass_fields__ else "hidden_size"
+        if self.embed_dim % self.num_heads or (self.embed_dim // self.num_heads) % 4:
+            # 2-D rotary splits each head into h and w halves, each rotated in pairs.
+            raise ValueError(f"vision_config.{width} ({self.embed_dim}) must split into num_heads "
                              f"({self.num_heads}) heads whose width is divisible by 4")
         if not isinstance(self.hidden_act, str) or self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"vision_config.hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
@@ -115,6 +136,12 @@ class FamilyConfig:
     @property
     def embed_dim(self) -> int:
         return self.hidden_size
+
+    def transformers_fields(self) -> dict[str, Any]:
+        """The fields of transformers' vision config class for this family (its reference)."""
+        from dataclasses import asdict
+
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "rope_theta"}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]):

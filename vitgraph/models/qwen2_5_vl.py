@@ -24,12 +24,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import TowerShape
 from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import DEFAULT_ATTENTION, SegmentFlags
 from ..ops.gemm import linear_split_k
-from .config_parsing import FamilyConfig, check_block_indexes
+from .config_parsing import FamilyConfig, TowerShape, check_block_indexes
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
 from .reference_tower import ReferenceTower, fused_attention, rotary_attention

@@ -21,14 +21,56 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import VisionConfig
+from .config_parsing import FamilyConfig, TowerShape, check_positive_number
 from ..engine.contract import BatchLayout
 from ..ops import kernels
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import DEFAULT_ATTENTION, attend
 from ..ops.tuning import KernelTuning
 from .qwen2_vl_fused import FusedForward
-from .rotary import RotaryFrequencies
+from .tower_base import TowerBase
+
+
+_CEILINGS = {"depth": 1024, "embed_dim": 65536, "num_heads": 1024, "hidden_size": 65536, "patch_size": 64,
+             "temporal_patch_size": 16, "spatial_merge_size": 8, "in_channels": 16}
+MAX_MLP_DIM = 1 << 18
+
+
+@dataclass(frozen=True)
+class VisionConfig(FamilyConfig, TowerShape):
+    """Shape of a Qwen2-VL vision tower (the ``vision_config`` block): ``embed_dim`` is the
+    tower's width, ``hidden_size`` the merger's output (the LLM's width)."""
+
+    CEILINGS, REQUIRED = _CEILINGS, ("depth", "embed_dim", "num_heads", "hidden_size")
+
+    depth: int = 32
+    embed_dim: int = 1280
+    num_heads: int = 16
+    mlp_ratio: float = 4.0
+    hidden_size: int = 1536  # merger output width = the LLM's width
+    hidden_act: str = "quick_gelu"
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+
+    def check(self) -> None:
+        check_positive_number("mlp_ratio", self.mlp_ratio)
+        if not 0 < self.mlp_dim <= MAX_MLP_DIM:
+            raise ValueError(f"vision_config: embed_dim * mlp_ratio (the MLP width) must be in [1, {MAX_MLP_DIM}], "
+                             f"got {self.embed_dim} * {self.mlp_ratio}")
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.embed_dim * self.mlp_ratio)
+
+    def transformers_fields(self) -> dict:
+        mlp_ratio = int(self.mlp_ratio) if float(self.mlp_ratio).is_integer() else self.mlp_ratio
+        return dict(depth=self.depth, embed_dim=self.embed_dim, num_heads=self.num_heads, mlp_ratio=mlp_ratio,
+                    hidden_size=self.hidden_size, hidden_act=self.hidden_act, patch_size=self.patch_size,
+                    temporal_patch_size=self.temporal_patch_size, spatial_merge_size=self.spatial_merge_size,
+                    in_channels=self.in_channels)
 
 Grid = tuple[int, int, int]
 
@@ -219,9 +261,11 @@ def expected_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class Qwen2VisionTower(FusedForward, RotaryFrequencies, nn.Module):
+class Qwen2VisionTower(FusedForward, TowerBase, nn.Module):
     """Qwen2-VL ViT plus patch merger. Knows nothing of CUDA graphs; keeps the engine's
     contract (:class:`vitgraph.engine.contract.VisionTower`)."""
+
+    gemm_backends = ("cublas", "quack")  # quack's epilogues are written for this tower's MLP and rotary
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -236,16 +280,8 @@ class Qwen2VisionTower(FusedForward, RotaryFrequencies, nn.Module):
     # -- the engine's contract ------------------------------------------------------
 
     @property
-    def input_width(self) -> int:
-        return self.config.patch_width
-
-    @property
     def output_width(self) -> int:
         return self.config.hidden_size
-
-    @property
-    def merge_unit(self) -> int:
-        return self.config.merge_unit
 
     @staticmethod
     def segments(grid: Grid) -> list[int]:

@@ -24,11 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import TowerShape
 from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import DEFAULT_ATTENTION, SegmentFlags
-from .config_parsing import FamilyConfig, check_block_indexes
+from .config_parsing import FamilyConfig, TowerShape, check_block_indexes
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
 from .reference_tower import ReferenceTower, fused_attention, rotary_attention
@@ -86,6 +85,11 @@ class Qwen35VisionConfig(Qwen3VisionConfig):
         if self.deepstack_visual_indexes:  # transformers' tower has no deepstack mergers to read them
             raise ValueError(f"vision_config.deepstack_visual_indexes must be empty for Qwen3.5/3.6/4-Exp "
                              f"towers, got {list(self.deepstack_visual_indexes)}")
+
+    def transformers_fields(self) -> dict:
+        fields = super().transformers_fields()
+        del fields["deepstack_visual_indexes"]  # transformers' Qwen3.5 config has no such field
+        return fields
 
 
 @dataclass

@@ -12,7 +12,7 @@ from ..ops import kernels
 from ..ops.attention import AttentionTuning, attend
 from ..ops.tuning import KernelTuning
 from .qwen2_vl import apply_rotary
-from .rotary import RotaryFrequencies
+from .tower_base import TowerBase
 
 
 def rotary_attention(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, backend: str,
@@ -37,7 +37,7 @@ def fused_attention(h: torch.Tensor, attn: nn.Module, heads: int, cos: torch.Ten
                   values_finite=zero).reshape(h.shape[0], -1)
 
 
-class ReferenceTower(RotaryFrequencies, nn.Module):
+class ReferenceTower(TowerBase, nn.Module):
     """A base for the towers without Qwen2-VL's GEMM epilogues (``config``: a ``TowerShape``):
     a reference forward and a fused one (vitgraph's Triton kernels for the elementwise work)."""
 
@@ -45,14 +45,6 @@ class ReferenceTower(RotaryFrequencies, nn.Module):
         super()._init_rotary()
         self.fused = False
         self.tuning = KernelTuning()
-
-    @property
-    def input_width(self) -> int:
-        return self.config.patch_width
-
-    @property
-    def merge_unit(self) -> int:
-        return self.config.merge_unit
 
     def set_tuning(self, tuning: KernelTuning) -> None:
         """The kernels' tuning (:mod:`vitgraph.ops.tuning`); these towers have no quack GEMM path."""
