@@ -34,25 +34,17 @@ class EngineOptions:
     # Also capture a one-frame bucket per budget: a step holding a single frame (most images)
     # replays there with dense cuDNN attention instead of packed varlen attention.
     dense_buckets: bool = True
-    # A step holding one frame of more tokens runs eagerly at its exact shape (GPU-bound there:
-    # on an H200 a 9604-token image took 69.1 ms eager against 73.2 ms replayed in the
-    # 10496-token bucket); so does a step of several frames whose bucket would pad it by
-    # tuning plans.eager_min_padding (4%) or more. None: never. Dense buckets above it are not captured.
+    # One frame above this runs eagerly at its exact shape (GPU-bound there), as does a step its
+    # bucket would pad by tuning plans.eager_min_padding or more. None: never.
     exact_eager_above: int | None = 8192
-    # The largest dense bucket. None: none with the fa4 backend (tuning plans.fa4_dense_max_tokens:
-    # its packed buckets beat dense cuDNN for single frames on an H200), else exact_eager_above.
+    # The largest dense bucket. None: none with fa4 (its packed buckets win), else exact_eager_above.
     dense_max_tokens: int | None = None
-    # With the fa4 backend on Hopper, also capture a packed bucket for short frames in each
-    # budget whose own bucket attends with FlashAttention 4's default 192-row tiles: it takes
-    # steps whose frames all fit a cap (2048 tokens above 2048 on an H200) and attends with
-    # 128-row tiles, which fit short frames better (see vitgraph.ops.attention.fa4_short_cap).
+    # fa4 on Hopper: a packed bucket per budget for short frames, attended with 128-row tiles
+    # (vitgraph.ops.attention.fa4_short_cap).
     short_frame_buckets: bool = True
-    # Time each budget's dense and packed graphs at capture (about 1 s on an H200) and send a
-    # single frame to the packed one where that is faster (see vitgraph.engine.routing).
+    # Time dense against packed graphs at capture; send single frames to the faster (vitgraph.engine.routing).
     route_single_frames: bool = True
-    # Time each packed bucket of up to 1024 tokens against the next larger one at capture, on
-    # the input that fills the smaller (about 0.2 s on an H200), and send the smaller one's
-    # steps to the larger where that replays them faster (see vitgraph.engine.routing).
+    # Time small packed buckets against the next larger at capture; send steps to the faster.
     route_to_faster_buckets: bool = True
     capture: bool = True  # capture on construction; else call encoder.capture()
     # Before capture, where FlashAttention 4's or quack's kernel caches are cold, compile those

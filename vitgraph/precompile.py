@@ -1,33 +1,18 @@
 """Compile the kernels the graphs need in parallel processes, before capture.
 
-FlashAttention 4's and quack's kernels are CuTe-DSL programs compiled on first use, a few
-seconds each, one after another in the process that captures: with empty disk caches that is
-most of a cold start. The CuTe DSL keeps compiler state per thread, so threads cannot overlap
-those compiles; processes can, since both libraries keep compiled kernels in disk caches that
-any process on the machine loads (file-locked).
+FlashAttention 4's and quack's kernels are CuTe-DSL programs compiled on first use, one after
+another, and the DSL keeps compiler state per thread; processes can overlap them, since both
+libraries keep compiled kernels in file-locked disk caches any process loads.
 
-:func:`precompile` lists the distinct kernels the buckets' forwards run (the model's
-``jit_kernels``), each with the smallest bucket that runs it, and runs the first here. If that
-wrote no new kernel file to the disk caches, it was loaded from a warm cache, and capture
-loads every kernel as before. Otherwise the caches are cold: worker processes compile the
-rest into them while this process waits, and capture then loads them. (Whether a file
-appeared, not how long the call took: a warm first call with FA4's import in it took 0.5-1.1 s
-on an H200 host, a compile 3.7-6 s.) Nothing here changes what runs: a kernel a worker failed
-to build is compiled by capture, as without it.
-
-Where the caches hold no kernel file at all, cold is certain before anything is imported, and
-a worker spends most of its time starting Python and importing torch, quack and the CuTe DSL
-(4-9 s on an H200 host) before its compile: so the encoder starts the workers as it is
-constructed (:func:`start_early`; from a checkpoint, as soon as its config is read, before the
-weights load), before it loads those libraries itself, and
-:func:`precompile` then waits for them. Each works out the encoder's kernels from its options,
-as the encoder will, and compiles its share of all of them: cold being certain, this process
-compiles none.
-
-Each worker builds a one-block tower of the same shape with random weights and runs each of
-its ops alone on zeros (the model's ``run_jit_kernel``). While the workers compile,
-this process compiles the buckets' Triton kernels (the model's ``run_triton_kernels``), which
-capture would otherwise compile one after another after the wait.
+:func:`precompile` lists the distinct kernels the buckets' forwards run (the tower's
+``jit_kernels``: :class:`vitgraph.engine.contract.Precompiled`), each with its smallest bucket,
+and runs the first here. A new kernel file in the caches means they are cold (a file, not a
+time: timings overlap): workers compile the rest while this process compiles the Triton
+kernels. Where the caches hold no kernel at all, cold is certain before any import, so the
+encoder starts the workers as it is constructed (:func:`start_early`). Each worker builds a
+one-block tower of the family's shape and runs each of its kernels alone on zeros. Nothing here
+changes what runs: a kernel a worker failed to build is compiled by capture. Measurements:
+benchmarks/HISTORY.md, "Measurement notes moved out of the code".
 """
 
 from __future__ import annotations

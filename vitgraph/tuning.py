@@ -38,15 +38,11 @@ class PlanTuning:
 
     cache_entries: int = 4096  # plans kept, keyed by the call's grids
     cache_bytes: int = 64 << 20  # their staged metadata (12 bytes per token)
-    # A step of several frames above exact_eager_above runs eagerly where its bucket would pad
-    # it by this share or more: on an H200 with FlashAttention 4 eager took about 2.8% longer
-    # than a replay of the same rows, and each 1% of padding cost the replay about 0.73%.
+    # Eager above exact_eager_above where the bucket would pad the step by this share or more.
     eager_min_padding: float = 0.04
-    # Backends whose packed graphs attend through another kernel than eager calls do ("cudnn":
-    # cuDNN's ragged attention in graphs, FA2 varlen eagerly, 15-22% slower): never eager there.
+    # Backends whose graphs attend through a faster kernel than eager calls do: never eager there.
     packed_eager_slower: tuple[str, ...] = ("cudnn",)
-    # With the fa4 backend no dense bucket above this by default: FlashAttention 4's packed
-    # buckets beat dense cuDNN for single frames on an H200 (1x256 2.04 -> 1.89 ms).
+    # fa4: no dense bucket above this by default (its packed buckets win for single frames).
     fa4_dense_max_tokens: int = 0
 
 
