@@ -25,7 +25,8 @@ from vitgraph.tuning import Tuning, tuning_for
 from vitgraph.loading import build_tower
 from vitgraph.precompile import (EarlyWorkers, KernelJob, PrecompileTuning, TowerSetup, _persists, _spawn, _spec, _tail,
                                  kernel_jobs, precompile,
-                                 start_early, worker_main)
+                                 start_early)
+from vitgraph.precompile_worker import worker_main
 
 H200_SMS = 132
 

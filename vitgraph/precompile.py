@@ -265,6 +265,31 @@ def _tail(log) -> str:
     return lines[-1] if lines else "no output"
 
 
+def _compile_triton(tower: VisionTower, buckets: Sequence[Bucket], device: torch.device) -> float:
+    """Seconds spent compiling the buckets' Triton kernels here (those capture would compile)."""
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            for bucket in sorted(buckets):
+                tower.run_triton_kernels(padded_batch(tower, bucket).to(device))
+        _synchronize(device)
+    except torch.OutOfMemoryError:  # the workers' contexts took the room: capture compiles the rest
+        logger.warning("vitgraph: out of GPU memory compiling the Triton kernels of bucket %s before "
+                       "capture; capture compiles the rest", bucket.name)
+    return time.perf_counter() - t0
+
+
+def _wait(proc, log, report: PrecompileReport, timeout_s: float) -> None:
+    """Wait for one worker (up to ``timeout_s``), recording how it ended."""
+    try:
+        if proc.wait(timeout=timeout_s) != 0:
+            report.failures.append(f"exit {proc.returncode}: {_tail(log)}")
+        else:
+            logger.debug("vitgraph: kernel-compiling worker: %s", _tail(log))
+    except subprocess.TimeoutExpired:
+        report.failures.append(f"timed out after {WORKER_TIMEOUT_S:.0f} s")
+
+
 def precompile(tower: VisionTower, setup: TowerSetup, buckets: Sequence[Bucket], device: torch.device,
                workers: int | None = None, early: EarlyWorkers | None = None,
                tuning: PrecompileTuning = PrecompileTuning()) -> PrecompileReport:
@@ -312,26 +337,10 @@ def precompile(tower: VisionTower, setup: TowerSetup, buckets: Sequence[Bucket],
         elif procs is None:  # kernels on disk, but not this one (another release, other buckets)
             procs = _start(tower, setup, shares, device, report)
         if report.cold and procs and tuning.triton_while_waiting and _triton_compiles(device):
-            # Idle here until the workers finish: compile the Triton kernels capture would.
-            t0 = time.perf_counter()
-            try:
-                with torch.inference_mode():
-                    for bucket in sorted(buckets):
-                        tower.run_triton_kernels(padded_batch(tower, bucket).to(device))
-                _synchronize(device)
-            except torch.OutOfMemoryError:  # the workers' contexts took the room: capture compiles the rest
-                logger.warning("vitgraph: out of GPU memory compiling the Triton kernels of bucket %s before "
-                               "capture; capture compiles the rest", bucket.name)
-            report.triton_seconds = time.perf_counter() - t0
-        deadline = time.monotonic() + WORKER_TIMEOUT_S
+            report.triton_seconds = _compile_triton(tower, buckets, device)  # idle here until the workers finish
+        deadline = time.monotonic() + WORKER_TIMEOUT_S  # one deadline for all of them
         for proc, log in procs if report.cold else ():
-            try:
-                if proc.wait(timeout=max(0.0, deadline - time.monotonic())) != 0:
-                    report.failures.append(f"exit {proc.returncode}: {_tail(log)}")
-                else:
-                    logger.debug("vitgraph: kernel-compiling worker: %s", _tail(log))
-            except subprocess.TimeoutExpired:
-                report.failures.append(f"timed out after {WORKER_TIMEOUT_S:.0f} s")
+            _wait(proc, log, report, max(0.0, deadline - time.monotonic()))
     finally:
         _stop(procs or ())
     for failure in report.failures:
@@ -348,7 +357,7 @@ def precompile(tower: VisionTower, setup: TowerSetup, buckets: Sequence[Bucket],
 
 # Not ``-m vitgraph.precompile``: importing the package imports this module first, and runpy
 # would then run a second copy of it.
-_WORKER_COMMAND = "import sys; from vitgraph.precompile import worker_main; worker_main(sys.argv[1])"
+_WORKER_COMMAND = "import sys; from vitgraph.precompile_worker import worker_main; worker_main(sys.argv[1])"
 
 
 def _triton_compiles(device: torch.device) -> bool:
@@ -359,47 +368,3 @@ def _triton_compiles(device: torch.device) -> bool:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def worker_main(spec_json: str) -> None:
-    """A worker: compile (or load) each job's kernel of the spec :func:`precompile` wrote."""
-    from .loading import build_tower
-    from .models import FAMILIES
-
-    spec = json.loads(spec_json)
-    timings = {"start_s": round(time.time() - spec["started"], 2)}  # Python, torch and vitgraph imports
-    lap = time.perf_counter()
-    device = torch.device(spec["device"])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dtype = getattr(torch, spec["dtype"])
-    family = next(f for f in FAMILIES if f.name == spec["family"])
-    tower = build_tower(family.config.from_dict(spec["config"]), device, dtype)
-    from .options import EngineOptions, buckets_for, configure_tower
-    from .tuning import derive_tuning
-
-    if "options" in spec:  # started before the encoder chose anything: choose as it will
-        # The tuning as the encoder derives it: from the device and the widths (which a
-        # one-block tower shares), with the encoder's changes by name.
-        options = EngineOptions(**spec["options"])
-        attention, tuning = configure_tower(tower, options, derive_tuning(tower.config, device, options.tuning),
-                                            device, dtype)
-        index, count = spec["share"]
-        every = [j for j in kernel_jobs(tower, buckets_for(tower, options, attention, device, tuning))
-                 if _persists(j.op)]
-        jobs = [(j.op, j.bucket) for j in every[index::count]]
-    else:  # the encoder's choices, already resolved
-        resolved = EngineOptions(attention=spec["attention"], gemm=spec["gemm"], fuse=spec["fused"])
-        configure_tower(tower, resolved, derive_tuning(tower.config, device), device, dtype)
-        tower.set_tuning(pickle.loads(base64.b64decode(spec["kernel_tuning"])))  # the encoder's, exactly
-        jobs = [(op, Bucket(tokens, segments, max_seqlen)) for op, tokens, segments, max_seqlen in spec["jobs"]]
-    timings["build_s"] = round(time.perf_counter() - lap, 2)
-    with torch.inference_mode():
-        for op, bucket in jobs:
-            lap = time.perf_counter()
-            tower.run_jit_kernel(op, padded_batch(tower, bucket).to(device))
-            _synchronize(device)
-            timings[f"{op}@{bucket.name}_s"] = round(time.perf_counter() - lap, 2)
-    timings["dynamo_imported"] = "torch._dynamo" in sys.modules
-    print(json.dumps(timings), flush=True)
-

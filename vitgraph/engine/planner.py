@@ -221,46 +221,27 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
     ``faster_next`` (``{bucket: larger}``, see :mod:`vitgraph.engine.routing`): a step whose
     bucket is a key replays in the larger bucket, measured faster, which holds it too.
     """
-    packed_single_below = packed_single_below or {}
-    faster_next = faster_next or {}
     plan = Plan()
     if not buckets:
         tokens = sum(t * h * w for t, h, w in grids)
         if grids:
             plan.steps.append(Step(list(grids), None, tokens, sum(t for t, _, _ in grids), 0, "no_graphs"))
         return plan
-    largest = max(buckets, key=lambda b: b.tokens)
-    cap_tokens = largest.tokens
+    cap_tokens = max(b.tokens for b in buckets)
     cap_segments = max(b.max_segments for b in buckets)
-
-    offset = 0
-    chunk: list[Grid] = []
-    chunk_tokens = chunk_segments = chunk_longest = 0
+    route = _Routing(buckets, exact_eager_above, packed_single_below or {}, eager_padding, faster_next or {})
+    chunk, offset = _Chunk(), 0
 
     def flush() -> None:
-        nonlocal chunk, chunk_tokens, chunk_segments, chunk_longest, offset
-        if chunk:
-            # None where capture dropped the buckets that would hold it: the step then runs eagerly.
-            bucket = smallest_fit(buckets, chunk_tokens, chunk_segments, chunk_longest)
-            if (bucket is not None and bucket.max_segments == 1
-                    and chunk_tokens < packed_single_below.get(bucket.tokens, 0)):
-                bucket = smallest_fit(buckets, chunk_tokens, 2, chunk_longest) or bucket
-            larger = faster_next.get(bucket)
-            if larger is not None and larger in buckets and larger.holds(chunk_tokens, chunk_segments, chunk_longest):
-                bucket = larger
-            padded_enough = (bucket is not None and eager_padding is not None
-                             and bucket.tokens - chunk_tokens >= eager_padding * bucket.tokens)
-            reason = None
-            if exact_eager_above is not None and chunk_tokens > exact_eager_above and (
-                    chunk_segments == 1 or padded_enough):
-                bucket, reason = None, "exact_eager"
-            plan.steps.append(Step(chunk, bucket, chunk_tokens, chunk_segments, offset, reason))
-            offset += chunk_tokens
-        chunk, chunk_tokens, chunk_segments, chunk_longest = [], 0, 0, 0
+        nonlocal chunk, offset
+        if chunk.grids:
+            plan.steps.append(route.step(chunk, offset))
+            offset += chunk.tokens
+        chunk = _Chunk()
 
     for t, h, w in grids:
         frame = h * w
-        if frame > cap_tokens:
+        if frame > cap_tokens:  # larger than every bucket: eager, beside the oversize items before it
             flush()
             last = plan.steps[-1] if plan.steps else None
             if last is not None and last.bucket is None and last.reason == "oversize":
@@ -273,18 +254,59 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
             continue
         left = t
         while left:
-            room = min((cap_tokens - chunk_tokens) // frame, cap_segments - chunk_segments)
+            room = min((cap_tokens - chunk.tokens) // frame, cap_segments - chunk.segments)
             if room == 0:
                 flush()
                 continue
             take = min(left, room)
-            chunk.append((take, h, w))
-            chunk_tokens += take * frame
-            chunk_segments += take
-            chunk_longest = max(chunk_longest, frame)
+            chunk.add(take, h, w)
             left -= take
     flush()
     return plan
+
+
+@dataclass
+class _Chunk:
+    """Frames gathered for one step."""
+
+    grids: list = field(default_factory=list)
+    tokens: int = 0
+    segments: int = 0
+    longest: int = 0
+
+    def add(self, t: int, h: int, w: int) -> None:
+        self.grids.append((t, h, w))
+        self.tokens += t * h * w
+        self.segments += t
+        self.longest = max(self.longest, h * w)
+
+
+@dataclass
+class _Routing:
+    """Where :func:`plan_call` sends a chunk: the rules its docstring gives, in order."""
+
+    buckets: Sequence[Bucket]
+    exact_eager_above: int | None
+    packed_single_below: Mapping[int, int]
+    eager_padding: float | None
+    faster_next: Mapping[Bucket, Bucket]
+
+    def step(self, chunk: _Chunk, offset: int) -> Step:
+        # None where capture dropped the buckets that would hold it: the step then runs eagerly.
+        bucket = smallest_fit(self.buckets, chunk.tokens, chunk.segments, chunk.longest)
+        if (bucket is not None and bucket.max_segments == 1
+                and chunk.tokens < self.packed_single_below.get(bucket.tokens, 0)):
+            bucket = smallest_fit(self.buckets, chunk.tokens, 2, chunk.longest) or bucket
+        larger = self.faster_next.get(bucket)
+        if larger is not None and larger in self.buckets and larger.holds(chunk.tokens, chunk.segments, chunk.longest):
+            bucket = larger
+        padded_enough = (bucket is not None and self.eager_padding is not None
+                         and bucket.tokens - chunk.tokens >= self.eager_padding * bucket.tokens)
+        reason = None
+        if self.exact_eager_above is not None and chunk.tokens > self.exact_eager_above and (
+                chunk.segments == 1 or padded_enough):
+            bucket, reason = None, "exact_eager"
+        return Step(chunk.grids, bucket, chunk.tokens, chunk.segments, offset, reason)
 
 
 def padded_batch(model, bucket: Bucket, grids=()):
