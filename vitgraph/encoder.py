@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
@@ -24,8 +23,8 @@ from .loading import (build_tower, find_checkpoint, load_tower, read_config, rea
 from .options import EngineOptions, buckets_for, configure_tower, resolve_device, resolve_dtype, uses_graphs
 from .precompile import PrecompileReport, TowerSetup, precompile, start_early
 from .tuning import Tuning, derive_tuning
-from .ops.normalize import normalize_rows
 from .preprocess import check_same_rows, statistics
+from .encoder_images import ImageInput
 from .validation import check_out, check_pixels, check_rows, normalize_grid
 
 logger = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ class _Counters:
     calls: int = 0
 
 
-class GraphedVisionEncoder:
+class GraphedVisionEncoder(ImageInput):
     """A Qwen VL family's vision encoder (ViT + patch merger), replayed from CUDA graphs.
 
     ``encode(pixels, grid_thw)`` validates the input, plans it into bucket replays
@@ -331,60 +330,6 @@ class GraphedVisionEncoder:
 
     def _new_output(self, rows: int) -> torch.Tensor:
         return torch.empty(rows, self.tower.output_width, device=self.device, dtype=self.dtype)
-
-    def device_rows(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Rows on the encoder's device in its dtype; uint8 rows normalised there with
-        :attr:`processor`'s mean and std (as ``encode`` does; unchecked)."""
-        pixels = pixels.to(self.device, non_blocking=True)
-        if pixels.dtype == torch.uint8:
-            return normalize_rows(pixels, *self._pixel_statistics, self.dtype)
-        return pixels.to(self.dtype)
-
-    def image_rows(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
-                   min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
-                   decode: str = "host") -> tuple[torch.Tensor, torch.Tensor]:
-        """What :meth:`encode_images` encodes: ``(uint8 rows, grid_thw)`` of the images, then the
-        clips, as :attr:`processor` and :attr:`video_processor` make them (:func:`vitgraph.images.image_rows`).
-        ``encode`` normalises uint8 rows with the image processor's mean and std."""
-        from .images import image_rows
-
-        return image_rows(images, videos, processor=self.processor, video_processor=self.video_processor,
-                          device=self.device, min_pixels=min_pixels, max_pixels=max_pixels, preprocess=preprocess,
-                          decode=decode, executor=self._pool())
-
-    def encode_images(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
-                      min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
-                      decode: str = "host") -> list[torch.Tensor]:
-        """Images and clips -> one tensor of embeddings per item (images first, then videos, each
-        in the order given), encoded in one call.
-
-        An image is a PIL image, an ``HxWx3`` uint8 array, a ``3xHxW`` uint8 tensor (any device),
-        encoded bytes (JPEG, PNG, ...) or a file path; a clip is a list of them. ``preprocess``:
-        ``"device"`` (torch on the encoder's device, as transformers' torchvision processors),
-        ``"pil"`` (PIL on the host, as ``Qwen2VLImageProcessorPil``), ``"auto"``: device on
-        CUDA, else PIL. ``decode``: ``"host"`` (PIL, in a thread pool) or ``"gpu"`` (JPEGs by
-        nvJPEG through torchvision; others on the host).
-        """
-        rows, grid = self.image_rows(images, videos, min_pixels=min_pixels, max_pixels=max_pixels,
-                                     preprocess=preprocess, decode=decode)
-        if grid.shape[0] == 0:
-            return []
-        first_clip = len(images) if images is not None else 0
-        if first_clip < grid.shape[0] and self._video_statistics is not None:  # clips normalised their own way
-            split = int(grid[:first_clip].prod(-1).sum())
-            rows = rows.to(self.device, non_blocking=True)
-            rows = torch.cat([self.device_rows(rows[:split]),
-                              normalize_rows(rows[split:], *self._video_statistics, self.dtype)])
-        merged = self.encode(rows, grid)
-        return list(merged.split([int(t * h * w) // self.tower.merge_unit for t, h, w in grid.tolist()]))
-
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._host_pool is None:
-            with self._lock:
-                if self._host_pool is None:
-                    self._host_pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
-                                                         thread_name_prefix="vitgraph-images")
-        return self._host_pool
 
     def _run_eager(self, step: Step, pixels: torch.Tensor, target: torch.Tensor) -> None:
         batch = self.tower.build_batch(step.grids)
