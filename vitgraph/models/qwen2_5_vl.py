@@ -33,6 +33,7 @@ from .config_parsing import FamilyConfig, check_block_indexes
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
 from .reference_tower import ReferenceTower, fused_attention, rotary_attention
+from .segments import bounded_seqlen, check_capacity, segmentation
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
              "out_hidden_size": 65536, "patch_size": 64, "temporal_patch_size": 16, "spatial_merge_size": 8,
@@ -291,18 +292,8 @@ class Qwen25VisionTower(ReferenceTower):
         area (at most ``max_seqlen``), the same for every call. Padding merged tokens map to
         themselves, after every real one, so they never join a real window; the window count is
         checked against its capacity here, before every replay. Returns CPU tensors."""
-        cfg, merge, unit = self.config, self.config.spatial_merge_size, self.config.merge_unit
-        order, frame_lengths, window_lengths, frames = [], [], [], []
-        base = 0
-        for t, h, w in grids:
-            idx, wins = frame_windows(h, w, merge, cfg.window_patches)
-            per_frame = h * w // unit
-            for f in range(t):
-                order.append(idx + base + f * per_frame)
-                window_lengths.extend(wins.tolist())
-                frame_lengths.append(h * w)
-                frames.append(_block_major_positions(h, w, merge))
-            base += t * per_frame
+        cfg, unit = self.config, self.config.merge_unit
+        order, frames, frame_lengths, window_lengths = self._frames(grids)
         real = sum(frame_lengths)
         tokens = real if num_tokens is None else num_tokens
         frame_slots = len(frame_lengths) if num_segments is None else num_segments
@@ -313,12 +304,41 @@ class Qwen25VisionTower(ReferenceTower):
             window_slots = window_capacity(tokens // unit, frame_slots, cfg.window_patches)
         else:
             window_slots = len(window_lengths)
-        if tokens < real or frame_slots < len(frame_lengths) or window_slots < len(window_lengths):
-            raise ValueError(f"layout of {tokens} tokens / {frame_slots} frames / {window_slots} windows cannot hold "
-                             f"{real} tokens / {len(frame_lengths)} frames / {len(window_lengths)} windows")
-        longest = max(frame_lengths, default=0)
-        if max_seqlen is not None and max_seqlen < longest:
-            raise ValueError(f"max_seqlen {max_seqlen} is shorter than the longest frame ({longest})")
+        check_capacity(tokens, real, {"frames": (frame_slots, len(frame_lengths)),
+                                      "windows": (window_slots, len(window_lengths))})
+        frame_seqlen = bounded_seqlen(max_seqlen, frame_lengths, "frame")
+        window_index, reverse_index, positions = self._permutation(order, frames, tokens, real)
+        by_frame = segmentation(frame_lengths, tokens, frame_slots)
+        by_window = segmentation(window_lengths, tokens, window_slots)
+        exact = tokens == real and frame_slots == len(frame_lengths) and window_slots == len(window_lengths)
+        # A graph bakes max_seqlen in: a padded layout's is the bound, not this call's longest window.
+        window_seqlen = (min(cfg.window_patches ** 2 * unit, frame_seqlen) if padded
+                         else max(max(window_lengths, default=0), 1))
+        return WindowBatch(window_index, reverse_index, positions, by_frame.ids, by_frame.cu, by_window.ids,
+                           by_window.cu, frame_seqlen, window_seqlen,
+                           tuple(frame_lengths) if exact else None, tuple(window_lengths) if exact else None)
+
+    def _frames(self, grids: Sequence[tuple[int, int, int]]):
+        """Each frame's window order (merged-token indexes into the batch), its tokens' positions in
+        item order, and the frames' and windows' lengths in tokens."""
+        cfg, merge, unit = self.config, self.config.spatial_merge_size, self.config.merge_unit
+        order, frames, frame_lengths, window_lengths = [], [], [], []
+        base = 0
+        for t, h, w in grids:
+            idx, wins = frame_windows(h, w, merge, cfg.window_patches)
+            per_frame = h * w // unit
+            for f in range(t):
+                order.append(idx + base + f * per_frame)
+                window_lengths.extend(wins.tolist())
+                frame_lengths.append(h * w)
+                frames.append(_block_major_positions(h, w, merge))
+            base += t * per_frame
+        return order, frames, frame_lengths, window_lengths
+
+    def _permutation(self, order: list, frames: list, tokens: int, real: int):
+        """``window_index``, its inverse ``reverse_index`` and ``positions`` in window order; padding
+        merged tokens map to themselves, after every real one."""
+        unit = self.config.merge_unit
         groups = tokens // unit
         window_index = np.arange(groups, dtype=np.int64)
         if order:
@@ -329,26 +349,8 @@ class Qwen25VisionTower(ReferenceTower):
         if frames:
             item_order = np.concatenate(frames)  # [real, 2], item order
             positions[:real] = item_order.reshape(-1, unit, 2)[window_index[:real // unit]].reshape(-1, 2)
-
-        def segmentation(lengths, slots):
-            ids = np.full(tokens, -1, dtype=np.int32)
-            ids[:real] = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
-            cu = np.full(slots + 1, real, dtype=np.int32)
-            cu[0] = 0
-            cu[1:len(lengths) + 1] = np.cumsum(lengths)
-            return torch.from_numpy(ids), torch.from_numpy(cu)
-
-        frame_ids, frame_cu = segmentation(frame_lengths, frame_slots)
-        window_ids, window_cu = segmentation(window_lengths, window_slots)
-        exact = tokens == real and frame_slots == len(frame_lengths) and window_slots == len(window_lengths)
-        frame_seqlen = max(max_seqlen or longest, 1)
-        # A graph bakes max_seqlen in: a padded layout's is the bound, not this call's longest window.
-        window_seqlen = (min(cfg.window_patches ** 2 * unit, frame_seqlen) if padded
-                         else max(max(window_lengths, default=0), 1))
-        return WindowBatch(torch.from_numpy(window_index.astype(np.int32)),
-                           torch.from_numpy(reverse_index.astype(np.int32)), torch.from_numpy(positions),
-                           frame_ids, frame_cu, window_ids, window_cu, frame_seqlen, window_seqlen,
-                           tuple(frame_lengths) if exact else None, tuple(window_lengths) if exact else None)
+        return (torch.from_numpy(window_index.astype(np.int32)), torch.from_numpy(reverse_index.astype(np.int32)),
+                torch.from_numpy(positions))
 
 
     def block_kind(self, index: int) -> bool:

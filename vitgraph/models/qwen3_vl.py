@@ -32,6 +32,7 @@ from .config_parsing import FamilyConfig, check_block_indexes
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
 from .reference_tower import ReferenceTower, fused_attention, rotary_attention
+from .segments import segment
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
              "out_hidden_size": 65536, "num_position_embeddings": 1 << 20, "patch_size": 64,
@@ -232,29 +233,15 @@ class Qwen3VisionTower(ReferenceTower):
                 taps.append(index)
                 weights.append(weight)
                 lengths.append(h * w)
-        real = sum(lengths)
-        tokens = real if num_tokens is None else num_tokens
-        slots = len(lengths) if num_segments is None else num_segments
-        if tokens < real or slots < len(lengths):
-            raise ValueError(f"layout of {tokens} tokens / {slots} segments cannot hold {real} tokens / "
-                             f"{len(lengths)} segments")
-        longest = max(lengths, default=0)
-        if max_seqlen is not None and max_seqlen < longest:
-            raise ValueError(f"max_seqlen {max_seqlen} is shorter than the longest segment ({longest})")
+        segments = segment(lengths, num_tokens=num_tokens, num_segments=num_segments, max_seqlen=max_seqlen)
+        tokens, real = segments.ids.shape[0], sum(lengths)
         pos = np.zeros((tokens, 2), dtype=np.int32)
         pos_index = np.zeros((tokens, 4), dtype=np.int32)
         pos_weight = np.zeros((tokens, 4), dtype=np.float32)
         if lengths:
             pos[:real], pos_index[:real], pos_weight[:real] = (np.concatenate(a) for a in (positions, taps, weights))
-        ids = np.full(tokens, -1, dtype=np.int32)
-        ids[:real] = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
-        cu = np.full(slots + 1, real, dtype=np.int32)
-        cu[0] = 0
-        cu[1:len(lengths) + 1] = np.cumsum(lengths)
-        exact = tokens == real and slots == len(lengths)
-        return DeepstackBatch(torch.from_numpy(pos), torch.from_numpy(ids), torch.from_numpy(cu),
-                              torch.from_numpy(pos_index), torch.from_numpy(pos_weight.view(np.int32)),
-                              max(max_seqlen or longest, 1), tuple(lengths) if exact else None)
+        return DeepstackBatch(torch.from_numpy(pos), segments.ids, segments.cu, torch.from_numpy(pos_index),
+                              torch.from_numpy(pos_weight.view(np.int32)), segments.max_seqlen, segments.lengths)
 
 
     def block_kind(self, index: int) -> bool:
