@@ -230,8 +230,16 @@ class PatchMerger(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(),
                                  nn.Linear(self.merged_dim, cfg.out_hidden_size))
 
+    @property
+    def norm(self) -> RMSNorm:
+        """The norm before the merge, as the fused block loop names it."""
+        return self.ln_q
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))  # [T/4, out]
+        return self.project(self.ln_q(x).view(-1, self.merged_dim))  # [T/4, out]
 
 
 def expected_shapes(cfg: Qwen25VisionConfig) -> dict[str, tuple[int, ...]]:
@@ -271,16 +279,6 @@ class Qwen25VisionTower(ReferenceTower):
     @property
     def output_width(self) -> int:
         return self.config.out_hidden_size
-
-
-    def set_attention_backend(self, backend: str) -> None:
-        for block in self.blocks:
-            block.attn.backend = backend
-
-    def set_tuning(self, tuning) -> None:
-        super().set_tuning(tuning)
-        for block in self.blocks:
-            block.attn.attention_tuning = tuning.attention
 
 
     def build_batch(self, grids: Sequence[tuple[int, int, int]], *, num_tokens: int | None = None,
@@ -357,57 +355,38 @@ class Qwen25VisionTower(ReferenceTower):
         """Full attention (over frames) or windowed: two segmentations, two attention layouts."""
         return index in self.config.fullatt_block_indexes
 
-    def _window_order(self, pixels: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
+    # -- what the block loops (ReferenceTower) read: RMSNorm, windows, split K, SwiGLU ------------
+
+    def embed(self, pixels: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
         """The patch embedding, rows gathered into window order: ``[T, E]``."""
         rows, unit = pixels.shape[0], self.merge_unit
         weight = self.patch_embed.proj.weight
         x = F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))  # [T, E]
         return x.view(rows // unit, unit, -1)[batch.window_index.long()].view(rows, -1)
 
-    def forward_reference(self, pixels: torch.Tensor, batch: WindowBatch, blocks=None) -> torch.Tensor:
-        """``[T, input_width]`` pixel rows (item order) -> ``[T / 4, out_hidden_size]`` (item order),
-        plain PyTorch ops. ``blocks``: the indexes of the blocks to run instead of all (see :meth:`warm_up`)."""
-        cos, sin = self.rotary(batch.positions)  # positions are in window order already
-        x = self._window_order(pixels, batch)
-        frames, windows = batch.frames, batch.windows
-        full = set(self.config.fullatt_block_indexes)
-        for i in range(len(self.blocks)) if blocks is None else blocks:
-            x = self.blocks[i](x, cos, sin, frames if i in full else windows)
-        return self.merger(x)[batch.reverse_index.long()]
+    def attention_segments(self, batch: WindowBatch, index: int) -> Segments:
+        return batch.frames if index in self.config.fullatt_block_indexes else batch.windows
 
-    def forward_fused(self, pixels: torch.Tensor, batch: WindowBatch, blocks=None) -> torch.Tensor:
-        """The same math with vitgraph's kernels: each residual add joined to the RMSNorm after it
-        (the last to the merger's), the rotary in place, SiLU times up in one pass."""
-        order = range(len(self.blocks)) if blocks is None else blocks
-        blocks = [self.blocks[i] for i in order]
-        cos, sin = self.rotary(batch.positions)
-        x = self._window_order(pixels, batch)
-        frames, windows = batch.frames, batch.windows
-        full = set(self.config.fullatt_block_indexes)
-        heads, merger = self.config.num_heads, self.merger
-        norms, gemm = self.tuning.norms, self.tuning.gemm
-        h = kernels.add_rmsnorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.eps, tuning=norms)
-        for k, (i, block) in enumerate(zip(order, blocks)):  # each intermediate dropped as soon as it is dead
-            attn, mlp = block.attn, block.mlp
-            out = fused_attention(h, attn, heads, cos, sin, attn.backend, frames if i in full else windows,
-                                  self.tuning.attention)
-            del h
-            # K split at small rows: Qwen2.5-VL-7B on an H200 1x256 1.95 -> 1.87 ms, 784 rows 3.55 -> 3.44
-            y, y_bias = linear_split_k(out, attn.proj.weight, attn.proj.bias, gemm)
-            del out
-            h = kernels.add_rmsnorm(x, y, block.norm2.weight, block.norm2.eps, y_bias, tuning=norms)
-            del y
-            gate_up = F.linear(h, mlp.gate_up.weight, mlp.gate_up.bias)
-            del h
-            if mlp.act_name == "silu":
-                f = kernels.silu_mul(gate_up)
-            else:
-                gate, up = gate_up.split(mlp.padded, dim=-1)
-                f = ACTIVATIONS[mlp.act_name](gate) * up
-            del gate_up
-            z, z_bias = linear_split_k(f, mlp.down_proj.weight, mlp.down_proj.bias, gemm)
-            del f
-            norm = blocks[k + 1].norm1 if k + 1 < len(blocks) else merger.ln_q
-            h = kernels.add_rmsnorm(x, z, norm.weight, norm.eps, z_bias, tuning=norms)
-            del z
-        return merger.mlp(h.view(-1, merger.merged_dim))[batch.reverse_index.long()]
+    def add_norm(self, x, y, norm, y_bias=None) -> torch.Tensor:
+        return kernels.add_rmsnorm(x, y, norm.weight, norm.eps, y_bias, tuning=self.tuning.norms)
+
+    def proj_fused(self, out, attn):
+        # K split at small rows: Qwen2.5-VL-7B on an H200 1x256 1.95 -> 1.87 ms, 784 rows 3.55 -> 3.44
+        return linear_split_k(out, attn.proj.weight, attn.proj.bias, self.tuning.gemm)
+
+    def mlp_in(self, h, block) -> torch.Tensor:
+        return F.linear(h, block.mlp.gate_up.weight, block.mlp.gate_up.bias)
+
+    def mlp_act(self, gate_up, block) -> torch.Tensor:
+        mlp = block.mlp
+        if mlp.act_name == "silu":
+            return kernels.silu_mul(gate_up)
+        gate, up = gate_up.split(mlp.padded, dim=-1)
+        return ACTIVATIONS[mlp.act_name](gate) * up
+
+    def mlp_out(self, f, block):
+        return linear_split_k(f, block.mlp.down_proj.weight, block.mlp.down_proj.bias, self.tuning.gemm)
+
+    def finish(self, merged: torch.Tensor, taps, batch: WindowBatch) -> torch.Tensor:
+        """The merger's rows back in item order."""
+        return merged[batch.reverse_index.long()]
