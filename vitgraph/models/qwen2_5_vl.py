@@ -8,8 +8,9 @@ multiples of that. :meth:`Qwen25VisionTower.build_batch` computes the permutatio
 inverse on the host, with two segmentations: frames (full attention) and windows. The
 forward gathers by them; it never syncs with the host.
 
-This file is the reference (plain PyTorch) forward, exact against transformers'
-``Qwen2_5_VisionTransformerPretrainedModel``, and a fused one (vitgraph's kernels). Its CUDA graphs keep
+This file names what the block loops of :class:`ReferenceTower` run for Qwen2.5-VL: the reference
+(plain PyTorch) forward, exact against transformers' ``Qwen2_5_VisionTransformerPretrainedModel``,
+and a fused one (vitgraph's kernels). Its CUDA graphs keep
 both segmentations padded to capacities that follow from a bucket's (:func:`window_capacity`).
 """
 
@@ -32,7 +33,7 @@ from ..ops.gemm import linear_split_k
 from .config_parsing import FamilyConfig, check_block_indexes
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
-from .reference_tower import ReferenceTower, fused_attention, rotary_attention
+from .reference_tower import ReferenceTower, rotary_attention
 from .segments import bounded_seqlen, check_capacity, segmentation
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,

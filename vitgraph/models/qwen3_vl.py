@@ -8,8 +8,9 @@ the main embeddings, then each deepstack feature in layer order, side by side (t
 built on the host (:meth:`Qwen3VisionTower.build_batch`); the weights travel as the int32 bits
 of their fp32 values, so every tensor of the batch is int32 as the engine stages it.
 
-This file is the reference (plain PyTorch) forward, exact against transformers'
-``Qwen3VLVisionModel``, and a fused one (vitgraph's kernels). In CUDA graphs the taps are static buffers
+This file names what the block loops of :class:`ReferenceTower` run for Qwen3-VL: the reference
+(plain PyTorch) forward, exact against transformers' ``Qwen3VLVisionModel``, and a fused one
+(vitgraph's kernels). In CUDA graphs the taps are static buffers
 like every other tensor of the batch, and the deepstack features leave in the one output.
 """
 
@@ -31,7 +32,7 @@ from ..ops.attention import DEFAULT_ATTENTION, SegmentFlags
 from .config_parsing import FamilyConfig, check_block_indexes
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
-from .reference_tower import ReferenceTower, fused_attention, rotary_attention
+from .reference_tower import ReferenceTower, rotary_attention
 from .segments import segment
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,

@@ -1,6 +1,7 @@
 """What the Qwen2.5-VL and Qwen3-VL towers share: the 2-D rotary (fp32, q's and k's head dims
-kept interleaved as Qwen2-VL's are), the contract's widths, fusion, and the attention half of
-a block in both forwards."""
+kept interleaved as Qwen2-VL's are), the contract's widths, fusion, the attention half of a
+block, and one block loop per forward; each family names its norm, segmentation, MLP, split K
+and taps (:class:`ReferenceTower`)."""
 
 from __future__ import annotations
 
