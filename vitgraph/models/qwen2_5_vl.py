@@ -8,8 +8,9 @@ multiples of that. :meth:`Qwen25VisionTower.build_batch` computes the permutatio
 inverse on the host, with two segmentations: frames (full attention) and windows. The
 forward gathers by them; it never syncs with the host.
 
-This file is the reference (plain PyTorch) forward, exact against transformers'
-``Qwen2_5_VisionTransformerPretrainedModel``, and a fused one (vitgraph's kernels). Its CUDA graphs keep
+This file names what the block loops of :class:`ReferenceTower` run for Qwen2.5-VL: the reference
+(plain PyTorch) forward, exact against transformers' ``Qwen2_5_VisionTransformerPretrainedModel``,
+and a fused one (vitgraph's kernels). Its CUDA graphs keep
 both segmentations padded to capacities that follow from a bucket's (:func:`window_capacity`).
 """
 
@@ -31,7 +32,8 @@ from ..ops.gemm import linear_split_k
 from .config_parsing import FamilyConfig, TowerShape, check_block_indexes
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
-from .reference_tower import ReferenceTower, fused_attention, rotary_attention
+from .reference_tower import ReferenceTower, rotary_attention
+from .segments import bounded_seqlen, check_capacity, segmentation
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
              "out_hidden_size": 65536, "patch_size": 64, "temporal_patch_size": 16, "spatial_merge_size": 8,
@@ -228,8 +230,16 @@ class PatchMerger(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(),
                                  nn.Linear(self.merged_dim, cfg.out_hidden_size))
 
+    @property
+    def norm(self) -> RMSNorm:
+        """The norm before the merge, as the fused block loop names it."""
+        return self.ln_q
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))  # [T/4, out]
+        return self.project(self.ln_q(x).view(-1, self.merged_dim))  # [T/4, out]
 
 
 def expected_shapes(cfg: Qwen25VisionConfig) -> dict[str, tuple[int, ...]]:
@@ -271,16 +281,6 @@ class Qwen25VisionTower(ReferenceTower):
         return self.config.out_hidden_size
 
 
-    def set_attention_backend(self, backend: str) -> None:
-        for block in self.blocks:
-            block.attn.backend = backend
-
-    def set_tuning(self, tuning) -> None:
-        super().set_tuning(tuning)
-        for block in self.blocks:
-            block.attn.attention_tuning = tuning.attention
-
-
     def build_batch(self, grids: Sequence[tuple[int, int, int]], *, num_tokens: int | None = None,
                     num_segments: int | None = None, max_seqlen: int | None = None,
                     num_windows: int | None = None) -> WindowBatch:
@@ -290,18 +290,8 @@ class Qwen25VisionTower(ReferenceTower):
         area (at most ``max_seqlen``), the same for every call. Padding merged tokens map to
         themselves, after every real one, so they never join a real window; the window count is
         checked against its capacity here, before every replay. Returns CPU tensors."""
-        cfg, merge, unit = self.config, self.config.spatial_merge_size, self.config.merge_unit
-        order, frame_lengths, window_lengths, frames = [], [], [], []
-        base = 0
-        for t, h, w in grids:
-            idx, wins = frame_windows(h, w, merge, cfg.window_patches)
-            per_frame = h * w // unit
-            for f in range(t):
-                order.append(idx + base + f * per_frame)
-                window_lengths.extend(wins.tolist())
-                frame_lengths.append(h * w)
-                frames.append(_block_major_positions(h, w, merge))
-            base += t * per_frame
+        cfg, unit = self.config, self.config.merge_unit
+        order, frames, frame_lengths, window_lengths = self._frames(grids)
         real = sum(frame_lengths)
         tokens = real if num_tokens is None else num_tokens
         frame_slots = len(frame_lengths) if num_segments is None else num_segments
@@ -312,12 +302,41 @@ class Qwen25VisionTower(ReferenceTower):
             window_slots = window_capacity(tokens // unit, frame_slots, cfg.window_patches)
         else:
             window_slots = len(window_lengths)
-        if tokens < real or frame_slots < len(frame_lengths) or window_slots < len(window_lengths):
-            raise ValueError(f"layout of {tokens} tokens / {frame_slots} frames / {window_slots} windows cannot hold "
-                             f"{real} tokens / {len(frame_lengths)} frames / {len(window_lengths)} windows")
-        longest = max(frame_lengths, default=0)
-        if max_seqlen is not None and max_seqlen < longest:
-            raise ValueError(f"max_seqlen {max_seqlen} is shorter than the longest frame ({longest})")
+        check_capacity(tokens, real, {"frames": (frame_slots, len(frame_lengths)),
+                                      "windows": (window_slots, len(window_lengths))})
+        frame_seqlen = bounded_seqlen(max_seqlen, frame_lengths, "frame")
+        window_index, reverse_index, positions = self._permutation(order, frames, tokens, real)
+        by_frame = segmentation(frame_lengths, tokens, frame_slots)
+        by_window = segmentation(window_lengths, tokens, window_slots)
+        exact = tokens == real and frame_slots == len(frame_lengths) and window_slots == len(window_lengths)
+        # A graph bakes max_seqlen in: a padded layout's is the bound, not this call's longest window.
+        window_seqlen = (min(cfg.window_patches ** 2 * unit, frame_seqlen) if padded
+                         else max(max(window_lengths, default=0), 1))
+        return WindowBatch(window_index, reverse_index, positions, by_frame.ids, by_frame.cu, by_window.ids,
+                           by_window.cu, frame_seqlen, window_seqlen,
+                           tuple(frame_lengths) if exact else None, tuple(window_lengths) if exact else None)
+
+    def _frames(self, grids: Sequence[tuple[int, int, int]]):
+        """Each frame's window order (merged-token indexes into the batch), its tokens' positions in
+        item order, and the frames' and windows' lengths in tokens."""
+        cfg, merge, unit = self.config, self.config.spatial_merge_size, self.config.merge_unit
+        order, frames, frame_lengths, window_lengths = [], [], [], []
+        base = 0
+        for t, h, w in grids:
+            idx, wins = frame_windows(h, w, merge, cfg.window_patches)
+            per_frame = h * w // unit
+            for f in range(t):
+                order.append(idx + base + f * per_frame)
+                window_lengths.extend(wins.tolist())
+                frame_lengths.append(h * w)
+                frames.append(_block_major_positions(h, w, merge))
+            base += t * per_frame
+        return order, frames, frame_lengths, window_lengths
+
+    def _permutation(self, order: list, frames: list, tokens: int, real: int):
+        """``window_index``, its inverse ``reverse_index`` and ``positions`` in window order; padding
+        merged tokens map to themselves, after every real one."""
+        unit = self.config.merge_unit
         groups = tokens // unit
         window_index = np.arange(groups, dtype=np.int64)
         if order:
@@ -328,83 +347,46 @@ class Qwen25VisionTower(ReferenceTower):
         if frames:
             item_order = np.concatenate(frames)  # [real, 2], item order
             positions[:real] = item_order.reshape(-1, unit, 2)[window_index[:real // unit]].reshape(-1, 2)
-
-        def segmentation(lengths, slots):
-            ids = np.full(tokens, -1, dtype=np.int32)
-            ids[:real] = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
-            cu = np.full(slots + 1, real, dtype=np.int32)
-            cu[0] = 0
-            cu[1:len(lengths) + 1] = np.cumsum(lengths)
-            return torch.from_numpy(ids), torch.from_numpy(cu)
-
-        frame_ids, frame_cu = segmentation(frame_lengths, frame_slots)
-        window_ids, window_cu = segmentation(window_lengths, window_slots)
-        exact = tokens == real and frame_slots == len(frame_lengths) and window_slots == len(window_lengths)
-        frame_seqlen = max(max_seqlen or longest, 1)
-        # A graph bakes max_seqlen in: a padded layout's is the bound, not this call's longest window.
-        window_seqlen = (min(cfg.window_patches ** 2 * unit, frame_seqlen) if padded
-                         else max(max(window_lengths, default=0), 1))
-        return WindowBatch(torch.from_numpy(window_index.astype(np.int32)),
-                           torch.from_numpy(reverse_index.astype(np.int32)), torch.from_numpy(positions),
-                           frame_ids, frame_cu, window_ids, window_cu, frame_seqlen, window_seqlen,
-                           tuple(frame_lengths) if exact else None, tuple(window_lengths) if exact else None)
+        return (torch.from_numpy(window_index.astype(np.int32)), torch.from_numpy(reverse_index.astype(np.int32)),
+                torch.from_numpy(positions))
 
 
     def block_kind(self, index: int) -> bool:
         """Full attention (over frames) or windowed: two segmentations, two attention layouts."""
         return index in self.config.fullatt_block_indexes
 
-    def _window_order(self, pixels: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
+    # -- what the block loops (ReferenceTower) read: RMSNorm, windows, split K, SwiGLU ------------
+
+    def embed(self, pixels: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
         """The patch embedding, rows gathered into window order: ``[T, E]``."""
         rows, unit = pixels.shape[0], self.merge_unit
         weight = self.patch_embed.proj.weight
         x = F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))  # [T, E]
         return x.view(rows // unit, unit, -1)[batch.window_index.long()].view(rows, -1)
 
-    def forward_reference(self, pixels: torch.Tensor, batch: WindowBatch, blocks=None) -> torch.Tensor:
-        """``[T, input_width]`` pixel rows (item order) -> ``[T / 4, out_hidden_size]`` (item order),
-        plain PyTorch ops. ``blocks``: the indexes of the blocks to run instead of all (see :meth:`warm_up`)."""
-        cos, sin = self.rotary(batch.positions)  # positions are in window order already
-        x = self._window_order(pixels, batch)
-        frames, windows = batch.frames, batch.windows
-        full = set(self.config.fullatt_block_indexes)
-        for i in range(len(self.blocks)) if blocks is None else blocks:
-            x = self.blocks[i](x, cos, sin, frames if i in full else windows)
-        return self.merger(x)[batch.reverse_index.long()]
+    def attention_segments(self, batch: WindowBatch, index: int) -> Segments:
+        return batch.frames if index in self.config.fullatt_block_indexes else batch.windows
 
-    def forward_fused(self, pixels: torch.Tensor, batch: WindowBatch, blocks=None) -> torch.Tensor:
-        """The same math with vitgraph's kernels: each residual add joined to the RMSNorm after it
-        (the last to the merger's), the rotary in place, SiLU times up in one pass."""
-        order = range(len(self.blocks)) if blocks is None else blocks
-        blocks = [self.blocks[i] for i in order]
-        cos, sin = self.rotary(batch.positions)
-        x = self._window_order(pixels, batch)
-        frames, windows = batch.frames, batch.windows
-        full = set(self.config.fullatt_block_indexes)
-        heads, merger = self.config.num_heads, self.merger
-        norms, gemm = self.tuning.norms, self.tuning.gemm
-        h = kernels.add_rmsnorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.eps, tuning=norms)
-        for k, (i, block) in enumerate(zip(order, blocks)):  # each intermediate dropped as soon as it is dead
-            attn, mlp = block.attn, block.mlp
-            out = fused_attention(h, attn, heads, cos, sin, attn.backend, frames if i in full else windows,
-                                  self.tuning.attention)
-            del h
-            # K split at small rows: Qwen2.5-VL-7B on an H200 1x256 1.95 -> 1.87 ms, 784 rows 3.55 -> 3.44
-            y, y_bias = linear_split_k(out, attn.proj.weight, attn.proj.bias, gemm)
-            del out
-            h = kernels.add_rmsnorm(x, y, block.norm2.weight, block.norm2.eps, y_bias, tuning=norms)
-            del y
-            gate_up = F.linear(h, mlp.gate_up.weight, mlp.gate_up.bias)
-            del h
-            if mlp.act_name == "silu":
-                f = kernels.silu_mul(gate_up)
-            else:
-                gate, up = gate_up.split(mlp.padded, dim=-1)
-                f = ACTIVATIONS[mlp.act_name](gate) * up
-            del gate_up
-            z, z_bias = linear_split_k(f, mlp.down_proj.weight, mlp.down_proj.bias, gemm)
-            del f
-            norm = blocks[k + 1].norm1 if k + 1 < len(blocks) else merger.ln_q
-            h = kernels.add_rmsnorm(x, z, norm.weight, norm.eps, z_bias, tuning=norms)
-            del z
-        return merger.mlp(h.view(-1, merger.merged_dim))[batch.reverse_index.long()]
+    def add_norm(self, x, y, norm, y_bias=None) -> torch.Tensor:
+        return kernels.add_rmsnorm(x, y, norm.weight, norm.eps, y_bias, tuning=self.tuning.norms)
+
+    def proj_fused(self, out, attn):
+        # K split at small rows: Qwen2.5-VL-7B on an H200 1x256 1.95 -> 1.87 ms, 784 rows 3.55 -> 3.44
+        return linear_split_k(out, attn.proj.weight, attn.proj.bias, self.tuning.gemm)
+
+    def mlp_in(self, h, block) -> torch.Tensor:
+        return F.linear(h, block.mlp.gate_up.weight, block.mlp.gate_up.bias)
+
+    def mlp_act(self, gate_up, block) -> torch.Tensor:
+        mlp = block.mlp
+        if mlp.act_name == "silu":
+            return kernels.silu_mul(gate_up)
+        gate, up = gate_up.split(mlp.padded, dim=-1)
+        return ACTIVATIONS[mlp.act_name](gate) * up
+
+    def mlp_out(self, f, block):
+        return linear_split_k(f, block.mlp.down_proj.weight, block.mlp.down_proj.bias, self.tuning.gemm)
+
+    def finish(self, merged: torch.Tensor, taps, batch: WindowBatch) -> torch.Tensor:
+        """The merger's rows back in item order."""
+        return merged[batch.reverse_index.long()]

@@ -28,6 +28,7 @@ from ..ops.activations import ACTIVATIONS
 from ..ops.attention import DEFAULT_ATTENTION, attend
 from ..ops.tuning import KernelTuning
 from .qwen2_vl_fused import FusedForward
+from .segments import segment
 from .tower_base import TowerBase
 
 
@@ -327,32 +328,13 @@ class Qwen2VisionTower(FusedForward, TowerBase, nn.Module):
         """
         merge = self.config.spatial_merge_size
         frames = [_block_major_positions(h, w, merge) for t, h, w in grids for _ in range(t)]
-        seqlens = np.array([len(f) for f in frames], dtype=np.int64)
-        real_tokens = int(seqlens.sum())
-        num_tokens = real_tokens if num_tokens is None else num_tokens
-        num_segments = len(seqlens) if num_segments is None else num_segments
-        if num_tokens < real_tokens or num_segments < len(seqlens):
-            raise ValueError(
-                f"layout of {num_tokens} tokens / {num_segments} segments cannot hold "
-                f"{real_tokens} tokens / {len(seqlens)} segments")
-        longest = int(seqlens.max(initial=0))
-        if max_seqlen is None:
-            max_seqlen = longest
-        elif max_seqlen < longest:
-            raise ValueError(f"max_seqlen {max_seqlen} is shorter than the longest segment ({longest})")
-
-        positions = np.zeros((num_tokens, 2), dtype=np.int32)
+        segments = segment([len(f) for f in frames], num_tokens=num_tokens, num_segments=num_segments,
+                           max_seqlen=max_seqlen)
+        positions = np.zeros((segments.ids.shape[0], 2), dtype=np.int32)
         if frames:
-            positions[:real_tokens] = np.concatenate(frames)
-        segment_ids = np.full(num_tokens, -1, dtype=np.int32)
-        segment_ids[:real_tokens] = np.repeat(np.arange(len(seqlens), dtype=np.int32), seqlens)
-        cu_seqlens = np.full(num_segments + 1, real_tokens, dtype=np.int32)
-        cu_seqlens[0] = 0
-        cu_seqlens[1:len(seqlens) + 1] = np.cumsum(seqlens)
-        unpadded = real_tokens == num_tokens and num_segments == len(seqlens)
-        return VisionBatch(torch.from_numpy(positions), torch.from_numpy(segment_ids),
-                           torch.from_numpy(cu_seqlens), max(max_seqlen, 1),
-                           tuple(seqlens.tolist()) if unpadded else None)
+            positions[:int(segments.cu[-1])] = np.concatenate(frames)
+        return VisionBatch(torch.from_numpy(positions), segments.ids, segments.cu, segments.max_seqlen,
+                           segments.lengths)
 
     def forward(self, pixels: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
         """``[T, input_width]`` pixel rows -> ``[T / merge_unit, output_width]``."""

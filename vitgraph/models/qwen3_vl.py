@@ -8,8 +8,9 @@ the main embeddings, then each deepstack feature in layer order, side by side (t
 built on the host (:meth:`Qwen3VisionTower.build_batch`); the weights travel as the int32 bits
 of their fp32 values, so every tensor of the batch is int32 as the engine stages it.
 
-This file is the reference (plain PyTorch) forward, exact against transformers'
-``Qwen3VLVisionModel``, and a fused one (vitgraph's kernels). In CUDA graphs the taps are static buffers
+This file names what the block loops of :class:`ReferenceTower` run for Qwen3-VL: the reference
+(plain PyTorch) forward, exact against transformers' ``Qwen3VLVisionModel``, and a fused one
+(vitgraph's kernels). In CUDA graphs the taps are static buffers
 like every other tensor of the batch, and the deepstack features leave in the one output.
 """
 
@@ -30,7 +31,8 @@ from ..ops.attention import DEFAULT_ATTENTION, SegmentFlags
 from .config_parsing import FamilyConfig, TowerShape, check_block_indexes
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
-from .reference_tower import ReferenceTower, fused_attention, rotary_attention
+from .reference_tower import ReferenceTower, rotary_attention
+from .segments import segment
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
              "out_hidden_size": 65536, "num_position_embeddings": 1 << 20, "patch_size": 64,
@@ -135,17 +137,18 @@ class Block(nn.Module):
         super().__init__()
         e = cfg.hidden_size
         self.norm1, self.norm2 = nn.LayerNorm(e, eps=1e-6), nn.LayerNorm(e, eps=1e-6)
-        self.attn = nn.Module()
-        self.attn.qkv, self.attn.proj = nn.Linear(e, 3 * e), nn.Linear(e, e)
-        keep_qkv_interleaved(self.attn, cfg.num_heads, cfg.head_dim)
+        self.attn = attn = nn.Module()
+        attn.qkv, attn.proj = nn.Linear(e, 3 * e), nn.Linear(e, e)
+        attn.num_heads, attn.backend, attn.attention_tuning = cfg.num_heads, "sdpa", DEFAULT_ATTENTION
+        keep_qkv_interleaved(attn, cfg.num_heads, cfg.head_dim)
         self.mlp = nn.Module()
         self.mlp.linear_fc1, self.mlp.linear_fc2 = nn.Linear(e, cfg.intermediate_size), nn.Linear(cfg.intermediate_size, e)
-        self.num_heads, self.backend, self.act_name = cfg.num_heads, "sdpa", cfg.hidden_act
-        self.attention_tuning = DEFAULT_ATTENTION
+        self.act_name = cfg.hidden_act
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
-        x = x + self.attn.proj(rotary_attention(self.attn.qkv(self.norm1(x)), self.num_heads, cos, sin, self.backend,
-                                                batch, self.attention_tuning))
+        attn = self.attn
+        x = x + attn.proj(rotary_attention(attn.qkv(self.norm1(x)), attn.num_heads, cos, sin, attn.backend, batch,
+                                          attn.attention_tuning))
         return x + self.mlp.linear_fc2(ACTIVATIONS[self.act_name](self.mlp.linear_fc1(self.norm2(x))))
 
 
@@ -159,9 +162,12 @@ class Merger(nn.Module):
         self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim)
         self.linear_fc2 = nn.Linear(self.merged_dim, cfg.out_hidden_size)
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))  # [T/4, out]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.view(-1, self.merged_dim)) if self.postshuffle else self.norm(x).view(-1, self.merged_dim)
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))  # [T/4, out]
+        return self.project(x)
 
 
 def expected_shapes(cfg: Qwen3VisionConfig) -> dict[str, tuple[int, ...]]:
@@ -214,16 +220,6 @@ class Qwen3VisionTower(ReferenceTower):
         return self.config.out_hidden_size * self.output_parts
 
 
-    def set_attention_backend(self, backend: str) -> None:
-        for block in self.blocks:
-            block.backend = backend
-
-    def set_tuning(self, tuning) -> None:
-        super().set_tuning(tuning)
-        for block in self.blocks:
-            block.attention_tuning = tuning.attention
-
-
     def build_batch(self, grids: Sequence[tuple[int, int, int]], *, num_tokens: int | None = None,
                     num_segments: int | None = None, max_seqlen: int | None = None) -> DeepstackBatch:
         """Host metadata for ``grids``, padded to ``num_tokens`` rows and ``num_segments`` frames."""
@@ -236,36 +232,24 @@ class Qwen3VisionTower(ReferenceTower):
                 taps.append(index)
                 weights.append(weight)
                 lengths.append(h * w)
-        real = sum(lengths)
-        tokens = real if num_tokens is None else num_tokens
-        slots = len(lengths) if num_segments is None else num_segments
-        if tokens < real or slots < len(lengths):
-            raise ValueError(f"layout of {tokens} tokens / {slots} segments cannot hold {real} tokens / "
-                             f"{len(lengths)} segments")
-        longest = max(lengths, default=0)
-        if max_seqlen is not None and max_seqlen < longest:
-            raise ValueError(f"max_seqlen {max_seqlen} is shorter than the longest segment ({longest})")
+        segments = segment(lengths, num_tokens=num_tokens, num_segments=num_segments, max_seqlen=max_seqlen)
+        tokens, real = segments.ids.shape[0], sum(lengths)
         pos = np.zeros((tokens, 2), dtype=np.int32)
         pos_index = np.zeros((tokens, 4), dtype=np.int32)
         pos_weight = np.zeros((tokens, 4), dtype=np.float32)
         if lengths:
             pos[:real], pos_index[:real], pos_weight[:real] = (np.concatenate(a) for a in (positions, taps, weights))
-        ids = np.full(tokens, -1, dtype=np.int32)
-        ids[:real] = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
-        cu = np.full(slots + 1, real, dtype=np.int32)
-        cu[0] = 0
-        cu[1:len(lengths) + 1] = np.cumsum(lengths)
-        exact = tokens == real and slots == len(lengths)
-        return DeepstackBatch(torch.from_numpy(pos), torch.from_numpy(ids), torch.from_numpy(cu),
-                              torch.from_numpy(pos_index), torch.from_numpy(pos_weight.view(np.int32)),
-                              max(max_seqlen or longest, 1), tuple(lengths) if exact else None)
+        return DeepstackBatch(torch.from_numpy(pos), segments.ids, segments.cu, torch.from_numpy(pos_index),
+                              torch.from_numpy(pos_weight.view(np.int32)), segments.max_seqlen, segments.lengths)
 
 
     def block_kind(self, index: int) -> bool:
         """With or without a deepstack merger after it."""
         return index in self.config.deepstack_visual_indexes
 
-    def _embed(self, pixels: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
+    # -- what the block loops (ReferenceTower) read: LayerNorm, a GELU-tanh MLP, deepstack taps ---
+
+    def embed(self, pixels: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
         """The patch embedding plus the interpolated position embeddings (fp32 taps): ``[T, E]``."""
         proj = self.patch_embed.proj
         x = F.linear(pixels.to(proj.weight.dtype), proj.weight.view(proj.weight.shape[0], -1), proj.bias)
@@ -273,60 +257,34 @@ class Qwen3VisionTower(ReferenceTower):
         pos = (self.pos_embed.weight[batch.pos_index.long()] * weights[..., None]).sum(1)  # [T, E], fp32 taps
         return x + pos.to(x.dtype)
 
-    def forward_reference(self, pixels: torch.Tensor, batch: DeepstackBatch, blocks=None) -> torch.Tensor:
-        """``[T, input_width]`` -> ``[T / 4, out_hidden_size * output_parts]``, plain PyTorch ops.
-        ``blocks``: the indexes of the blocks to run instead of all (the deepstack mergers of
-        those blocks run; see :meth:`warm_up`)."""
-        cos, sin = self.rotary(batch.positions)
-        x = self._embed(pixels, batch)
-        deepstack = dict(zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list))
-        features = []
-        for i in range(len(self.blocks)) if blocks is None else blocks:
-            x = self.blocks[i](x, cos, sin, batch)
-            if i in deepstack:
-                features.append(deepstack[i](x))
-        return torch.cat([self.merger(x)] + features, dim=1)
+    def add_norm(self, x, y, norm, y_bias=None) -> torch.Tensor:
+        return kernels.add_layernorm(x, y, norm.weight, norm.bias, norm.eps, y_bias, tuning=self.tuning.norms)
 
-    def forward_fused(self, pixels: torch.Tensor, batch: DeepstackBatch, blocks=None) -> torch.Tensor:
-        """The same math with vitgraph's kernels: each residual add joined to the LayerNorm after
-        it (the last to the merger's), the rotary and GELU-tanh in place; a deepstack merger reads
-        its block's output once the next add+LayerNorm has written it into the stream."""
-        order = range(len(self.blocks)) if blocks is None else blocks
-        blocks = [self.blocks[i] for i in order]
-        cos, sin = self.rotary(batch.positions)
-        x = self._embed(pixels, batch)
-        deepstack = dict(zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list))
-        heads, merger = self.config.num_heads, self.merger
-        norms = self.tuning.norms
-        h = kernels.add_layernorm(x, None, blocks[0].norm1.weight, blocks[0].norm1.bias, blocks[0].norm1.eps,
-                                  tuning=norms)
-        features = []
-        for k, (i, block) in enumerate(zip(order, blocks)):  # each intermediate dropped as soon as it is dead
-            attn, mlp = block.attn, block.mlp
-            out = fused_attention(h, attn, heads, cos, sin, block.backend, batch, self.tuning.attention)
-            del h
-            # No split K here: on an H200 it made Qwen3-VL-8B slower (784 rows 2.94 -> 3.17 ms).
-            y = F.linear(out, attn.proj.weight, attn.proj.bias)
-            del out
-            h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, tuning=norms)
-            del y
-            f = F.linear(h, mlp.linear_fc1.weight, mlp.linear_fc1.bias)
-            del h
-            f = kernels.activation_(f, block.act_name) if block.act_name in kernels.FUSED_ACTIVATIONS \
-                else ACTIVATIONS[block.act_name](f)
-            z = F.linear(f, mlp.linear_fc2.weight, mlp.linear_fc2.bias)
-            del f
-            norm = blocks[k + 1].norm1 if k + 1 < len(blocks) else merger.norm
-            h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps, tuning=norms)  # x: block i's output now
-            del z
-            if i in deepstack:
-                features.append(_merge_fused(deepstack[i], x, norms))
-        return torch.cat([merger.linear_fc2(F.gelu(merger.linear_fc1(h.view(-1, merger.merged_dim))))] + features,
-                         dim=1)
+    def mlp_in(self, h, block) -> torch.Tensor:
+        return F.linear(h, block.mlp.linear_fc1.weight, block.mlp.linear_fc1.bias)
+
+    def mlp_act(self, f, block) -> torch.Tensor:
+        name = block.act_name
+        return kernels.activation_(f, name) if name in kernels.FUSED_ACTIVATIONS else ACTIVATIONS[name](f)
+
+    def mlp_out(self, f, block):
+        return F.linear(f, block.mlp.linear_fc2.weight, block.mlp.linear_fc2.bias), None
+
+    def tap(self, index: int, x: torch.Tensor, fused: bool) -> torch.Tensor | None:
+        """Block ``index``'s deepstack feature, if it has a merger."""
+        indexes = self.config.deepstack_visual_indexes
+        if index not in indexes:
+            return None
+        merger = self.deepstack_merger_list[indexes.index(index)]
+        return _merge_fused(merger, x, self.tuning.norms) if fused else merger(x)
+
+    def finish(self, merged: torch.Tensor, taps, batch: DeepstackBatch) -> torch.Tensor:
+        """The main embeddings, then each deepstack feature, side by side."""
+        return torch.cat([merged] + taps, dim=1)
 
 
 def _merge_fused(merger: Merger, x: torch.Tensor, tuning: kernels.NormTuning) -> torch.Tensor:
     """A deepstack merger (LayerNorm after the 2x2 merge) with the LayerNorm kernel."""
     norm = merger.norm
     h = kernels.add_layernorm(x.view(-1, merger.merged_dim), None, norm.weight, norm.bias, norm.eps, tuning=tuning)
-    return merger.linear_fc2(F.gelu(merger.linear_fc1(h)))
+    return merger.project(h)
