@@ -110,3 +110,14 @@ def run_eager(bank, bucket):
     """The forward a bucket's graph holds, run eagerly on the bank's static buffers."""
     with torch.inference_mode():
         return bank.model(bank.pixels_view(bucket), bank.batch_view(bucket))
+
+
+def write_two_shards(directory: Path, state: dict[str, torch.Tensor]) -> None:
+    """``state`` as two safetensors shards (alternate keys) and their index, as multi-shard Hub repos."""
+    keys = sorted(state)
+    weight_map = {}
+    for i, names in enumerate((keys[::2], keys[1::2])):
+        name = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: state[k] for k in names}, str(directory / name))
+        weight_map.update({k: name for k in names})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))

@@ -8,9 +8,8 @@ import json
 
 import pytest
 import torch
-from helpers import diff_report, randomize_, rel_err
+from helpers import diff_report, randomize_, rel_err, write_two_shards
 from PIL import Image
-from safetensors.torch import save_file
 
 from vitgraph import GraphedVisionEncoder
 from vitgraph.models import Qwen35VisionConfig, Qwen3VisionTower, family_for
@@ -55,13 +54,7 @@ def write_checkpoint(directory, model, model_type):
                                                        "text_config": {"hidden_size": 32}}))
     state = {prefix + k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     state["model.language_model.embed_tokens.weight"] = torch.zeros(4, 32)
-    keys = sorted(state)
-    weight_map = {}
-    for i, names in enumerate((keys[::2], keys[1::2])):
-        name = f"model-0000{i + 1}-of-00002.safetensors"
-        save_file({k: state[k] for k in names}, str(directory / name))
-        weight_map.update({k: name for k in names})
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    write_two_shards(directory, state)
     return directory
 
 

@@ -5,8 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import diff_report, randomize_, rel_err
-from safetensors.torch import save_file
+from helpers import diff_report, randomize_, rel_err, write_two_shards
 
 from vitgraph import GraphedVisionEncoder
 
@@ -57,13 +56,7 @@ def encoder(hf_model, tmp_path_factory):
     vision["in_chans"] = vision.pop("in_channels")
     (directory / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": vision}))
     state = {"model.visual." + k: v.detach().clone().contiguous() for k, v in hf_model.state_dict().items()}
-    keys = sorted(state)
-    weight_map = {}
-    for i, names in enumerate((keys[::2], keys[1::2])):
-        name = f"model-0000{i + 1}-of-00002.safetensors"
-        save_file({k: state[k] for k in names}, str(directory / name))
-        weight_map.update({k: name for k in names})
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    write_two_shards(directory, state)
     return GraphedVisionEncoder.from_pretrained(directory, device="cpu")
 
 
