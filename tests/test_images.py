@@ -2,6 +2,7 @@
 of bytes and paths, and bad images refused by name."""
 
 import io
+import os
 import struct
 import time
 import tracemalloc
@@ -221,3 +222,47 @@ def test_empty_inputs():
     assert enc.encode_images([]) == [] and enc.encode_images(videos=[]) == []
     with pytest.raises(ValueError, match=r"videos\[0\] must have at least one frame"):
         enc.encode_images(videos=[[]])
+
+
+def _dds_alpha_only() -> bytes:
+    """A 1,152-byte DDS file PIL identifies and then cannot decode (NotImplementedError inside PIL)."""
+    header = (struct.pack("<7I", 124, 0x100F, 16, 16, 64, 0, 0) + b"\0" * 44
+              + struct.pack("<2I4s5I", 32, 0x1, b"\0" * 4, 32, 0xff0000, 0xff00, 0xff, 0xff000000)
+              + struct.pack("<5I", 0x1000, 0, 0, 0, 0))
+    return b"DDS " + header + b"\0" * 1024
+
+
+def test_hostile_forms_get_named_errors_and_odd_buffers_work(encoders, tmp_path):
+    enc = encoders["tiny"]
+    good = photo(64, 96, 10)
+    want = enc.encode_images([good])[0]
+    cases = [
+        ([good, _dds_alpha_only()], ValueError, r"images\[1\]: not a readable image"),  # PIL's NotImplementedError
+        ([good, str(tmp_path / "a\0b.png")], ValueError, r"images\[1\]: .*cannot be read"),
+        ([good, np.zeros((1, 300, 3), np.uint8)], ValueError, r"images\[1\]: image aspect ratio"),
+        ([[good, good]], TypeError, r"images\[0\] must be a PIL image"),  # a list is not an image (nor a clip)
+    ]
+    os.mkfifo(tmp_path / "fifo")
+    cases.append(([str(tmp_path / "fifo")], ValueError, r"images\[0\]: .*fifo: is not a regular file"))
+    for preprocess in ("pil", "device"):
+        for images, error, words in cases:
+            with pytest.raises(error, match=words):
+                enc.encode_images(images, preprocess=preprocess)
+    strided = memoryview(bytearray(encoded(good) * 2))[::2]  # not C-contiguous
+    assert not strided.c_contiguous
+    assert torch.equal(enc.encode_images([memoryview(encoded(good))])[0], want)
+    with pytest.raises(ValueError, match=r"images\[0\]: not a readable image"):
+        enc.encode_images([strided])  # read as bytes: every other byte of two PNGs is no PNG
+    with pytest.raises(ValueError, match="meta device"):
+        enc.device_rows(torch.empty(4, enc.tower.input_width, dtype=torch.uint8, device="meta"))
+    assert torch.equal(enc.encode_images([good])[0], want)
+
+
+def test_a_small_file_that_inflates_is_bounded_by_max_image_pixels(encoders):
+    """A 9000 x 9000 PNG header (81 MP) passes the library's default ceiling but not a lower one,
+    which a server sets (vitgraph.serve: 2**26): refused before a byte is inflated."""
+    enc = encoders["tiny"]
+    with pytest.raises(ValueError, match=r"images\[0\]: declares 9000x9000 = 81000000 pixels, above the limit of 67108864"):
+        enc.encode_images([_png_header(9000, 9000)], max_image_pixels=1 << 26)
+    with pytest.raises(ValueError, match="max_pixels must be in"):
+        enc.encode_images([photo(32, 32, 0)], max_image_pixels=0)

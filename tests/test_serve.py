@@ -391,6 +391,12 @@ def test_http_edge_cases_are_400s_with_readable_messages(app):
     status, answer = post(url, json.dumps({"images": [base64.b64encode(b"plain text").decode()]}).encode(),
                           "APPLICATION/JSON")
     assert status == 400 and b"images[0]: not a readable image" in answer and b"0x" not in answer, answer
+    from test_images import _png_header
+
+    inflating = _png_header(9000, 9000)  # 81 MP declared: over the server's 2**26, refused before decoding
+    body, kind = multipart([("big.png", inflating)])
+    status, answer = post(url, body, kind)
+    assert status == 400 and b"images[0]: declares 9000x9000" in answer, answer
 
 
 def test_a_replica_killed_under_load(app, direct):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Union
@@ -33,28 +34,39 @@ def is_encoded(item) -> bool:
 
 
 def read_file(path, name: str) -> bytes:
-    """A path's bytes: a regular file of at most :data:`MAX_FILE_BYTES`."""
+    """A path's bytes: a regular file of at most :data:`MAX_FILE_BYTES`, checked on the opened
+    file itself (so a file swapped for a FIFO after a check never blocks the read)."""
     path = Path(path)
     try:
-        info = path.stat()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise ValueError(f"{name}: {path}: no such file") from None
-    except OSError as err:
-        raise ValueError(f"{name}: {path}: cannot be read ({err.strerror or err})") from None
-    if path.is_dir():
-        raise ValueError(f"{name}: {path}: is a directory, not an image file")
-    if not path.is_file():
-        raise ValueError(f"{name}: {path}: is not a regular file")
+    except IsADirectoryError:
+        raise ValueError(f"{name}: {path}: is a directory, not an image file") from None
+    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
+        raise ValueError(f"{name}: {path!r}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        kind = "is a directory, not an image file" if stat.S_ISDIR(info.st_mode) else "is not a regular file"
+        raise ValueError(f"{name}: {path}: {kind}")
     if info.st_size > MAX_FILE_BYTES:
+        os.close(fd)
         raise ValueError(f"{name}: {path}: {info.st_size} bytes is above the {MAX_FILE_BYTES}-byte limit")
-    try:
-        return path.read_bytes()
-    except OSError as err:
-        raise ValueError(f"{name}: {path}: cannot be read ({err.strerror or err})") from None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(MAX_FILE_BYTES + 1)
+        except OSError as err:
+            raise ValueError(f"{name}: {path}: cannot be read ({err.strerror or err})") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"{name}: {path}: grew past the {MAX_FILE_BYTES}-byte limit while read")
+    return data
 
 
 def open_encoded(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
     """A lazily opened PIL image whose declared size has been checked: nothing decoded yet."""
+    if isinstance(data, memoryview) and not data.c_contiguous:
+        data = data.tobytes()
     if len(data) == 0:
         raise ValueError(f"{name}: is empty (0 bytes)")
     try:
@@ -65,7 +77,7 @@ def open_encoded(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -
         raise ValueError(f"{name}: declares too many pixels ({err}); the limit is {max_pixels}") from None
     except UnidentifiedImageError:  # its message names a BytesIO's address, which helps nobody
         raise ValueError(f"{name}: not a readable image (no image format recognises its {len(data)} bytes)") from None
-    except (OSError, ValueError, SyntaxError) as err:
+    except (OSError, ValueError, SyntaxError, TypeError, EOFError, NotImplementedError) as err:  # PIL's plugins
         raise ValueError(f"{name}: not a readable image ({err})") from None
     width, height = image.size
     if width * height > max_pixels:
@@ -81,7 +93,8 @@ def decode_pil(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # checked above
             return ImageOps.exif_transpose(image).convert("RGB")
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+    except (OSError, ValueError, SyntaxError, TypeError, EOFError, NotImplementedError,
+            Image.DecompressionBombError) as err:  # whatever a PIL plugin raises for a broken file
         raise ValueError(f"{name}: cannot be decoded ({err})") from None
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .preprocess import ProcessorConfig, smart_resize
+from .preprocess import ProcessorConfig, named_resize
 
 Grid = tuple[int, int, int]
 
@@ -72,15 +72,15 @@ def clip_rows_into(frames: Sequence, size: tuple[int, int], proc: ProcessorConfi
     return patchify_into(resize(stacked, size), proc, out)
 
 
-def rows_of(clips: Sequence[tuple[Sequence, tuple[int, int]]], proc: ProcessorConfig, device: torch.device
+def rows_of(clips: Sequence[tuple[str, Sequence, tuple[int, int]]], proc: ProcessorConfig, device: torch.device
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clips, each ``(frames, (min_pixels, max_pixels))`` (uint8 frames of one size; an image is a
-    clip of one frame) -> ``(rows [N, C*T*P*P] uint8 on device, grid_thw [k, 3] int64)``,
-    written into one buffer."""
+    """Clips, each ``(name, frames, (min_pixels, max_pixels))`` (uint8 frames of one size; an
+    image is a clip of one frame) -> ``(rows [N, C*T*P*P] uint8 on device, grid_thw [k, 3]
+    int64)``, written into one buffer."""
     plans = []
-    for frames, (low, high) in clips:
+    for name, frames, (low, high) in clips:
         h, w = frame_size(frames[0])
-        size = smart_resize(h, w, proc.factor, low, high)
+        size = named_resize(name, h, w, proc, low, high)
         t = 1 if len(frames) == 1 else -(-len(frames) // proc.temporal_patch_size)
         plans.append((frames, size, t * (size[0] // proc.patch_size) * (size[1] // proc.patch_size)))
     rows = torch.empty(sum(n for _, _, n in plans), proc.row_width, dtype=torch.uint8, device=device)

@@ -9,7 +9,9 @@ from typing import Sequence
 
 import torch
 
+from .decode import MAX_IMAGE_PIXELS
 from .ops.normalize import normalize_rows
+from .validation import check_pixels
 
 
 class ImageInput:
@@ -18,7 +20,8 @@ class ImageInput:
 
     def device_rows(self, pixels: torch.Tensor) -> torch.Tensor:
         """Rows on the encoder's device in its dtype; uint8 rows normalised there with
-        :attr:`processor`'s mean and std (as ``encode`` does; unchecked)."""
+        :attr:`processor`'s mean and std (as ``encode`` does)."""
+        check_pixels(pixels, self.tower.input_width)
         pixels = pixels.to(self.device, non_blocking=True)
         if pixels.dtype == torch.uint8:
             return normalize_rows(pixels, *self._pixel_statistics, self.dtype)
@@ -26,7 +29,7 @@ class ImageInput:
 
     def image_rows(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                    min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
-                   decode: str = "host") -> tuple[torch.Tensor, torch.Tensor]:
+                   decode: str = "host", max_image_pixels: int = MAX_IMAGE_PIXELS) -> tuple[torch.Tensor, torch.Tensor]:
         """What :meth:`encode_images` encodes: ``(uint8 rows, grid_thw)`` of the images, then the
         clips, as :attr:`processor` and :attr:`video_processor` make them (:func:`vitgraph.images.image_rows`).
         ``encode`` normalises uint8 rows with the image processor's mean and std."""
@@ -34,11 +37,11 @@ class ImageInput:
 
         return image_rows(images, videos, processor=self.processor, video_processor=self.video_processor,
                           device=self.device, min_pixels=min_pixels, max_pixels=max_pixels, preprocess=preprocess,
-                          decode=decode, executor=self._pool())
+                          decode=decode, executor=self._pool(), max_image_pixels=max_image_pixels)
 
     def encode_images(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                       min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
-                      decode: str = "host") -> list[torch.Tensor]:
+                      decode: str = "host", max_image_pixels: int = MAX_IMAGE_PIXELS) -> list[torch.Tensor]:
         """Images and clips -> one tensor of embeddings per item (images first, then videos, each
         in the order given), encoded in one call.
 
@@ -47,10 +50,11 @@ class ImageInput:
         ``"device"`` (torch on the encoder's device, as transformers' torchvision processors),
         ``"pil"`` (PIL on the host, as ``Qwen2VLImageProcessorPil``), ``"auto"``: device on
         CUDA, else PIL. ``decode``: ``"host"`` (PIL, in a thread pool) or ``"gpu"`` (JPEGs by
-        nvJPEG through torchvision; others on the host).
+        nvJPEG through torchvision; others on the host). ``max_image_pixels``: the most pixels an
+        encoded image may declare (refused from its header, before decoding).
         """
         rows, grid = self.image_rows(images, videos, min_pixels=min_pixels, max_pixels=max_pixels,
-                                     preprocess=preprocess, decode=decode)
+                                     preprocess=preprocess, decode=decode, max_image_pixels=max_image_pixels)
         if grid.shape[0] == 0:
             return []
         first_clip = len(images) if images is not None else 0

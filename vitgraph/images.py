@@ -22,7 +22,8 @@ import torch
 
 from . import decode as decoding
 from .device_preprocess import frame_size, rows_of
-from .preprocess import ProcessorConfig, check_list, image_rows_pil, pixel_limits, video_rows_pil
+from .preprocess import (ProcessorConfig, check_list, check_pixel_limits, image_rows_pil, pixel_limits,
+                         video_rows_pil)
 
 PREPROCESS = ("auto", "device", "pil")
 DECODE = ("host", "gpu")
@@ -38,8 +39,8 @@ def check_choices(preprocess: str, decode: str) -> None:
 
 
 def _items(images, videos, image_limits, video_limits) -> list[tuple[str, object, tuple[int, int]]]:
-    """``(name, image, pixel limits)`` for each image and ``(name, [frames], limits)`` for each
-    clip, images first."""
+    """``(name, image, pixel limits)`` for each image and ``(name, _Clip(frames), limits)`` for
+    each clip, images first (a list among the images is not a clip: it is refused by name)."""
     items: list[tuple[str, object, tuple[int, int]]] = []
     if images is not None:
         check_list(images, "images", _IMAGE_FORMS)
@@ -50,8 +51,12 @@ def _items(images, videos, image_limits, video_limits) -> list[tuple[str, object
             check_list(frames, f"videos[{i}]", "frames")
             if not frames:
                 raise ValueError(f"videos[{i}] must have at least one frame")
-            items.append((f"videos[{i}]", list(frames), video_limits))
+            items.append((f"videos[{i}]", _Clip(frames), video_limits))
     return items
+
+
+class _Clip(list):
+    """A clip's frames: only ``videos`` makes one, so an image slot never holds a clip."""
 
 
 def _map(executor: Executor | None, fn: Callable, items: list) -> list:
@@ -68,12 +73,16 @@ def _empty(proc: ProcessorConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
 def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                processor: ProcessorConfig, device: torch.device, video_processor: ProcessorConfig | None = None,
                min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
-               decode: str = "host", executor: Executor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               decode: str = "host", executor: Executor | None = None,
+               max_image_pixels: int = decoding.MAX_IMAGE_PIXELS) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows [N, C*T*P*P] uint8, grid_thw [k, 3] int64)`` of the images, then the clips: on
     ``device`` for ``preprocess="device"``, on the host for ``"pil"``. Images are sized by
     ``processor``'s pixel limits, clips by ``video_processor``'s (default: the same), both by
     ``min_pixels`` / ``max_pixels`` where given. ``executor``: the thread pool that decodes (and,
-    for ``"pil"``, preprocesses) several items at once."""
+    for ``"pil"``, preprocesses) several items at once. ``max_image_pixels``: the most pixels an
+    encoded image may declare (refused from its header, before decoding; each decoding thread
+    holds at most that many RGB pixels, about 3 bytes each)."""
+    check_pixel_limits(1, max_image_pixels)
     check_choices(preprocess, decode)
     device = torch.device(device)
     limits = pixel_limits(processor, min_pixels, max_pixels)
@@ -88,9 +97,9 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
     if preprocess == "pil":
         def host(item):
             name, value, (low, high) = item
-            if isinstance(value, list):
-                return video_rows_pil(value, name, processor, low, high)
-            return image_rows_pil(value, name, processor, low, high)
+            if isinstance(value, _Clip):
+                return video_rows_pil(value, name, processor, low, high, max_image_pixels)
+            return image_rows_pil(value, name, processor, low, high, max_image_pixels)
 
         parts = _map(executor, host, items)
         rows = torch.from_numpy(np.concatenate([r for r, _ in parts]))
@@ -98,20 +107,22 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
 
     def load(item):  # -> the clip's frames as pixels (an image: one frame), and its limits
         name, value, limits = item
-        frames = value if isinstance(value, list) else [value]
-        names = [f"{name}[{i}]" for i in range(len(frames))] if isinstance(value, list) else [name]
-        pixels = [_load(f, n, device if decode == "gpu" else None) for f, n in zip(frames, names)]
+        clip = isinstance(value, _Clip)
+        frames = value if clip else [value]
+        names = [f"{name}[{i}]" for i in range(len(frames))] if clip else [name]
+        gpu = device if decode == "gpu" else None
+        pixels = [_load(f, n, gpu, max_image_pixels) for f, n in zip(frames, names)]
         if any(frame_size(p) != frame_size(pixels[0]) for p in pixels):
             raise ValueError(f"all frames of {name} must have the same size")
-        return pixels, limits
+        return name, pixels, limits
 
     return rows_of(_map(executor, load, items), processor, device)
 
 
-def _load(item, name: str, gpu: torch.device | None):
+def _load(item, name: str, gpu: torch.device | None, max_pixels: int):
     """One frame as uint8 pixels; a JPEG decoded on ``gpu`` where that is given and possible."""
     if gpu is not None and decoding.is_encoded(item):
         data = decoding.read_file(item, name) if not isinstance(item, (bytes, bytearray, memoryview)) else item
-        decoded = decoding.decode_jpeg_on(data, name, gpu)
-        return decoded if decoded is not None else decoding.load_pixels(data, name)
-    return decoding.load_pixels(item, name)
+        decoded = decoding.decode_jpeg_on(data, name, gpu, max_pixels)
+        return decoded if decoded is not None else decoding.load_pixels(data, name, max_pixels)
+    return decoding.load_pixels(item, name, max_pixels)

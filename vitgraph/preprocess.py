@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .decode import to_rgb_pil
+from .decode import MAX_IMAGE_PIXELS, to_rgb_pil
 from .ops.normalize import column_statistics, normalize_rows
 
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's
@@ -142,10 +142,18 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = MI
     return h_bar, w_bar
 
 
-def to_pil(image, name: str = "image") -> Image.Image:
+def named_resize(name: str, height: int, width: int, proc: ProcessorConfig, low: int, high: int) -> tuple[int, int]:
+    """:func:`smart_resize` with the item's name in its errors."""
+    try:
+        return smart_resize(height, width, proc.factor, low, high)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+
+
+def to_pil(image, name: str = "image", max_image_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
     """Any accepted image form (PIL, ``HxWx3`` uint8 array, ``3xHxW`` uint8 tensor, encoded bytes,
     a file path) as an RGB PIL image."""
-    return to_rgb_pil(image, name)
+    return to_rgb_pil(image, name, max_image_pixels)
 
 
 def statistics(proc: ProcessorConfig, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,24 +205,24 @@ def pixel_limits(proc: ProcessorConfig, min_pixels, max_pixels) -> tuple[int, in
     return limits
 
 
-def image_rows_pil(image, name: str, proc: ProcessorConfig, low: int, high: int
-                   ) -> tuple[np.ndarray, tuple[int, int, int]]:
+def image_rows_pil(image, name: str, proc: ProcessorConfig, low: int, high: int,
+                   max_image_pixels: int = MAX_IMAGE_PIXELS) -> tuple[np.ndarray, tuple[int, int, int]]:
     """One image (any accepted form) -> its uint8 rows and grid, by PIL on the host."""
-    pil = to_pil(image, name)
-    size = smart_resize(pil.height, pil.width, proc.factor, low, high)
+    pil = to_pil(image, name, max_image_pixels)
+    size = named_resize(name, pil.height, pil.width, proc, low, high)
     return patchify(resized_uint8(pil, size)[None], proc)
 
 
-def video_rows_pil(frames: Sequence, name: str, proc: ProcessorConfig, low: int, high: int
-                   ) -> tuple[np.ndarray, tuple[int, int, int]]:
+def video_rows_pil(frames: Sequence, name: str, proc: ProcessorConfig, low: int, high: int,
+                   max_image_pixels: int = MAX_IMAGE_PIXELS) -> tuple[np.ndarray, tuple[int, int, int]]:
     """One clip (a list of frames in any accepted form) -> its uint8 rows and grid, by PIL on the host."""
     check_list(frames, name, "frames")
-    pils = [to_pil(f, f"{name}[{i}]") for i, f in enumerate(frames)]
+    pils = [to_pil(f, f"{name}[{i}]", max_image_pixels) for i, f in enumerate(frames)]
     if not pils:
         raise ValueError(f"{name} must have at least one frame")
     if any((p.height, p.width) != (pils[0].height, pils[0].width) for p in pils):
         raise ValueError(f"all frames of {name} must have the same size")
-    size = smart_resize(pils[0].height, pils[0].width, proc.factor, low, high)
+    size = named_resize(name, pils[0].height, pils[0].width, proc, low, high)
     arrays = [resized_uint8(p, size) for p in pils]
     arrays += [arrays[-1]] * (-len(arrays) % proc.temporal_patch_size)
     return patchify(np.stack(arrays), proc)

@@ -37,6 +37,9 @@ from .encoder import GraphedVisionEncoder
 from .preprocess import check_pixel_limits, pixel_limits
 from .validation import check_pixels, check_rows, normalize_grid
 
+# The most pixels an encoded image in a request may declare: refused from its header, before
+# decoding (a small file can inflate to its declared size: 2**26 RGB pixels are 200 MB).
+SERVE_MAX_IMAGE_PIXELS = 1 << 26
 DEFAULT_WAIT_S = 0.005  # how long a batch waits for more requests once its first arrives
 # Requests a replica holds at once. Ray's default (5) starves the GPU: a batch then holds at
 # most five requests and the next ones are only sent once it returns (on an H200 one replica
@@ -68,7 +71,7 @@ class VisionEncoderDeployment:
     def __init__(self, model: str | None = None, preset: str | None = None, device: str | None = None,
                  dtype: str | None = None, batch_wait_timeout_s: float = DEFAULT_WAIT_S,
                  engine_options: dict | None = None, min_pixels: int | None = None,
-                 max_pixels: int | None = None) -> None:
+                 max_pixels: int | None = None, max_image_pixels: int = SERVE_MAX_IMAGE_PIXELS) -> None:
         options = dict(engine_options or {}, progress=False)
         if model:
             self.encoder = GraphedVisionEncoder.from_pretrained(model, device=device, dtype=dtype, **options)
@@ -90,6 +93,7 @@ class VisionEncoderDeployment:
         self._alone = 0
         # Images are resized into [min_pixels, max_pixels] (the processor's, unless given).
         self.pixel_limits = pixel_limits(self.encoder.processor, min_pixels, max_pixels)
+        self.max_image_pixels = max_image_pixels
 
     # -- validation (before batching) ------------------------------------------------
 
@@ -249,7 +253,8 @@ class VisionEncoderDeployment:
             raise BadRequest("no images in the request")
         try:
             low, high = self.pixel_limits
-            rows, grid = self.encoder.image_rows(list(images), min_pixels=low, max_pixels=high)
+            rows, grid = self.encoder.image_rows(list(images), min_pixels=low, max_pixels=high,
+                                                 max_image_pixels=self.max_image_pixels)
         except (TypeError, ValueError) as err:
             raise BadRequest(str(err)) from None
         return _Request(rows, [tuple(g) for g in grid.tolist()])
@@ -259,7 +264,8 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
               dtype: str | None = None, num_replicas: int | str = 1, num_gpus: float | None = None,
               autoscaling_config: dict | None = None, batch_wait_timeout_s: float = DEFAULT_WAIT_S,
               num_cpus: float | None = None, max_ongoing_requests: int = DEFAULT_MAX_ONGOING,
-              min_pixels: int | None = None, max_pixels: int | None = None, **engine_options):
+              min_pixels: int | None = None, max_pixels: int | None = None,
+              max_image_pixels: int = SERVE_MAX_IMAGE_PIXELS, **engine_options):
     """The Ray Serve application: ``num_replicas`` replicas (or ``autoscaling_config``), each
     holding one encoder on ``num_gpus`` GPUs (default: 1 where CUDA is present, else 0). With
     ``num_gpus=1`` Ray places one replica per GPU and gives each only its own device
@@ -267,9 +273,11 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
     (``0.5``) put several replicas on one GPU, each with its own encoder and graphs.
     ``max_ongoing_requests``: requests each replica holds at once (queued for its batches).
     ``min_pixels`` / ``max_pixels``: the sizes images are resized into (default: the
-    checkpoint's processor's); a lower ``max_pixels`` bounds an image request's tokens."""
+    checkpoint's processor's); a lower ``max_pixels`` bounds an image request's tokens.
+    ``max_image_pixels``: the most pixels an uploaded image may declare (checked before decoding)."""
     if min_pixels is not None or max_pixels is not None:  # refused here, not in a replica's start-up
         check_pixel_limits(min_pixels if min_pixels is not None else 1, max_pixels if max_pixels is not None else 1 << 28)
+    check_pixel_limits(1, max_image_pixels)
     if num_gpus is None:
         num_gpus = 1 if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else 0
     actor = {"num_gpus": num_gpus}
@@ -281,4 +289,5 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
     return VisionEncoderDeployment.options(ray_actor_options=actor, max_ongoing_requests=max_ongoing_requests,
                                            **scale).bind(
         model=model, preset=preset, device=device, dtype=dtype, batch_wait_timeout_s=batch_wait_timeout_s,
-        engine_options=engine_options, min_pixels=min_pixels, max_pixels=max_pixels)
+        engine_options=engine_options, min_pixels=min_pixels, max_pixels=max_pixels,
+        max_image_pixels=max_image_pixels)
