@@ -26,6 +26,7 @@ import torch
 
 from ..ops.attention import BACKENDS
 from ..ops.gemm import GEMM_BACKENDS
+from .. import cli_args
 from . import common
 
 CASES = {
@@ -64,7 +65,7 @@ def parse_case(text: str) -> tuple[str, list[tuple[int, int, int]]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vitgraph bench", description=__doc__.split("\n\n")[0])
-    common.add_model_args(p)
+    cli_args.add_model_args(p)
     p.add_argument("--cases", nargs="*", default=None, choices=list(CASES), metavar="CASE",
                    help=f"case names from {list(CASES)}")
     p.add_argument("--case", action="append", type=parse_case, default=[], help="an extra case: name=t,h,w+t,h,w")
@@ -172,7 +173,7 @@ def plot(result: dict, path: str, systems: list[str]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    on_gpu = common.resolve_model_args(args)
+    on_gpu = cli_args.resolve_model_args(args)
     common.check_systems(parser, args.systems, on_gpu)
     if args.preheat < 0:
         parser.error(f"--preheat must be >= 0, got {args.preheat}")

@@ -26,6 +26,7 @@ import torch
 from ..engine import fit_budgets
 from ..options import EngineOptions
 from ..preprocess import MAX_PIXELS, MIN_PIXELS, smart_resize
+from .. import cli_args
 from . import common
 
 # (kind, width, height, frames, weight): photos, screenshots and short clips.
@@ -107,7 +108,7 @@ def medians_across_seeds(runs: list[dict]) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vitgraph bench-serving", description=__doc__.split("\n\n")[0])
-    common.add_model_args(p)
+    cli_args.add_model_args(p)
     p.add_argument("--loads", type=common.positive_float, nargs="*", default=None,
                    help="offered loads, requests per second")
     p.add_argument("--requests", type=common.positive_int, default=None, help="requests per load")
@@ -139,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    on_gpu = common.resolve_model_args(args)
+    on_gpu = cli_args.resolve_model_args(args)
     common.check_systems(parser, args.systems, on_gpu)
     loads = args.loads or ([5.0, 10.0, 20.0] if on_gpu else [0.5, 1.0])
     n = args.requests or (300 if on_gpu else 8)
