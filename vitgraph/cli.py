@@ -230,6 +230,8 @@ def _check_serve_args(args) -> None:
     (a local folder with a config.json, or a Hub id that resolves; its configs read)."""
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if not 0 < args.request_timeout < float("inf"):
+        raise ValueError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout:g}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     if args.device is not None:
@@ -269,24 +271,31 @@ def cmd_serve(args) -> None:
     from .serve import build_app
 
     app = build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype, num_replicas=args.replicas)
-    ray.init()
-    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    previous = None
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(app, name="vitgraph", route_prefix="/")
-        print(f"vitgraph serving {args.model or 'random weights'} on http://{args.host}:{args.port}/encode "
-              f"({args.replicas} replica(s)); Ctrl-C stops", file=sys.stderr)
+        with status(f"starting Ray and {args.replicas} replica(s) of {describe(args)}"):
+            # Ray's and Serve's start-up logs (a dozen lines) stay out of the terminal; errors still show.
+            ray.init(logging_level=logging.ERROR, log_to_driver=False, include_dashboard=False)
+            previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)  # after ray.init, which sets its own
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)
+            serve.start(http_options={"host": args.host, "port": args.port, "request_timeout_s": args.request_timeout})
+            serve.run(app, name="vitgraph", route_prefix="/")
+        print(f"vitgraph serving {describe(args)} on http://{args.host}:{args.port}/encode "
+              f"({args.replicas} replica(s), requests time out after {args.request_timeout:g} s); Ctrl-C stops",
+              file=sys.stderr)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
+        if previous is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
         try:
             serve.shutdown()
             ray.shutdown()
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,8 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="a Ray Serve deployment on a local Ray instance (needs vitgraph[serve])")
     add_model_args(p)
     p.add_argument("--replicas", type=int, default=1, help="replicas (each takes a GPU where there is one)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--request-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="the server answers 408 to a request not done in this time (default 60)")
     p.set_defaults(func=cmd_serve)
 
     sub.add_parser("bench", help="latency suite (see vitgraph bench --help)", add_help=False)
