@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..ops.attention import BACKENDS
 from ..ops.gemm import GEMM_BACKENDS
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{result['eager_peak_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
     truth = fp32_reference(eager_enc)
     gen = torch.Generator(device="cpu").manual_seed(0)
+    bar = tqdm(total=len(cases), desc="cases", unit="case", disable=None)  # None: on a terminal (logs get the lines)
     for name, grids in cases.items():
         tokens = sum(t * h * w for t, h, w in grids)
         pixels = torch.randn(tokens, cfg.patch_width, generator=gen).to(device, dtype)
@@ -229,8 +231,10 @@ def main(argv: list[str] | None = None) -> dict:
         if tuple(grids) in compile_seconds:
             entry["compile_s"] = compile_seconds[tuple(grids)]
         result["cases"].append(entry)
-        print(f"  {name}: " + ", ".join(f"{s} {v:.2f} ms" for s, v in entry["ms"].items())
-              + "; rel err " + ", ".join(f"{s} {e:.1e}" for s, e in entry["check"].items()), file=sys.stderr)
+        tqdm.write(f"  {name}: " + ", ".join(f"{s} {v:.2f} ms" for s, v in entry["ms"].items())
+                   + "; rel err " + ", ".join(f"{s} {e:.1e}" for s, e in entry["check"].items()), file=sys.stderr)
+        bar.update()
+    bar.close()
 
     gemm = f", gemm {result['gemm']}" if device.type == "cuda" else ""  # the GEMM backend is a GPU choice
     print(f"\n{result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from ..engine import fit_budgets
 from ..options import EngineOptions
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
             run(pixels_for(g), [g])
     if args.closed_loop:
         return _saturation(args, result, runners, systems, streams, pixels_for, max_budget, device)
+    shown = [name for name in systems if name in runners]
+    bar = tqdm(total=len(streams) * len(loads) * len(shown), desc="runs", unit="run", disable=None)  # a terminal's
     for seed, grids in streams.items():
         for load in loads:
             rng = np.random.default_rng(seed + int(load * 1000))
@@ -197,8 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
                 result["runs"].append({"system": name, "load_rps": load, "seed": seed, **stats})
                 slowest = ", ".join(f"{c['ms']:.1f} ms ({c['tokens']} tokens, {c['frames']} frames)"
                                     for c in stats["slowest_calls"])
-                print(f"  seed {seed} load {load:g}/s {name}: p50 {stats['p50_ms']:.1f} ms, p99 "
-                      f"{stats['p99_ms']:.1f} ms; slowest calls {slowest}", file=sys.stderr)
+                tqdm.write(f"  seed {seed} load {load:g}/s {name}: p50 {stats['p50_ms']:.1f} ms, p99 "
+                           f"{stats['p99_ms']:.1f} ms; slowest calls {slowest}", file=sys.stderr)
+                bar.update()
+    bar.close()
 
     print(f"\nserving: {result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "
           f"{result['date']}; {n} requests per load, mean {result['mean_tokens_per_request']:.0f} patch tokens")
