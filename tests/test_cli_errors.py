@@ -85,3 +85,12 @@ def test_the_cli_imports_no_benchmark():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vitgraph.cli, "make_encoder", interrupted)
+    assert cli_main(["demo", "--device", "cpu"]) == 130
+    assert capsys.readouterr().err == "vitgraph demo: interrupted\n"
