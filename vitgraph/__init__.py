@@ -1,4 +1,4 @@
-"""vitgraph: the Qwen2-VL vision encoder, replayed from CUDA graphs."""
+"""vitgraph: the vision encoders of the Qwen VL families (ViT + patch merger), replayed from CUDA graphs."""
 
 from .config import VisionConfig
 from .encoder import GraphedVisionEncoder

@@ -318,8 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", help="image files (PNG, JPEG, ...)")
     p.add_argument("--out", required=True, help="output .safetensors path (never one of the inputs)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    p.add_argument("--min-pixels", type=int, default=None)
-    p.add_argument("--max-pixels", type=int, default=None)
+    p.add_argument("--min-pixels", type=int, default=None,
+                   help="resize smaller images up to this area (default: the model's preprocessor_config.json)")
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="resize larger images down to this area (default: the model's preprocessor_config.json)")
     add_model_args(p)
     p.set_defaults(func=cmd_encode)
 

@@ -76,13 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the encoders' attention backend (EngineOptions.attention)")
     p.add_argument("--gemm", default="auto", choices=("auto",) + GEMM_BACKENDS,
                    help="the encoders' fc1/qkv GEMM backend (EngineOptions.gemm)")
-    p.add_argument("--iters", type=common.positive_int, default=30)
-    p.add_argument("--warmup", type=common.non_negative_int, default=5)
+    p.add_argument("--iters", type=common.positive_int, default=30, help="timed calls per case and system")
+    p.add_argument("--warmup", type=common.non_negative_int, default=5, help="untimed calls before them")
     p.add_argument("--preheat", type=float, default=0.0,
                    help="seconds of back-to-back calls before each system is timed on each case, so that it "
                         "is timed at the clock a GPU holds under sustained load (default 0: timed in whatever "
                         "state the system before it left)")
-    p.add_argument("--max-budget", type=common.positive_int, default=16384)
+    p.add_argument("--max-budget", type=common.positive_int, default=16384,
+                   help="the largest bucket's patch tokens")
     p.add_argument("--json", help="write the full result here")
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     return p

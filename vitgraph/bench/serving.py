@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=common.positive_int, default=None, help="requests per load")
     p.add_argument("--systems", nargs="*", default=None, choices=("hf_eager", "vitgraph_eager", "vitgraph_graph"),
                    metavar="SYSTEM", help="subset of hf_eager vitgraph_eager vitgraph_graph")
-    p.add_argument("--max-pixels", type=common.positive_int, default=MAX_PIXELS)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-pixels", type=common.positive_int, default=MAX_PIXELS,
+                   help="the largest image area a simulated request asks for")
+    p.add_argument("--seed", type=int, default=0, help="the request stream's random seed")
     p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
                    help="run each load on several request streams (instead of --seed) and also report, per "
                         "system and load, the median of each percentile across them: one stream's p99 is set "
