@@ -1,43 +1,77 @@
-"""Feed vitgraph's embeddings to vLLM as Qwen2-VL ``image_embeds`` (the vision tower then never runs in vLLM).
+"""Feed vitgraph's embeddings to vLLM as Qwen2-VL or Qwen2.5-VL ``image_embeds``, with vLLM's
+own vision tower switched off (it is never loaded).
 
-Written against vLLM 0.11 (pip install "vllm==0.11.*"); the embedding-input API has moved
-between releases, so check https://docs.vllm.ai/en/stable/features/multimodal_inputs/ for yours.
+Needs a CUDA device and vLLM >= 0.11.1 (``enable_mm_embeds`` first appears there; the
+embedding-input API moves between releases: https://docs.vllm.ai/en/stable/features/multimodal_inputs/).
 
-    python examples/vllm_image_embeds.py cat.png
+    pip install "vllm>=0.11.1"
+    python examples/vllm_image_embeds.py cat.png dog.jpg
+    python examples/vllm_image_embeds.py --model Qwen/Qwen2.5-VL-3B-Instruct cat.png
+
+Qwen2-VL and Qwen2.5-VL take vitgraph's rows with vLLM's tower off
+(``limit_mm_per_prompt={"image": 0, "video": 0}``). Qwen3-VL does not: see
+``vllm_qwen3_image_embeds.py``.
+
+Comparing vitgraph with vLLM's own tower directly: vLLM >= 0.32 normalises pixels inside its
+tower and expects raw uint8 rows, which ``vitgraph.preprocess_images(images, normalize=False)`` gives.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
-from vitgraph import GraphedVisionEncoder, preprocess_images
-
-MODEL = "Qwen/Qwen2-VL-2B-Instruct"
+from vitgraph import GraphedVisionEncoder, smart_resize
 
 
-def main(paths: list[str]) -> None:
+def grid_thw(paths: list[str], processor) -> torch.Tensor:
+    """Each image's ``(t, h, w)`` in patches as vitgraph sizes it (turned upright by its EXIF
+    orientation, then resized to the processor's pixel range): vLLM takes it beside the rows."""
+    patch, factor = processor.patch_size, processor.patch_size * processor.merge_size
+    grids = []
+    for path in paths:
+        with Image.open(path) as image:
+            width, height = ImageOps.exif_transpose(image).size
+        h, w = smart_resize(height, width, factor, processor.min_pixels, processor.max_pixels)
+        grids.append((1, h // patch, w // patch))
+    return torch.tensor(grids)
+
+
+def needs(missing: str) -> None:
+    sys.exit(f"this example needs a CUDA device and vLLM >= 0.11.1 (pip install 'vllm>=0.11.1'): {missing}")
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("images", nargs="+", help="image files (PNG, JPEG, ...)")
+    parser.add_argument("--model", default="Qwen/Qwen2-VL-2B-Instruct", help="a Qwen2-VL or Qwen2.5-VL checkpoint")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        needs("no CUDA device here")
     try:
         from vllm import LLM, SamplingParams
     except ImportError:
-        sys.exit("this example needs vLLM: pip install 'vllm==0.11.*'")
+        needs("vLLM is not installed")
 
-    encoder = GraphedVisionEncoder.from_pretrained(MODEL, device="cuda")
-    pixels, grid_thw = preprocess_images([Image.open(p) for p in paths])
-    image_embeds = encoder.encode(pixels, grid_thw)  # [sum(t*h*w)/4, 1536], items back to back
+    encoder = GraphedVisionEncoder.from_pretrained(args.model, device="cuda")
+    per_image = encoder.encode_images(args.images)  # one [rows, out_hidden_size] tensor per file
+    grids = grid_thw(args.images, encoder.processor)
+    assert [len(e) for e in per_image] == (grids.prod(-1) // 4).tolist()
+    image_embeds = torch.cat(per_image)  # items back to back, as vLLM takes them
 
-    llm = LLM(model=MODEL, limit_mm_per_prompt={"image": len(paths)}, enable_mm_embeds=True)
-    placeholders = "<|vision_start|><|image_pad|><|vision_end|>" * len(paths)
+    llm = LLM(model=args.model, enable_mm_embeds=True, limit_mm_per_prompt={"image": 0, "video": 0})  # tower off
+    placeholders = "<|vision_start|><|image_pad|><|vision_end|>" * len(args.images)
     prompt = f"<|im_start|>user\n{placeholders}Describe the image(s).<|im_end|>\n<|im_start|>assistant\n"
     outputs = llm.generate(
         {"prompt": prompt,
          "multi_modal_data": {"image": {"image_embeds": image_embeds.to("cpu", torch.bfloat16),
-                                        "image_grid_thw": grid_thw}}},
+                                        "image_grid_thw": grids}}},
         SamplingParams(max_tokens=64))
     print(outputs[0].outputs[0].text)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or sys.exit(__doc__))
+    main(sys.argv[1:])

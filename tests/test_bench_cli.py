@@ -134,9 +134,12 @@ def test_cli_help_everywhere():
 
 def test_cli_demo_and_info_on_cpu(capsys):
     assert cli_main(["demo", "--device", "cpu"]) == 0
-    assert "output [1888, 48]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "output [1888, 48]" in out and "per call (of 5)" in out
+    assert out.startswith("vitgraph 0.1.0: random weights of the tiny preset on cpu") and "gemm" not in out
     assert cli_main(["info", "--device", "cpu"]) == 0
-    assert "attention backends: sdpa" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "attention backends: sdpa" in out and "(buckets planned, tokens x frames: 256x1, 256x16, 288x1," in out
 
 
 def test_serving_loop_example_returns_one_embedding_per_request():

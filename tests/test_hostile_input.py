@@ -350,12 +350,12 @@ def test_encode_never_overwrites_an_input(png, capsys):
 
 
 def test_encode_checks_out_before_loading(png, tmp_path, capsys, monkeypatch):
-    import vitgraph.bench.common
+    import vitgraph.cli
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before --out was checked")
 
-    monkeypatch.setattr(vitgraph.bench.common, "make_encoder", no_load)
+    monkeypatch.setattr(vitgraph.cli, "make_encoder", no_load)
     for out, words in ((tmp_path / "missing" / "e.safetensors", "does not exist"), (tmp_path, "is a directory")):
         code, _, err = run_cli(["encode", png, "--out", out], capsys)
         assert code == 2 and words in err and err.count("\n") == 1

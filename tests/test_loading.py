@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -125,11 +126,53 @@ def test_hub_offline_single_file(tmp_path, hf_model, monkeypatch):
 
 
 def test_hub_offline_missing_repo(tmp_path, monkeypatch):
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(LocalEntryNotFoundError):
+    with pytest.raises(ValueError, match=r"model Qwen/Not-Cached: config.json is not in the local Hugging Face "
+                                         r"cache and downloads are off"):
         GraphedVisionEncoder.from_pretrained("Qwen/Not-Cached", device="cpu", cache_dir=tmp_path)
+
+
+def _hub_head_raises(monkeypatch, error) -> list[dict]:
+    """The Hub's one HEAD request raises ``error``; returns the hf_hub_download calls that follow."""
+    import huggingface_hub
+
+    def head(url, **kwargs):
+        raise error
+
+    calls = []
+    real = huggingface_hub.hf_hub_download
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", head)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return calls
+
+
+def test_an_unreachable_hub_reads_the_cache_without_retries(tmp_path, hf_model, monkeypatch):
+    import httpx2
+
+    calls = _hub_head_raises(monkeypatch, httpx2.ConnectError("Name or service not known"))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"model Qwen/Nowhere: config.json is not in the local Hugging Face cache "
+                                         r"and the Hugging Face Hub cannot be reached"):
+        GraphedVisionEncoder.from_pretrained("Qwen/Nowhere", device="cpu", cache_dir=tmp_path)
+    assert time.perf_counter() - start < 5 and calls and all(c["local_files_only"] for c in calls)
+    src = write_checkpoint(tmp_path / "src", hf_model, shards=1)  # a cached model still loads
+    _make_hub_cache(tmp_path / "cache", "Qwen/Cached", src)
+    _assert_matches(GraphedVisionEncoder.from_pretrained("Qwen/Cached", device="cpu", cache_dir=tmp_path / "cache"),
+                    hf_model)
+
+
+def test_an_unknown_hub_repo_or_a_preset_name_is_named(tmp_path, monkeypatch):
+    import httpx2
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    request = httpx2.Request("HEAD", "https://huggingface.co/Qwen/Nope/resolve/main/config.json")
+    calls = _hub_head_raises(monkeypatch, RepositoryNotFoundError("404", response=httpx2.Response(404, request=request)))
+    with pytest.raises(ValueError, match=r"model Qwen/Nope: no such model on the Hugging Face Hub"):
+        GraphedVisionEncoder.from_pretrained("Qwen/Nope", device="cpu", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"'tiny' is a preset name.*from_config\('tiny'\)"):
+        GraphedVisionEncoder.from_pretrained("tiny", device="cpu", cache_dir=tmp_path)
+    assert calls == []
 
 
 def _rewrite(directory: Path, edit) -> None:

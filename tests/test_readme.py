@@ -16,7 +16,7 @@ def python_blocks() -> list[str]:
 def test_the_readme_examples_run_on_a_cpu(capsys):
     blocks = python_blocks()
     runnable = [b for b in blocks if "needs the Hub" not in b and "from ray" not in b]
-    assert len(blocks) >= 4 and len(runnable) >= 3, blocks
+    assert len(blocks) >= 5 and len(runnable) >= 4, blocks
     names: dict = {}
     for i, block in enumerate(runnable):
         exec(compile(block, str(README), "exec"), names)  # noqa: S102 - the project's own README
@@ -33,9 +33,19 @@ def test_the_readme_examples_run_on_a_cpu(capsys):
             assert names["rows"].dtype == torch.uint8
             assert tuple(names["cat"].shape) == (int(names["grid"].prod(-1).sum()) // 4, names["enc"].output_width)
     assert names["q25"].output_width == 2048
+    # Qwen3-VL: the main rows, then each deepstack feature; split() views them apart.
+    emb, main, deepstack = names["emb"], names["main"], names["deepstack"]
+    assert tuple(emb.shape) == (64, 4 * 2048) and tuple(main.shape) == (64, 2048) and len(deepstack) == 3
+    assert main.equal(emb[:, :2048]) and deepstack[2].equal(emb[:, 3 * 2048:])
 
 
-def test_the_readme_sets_the_cpu_torch_step_before_the_two_commands():
+def test_the_readme_sets_up_in_order_and_ci_runs_its_test_command():
     text = README.read_text()
-    assert text.index("pip install torch==2.13.0") < text.index("vitgraph demo") < text.index("python -m pytest")
+    steps = ["git clone <url> && cd vitgraph", "python3 -m venv .venv && . .venv/bin/activate",
+             "pip install torch --index-url https://download.pytorch.org/whl/cpu",
+             "pip install -e . && vitgraph demo", 'pip install -e ".[test]" && python -m pytest -q']
+    at = [text.index(step) for step in steps]
+    assert at == sorted(at) and "On a CUDA machine, `pip install torch`" in text
+    ci = (README.parent / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == steps[-1] and any("pip install -q torch==2.13.0" in line for line in ci)
     assert len(text.splitlines()) <= 160

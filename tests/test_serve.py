@@ -177,6 +177,11 @@ def test_the_cli_serves_until_interrupted(tmp_path, stop):
         proc.wait()
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err
+    # A quiet start: the status line, and (unless stopped first) the one that says what is served
+    # where; no Ray or Serve log line.
+    assert "random weights of the tiny preset" in err
+    assert all(line.startswith(("starting Ray", "vitgraph serving random weights of the tiny preset on http"))
+               for line in err.strip().splitlines()), err
 
 
 @pytest.mark.parametrize("args, words", [
@@ -185,6 +190,8 @@ def test_the_cli_serves_until_interrupted(tmp_path, stop):
     (["--device", "tpu"], "--device must be cpu or cuda"),
     (["--replicas", "0"], "--replicas"),
     (["--port", "70000"], "--port"),
+    (["--request-timeout", "0"], "--request-timeout must be a positive number of seconds, got 0"),
+    (["--model", "tiny"], "use --preset tiny"),
 ])
 def test_serve_refuses_bad_arguments_before_ray_starts(monkeypatch, capsys, args, words):
     import sys
@@ -196,6 +203,32 @@ def test_serve_refuses_bad_arguments_before_ray_starts(monkeypatch, capsys, args
     code = main(["serve", *args])
     err = capsys.readouterr().err
     assert code == 2 and words in err and err.count("\n") == 1, err
+
+
+def test_serve_passes_its_request_timeout_and_starts_ray_quietly(monkeypatch, capsys):
+    """Ray and Serve as stand-ins that record their arguments; the app's deployment ends the run."""
+    import sys
+    import types
+
+    import vitgraph.serve
+    from vitgraph.cli import main
+
+    monkeypatch.setattr(vitgraph.serve, "build_app", lambda *args, **kwargs: "the app")
+    calls = {}
+    fake_ray = types.SimpleNamespace(init=lambda **kw: calls.setdefault("init", kw), shutdown=lambda: None)
+
+    def run(app, **kw):
+        raise KeyboardInterrupt  # as Ctrl-C once the app is up
+
+    fake_serve = types.SimpleNamespace(start=lambda **kw: calls.setdefault("start", kw), run=run,
+                                       shutdown=lambda: None)
+    fake_ray.serve = fake_serve
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    monkeypatch.setitem(sys.modules, "ray.serve", fake_serve)
+    assert main(["serve", "--preset", "tiny", "--device", "cpu", "--request-timeout", "7.5", "--port", "8123"]) == 0
+    assert calls["start"]["http_options"] == {"host": "127.0.0.1", "port": 8123, "request_timeout_s": 7.5}
+    assert calls["init"]["log_to_driver"] is False and calls["init"]["include_dashboard"] is False
+    assert calls["init"]["logging_level"] >= 40  # logging.ERROR: Ray's INFO and WARNING lines stay out
 
 
 def test_serve_checks_the_checkpoints_configs_before_ray_starts(tmp_path, monkeypatch, capsys):

@@ -8,18 +8,33 @@ import logging
 import os
 import stat
 import sys
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from . import __version__
-from .bench import common
+from .cli_args import add_model_args, describe, make_encoder, resolve_model_args, status
 
 
 def _load(args, **options):
-    common.resolve_model_args(args)
-    return common.make_encoder(args, **options)
+    return make_encoder(args, **options)  # main() has resolved the model arguments
+
+
+def _timed_calls_ms(fn, device: torch.device, calls: int) -> list[float]:
+    """Wall ms of each of ``calls`` synchronised calls of ``fn``, under a progress bar."""
+    from tqdm.auto import tqdm
+
+    times = []
+    for _ in tqdm(range(calls), desc="timing", unit="call", leave=False, disable=None):  # None: a terminal only
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def cmd_demo(args) -> None:
@@ -28,13 +43,20 @@ def cmd_demo(args) -> None:
     grids = [(1, 16, 16), (1, 32, 44), (4, 16, 28), (1, 64, 64)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), enc.config.patch_width)
     pixels = pixels.to(enc.device, enc.dtype)
-    out = enc.encode(pixels, grids)
-    median = common.median_ms(lambda: enc.encode(pixels, grids), enc.device, iters=5, warmup=0)
+    with status(f"encoding {len(grids)} items ({pixels.shape[0]} patches), the first call"):
+        start = time.perf_counter()
+        out = enc.encode(pixels, grids)
+        first_ms = (time.perf_counter() - start) * 1e3
+    calls = 5 if first_ms < 10_000 else 1  # a large tower on a CPU (~90 s a call): its first call is the answer
+    times = _timed_calls_ms(lambda: enc.encode(pixels, grids), enc.device, calls) if calls > 1 else [first_ms]
+    median = statistics.median(times)
     stats = enc.stats()
-    print(f"vitgraph {__version__}: {args.model or 'random weights'} on {enc.device} ({stats['dtype']}), "
-          f"mode {stats['mode']}, attention {stats['attention']}, fused {stats['fused']}, gemm {stats['gemm']}")
+    gemm = f", gemm {stats['gemm']}" if enc.device.type == "cuda" else ""  # a GPU choice
+    print(f"vitgraph {__version__}: {describe(args)} on {enc.device} ({stats['dtype']}), "
+          f"mode {stats['mode']}, attention {stats['attention']}, fused {stats['fused']}{gemm}")
     print(f"input  pixels {list(pixels.shape)}, grid_thw {grids}")
-    print(f"output {list(out.shape)}; median {median:.2f} ms per call")
+    print(f"output {list(out.shape)}; " + (f"median {median:.2f} ms per call (of {calls})" if calls > 1
+                                            else f"one call took {median / 1e3:.1f} s"))
     if stats["mode"] == "graph":
         used = {k: v["replays"] for k, v in stats["buckets"].items() if v["replays"]}
         print(f"{len(stats['buckets'])} graphs captured in {stats['capture_seconds']:.1f} s, "
@@ -107,6 +129,44 @@ def _write_atomically(tensors: dict, out: Path, metadata: dict) -> None:
         raise
 
 
+def _check_pixel_args(args) -> None:
+    """``--min-pixels`` and ``--max-pixels`` (each, and against each other or the model's
+    preprocessing), before anything loads."""
+    from .preprocess import check_pixel_limits
+
+    given = {"--min-pixels": args.min_pixels, "--max-pixels": args.max_pixels}
+    for flag, value in given.items():
+        if value is not None:
+            try:
+                check_pixel_limits(value, value)
+            except ValueError as err:
+                raise ValueError(f"{flag} {str(err).split(' ', 1)[1]}") from None
+    low, high = args.min_pixels, args.max_pixels
+    if low is None and high is None:
+        return
+    if low is None or high is None:
+        processor = _processor_of(args)
+        if low is None and high < processor.min_pixels:
+            raise ValueError(f"--max-pixels {high} is below the model's min_pixels ({processor.min_pixels}); "
+                             "pass a smaller --min-pixels too")
+        if high is None and low > processor.max_pixels:
+            raise ValueError(f"--min-pixels {low} exceeds the model's max_pixels ({processor.max_pixels}); "
+                             "pass a larger --max-pixels too")
+    elif low > high:
+        raise ValueError(f"--min-pixels {low} exceeds --max-pixels {high}; the smaller area goes to --min-pixels")
+
+
+def _processor_of(args):
+    """The image preprocessing ``args`` would load, read from configs alone (no weights)."""
+    from .loading import find_checkpoint, read_config, read_processor
+    from .models import PRESETS, family_of
+
+    if args.model:
+        files = find_checkpoint(args.model)
+        return read_processor(files, read_config(files))
+    return family_of(PRESETS[args.preset]).processor
+
+
 def cmd_encode(args) -> None:
     """Encode image files; write one tensor per file, keyed by file name, to a safetensors file
     whose metadata records the model source and each file's grid_thw."""
@@ -121,16 +181,18 @@ def cmd_encode(args) -> None:
     out = _check_out(args.out, paths, args.force)
     if args.model:
         _check_out_is_not_the_checkpoint(out, args.model)
+    _check_pixel_args(args)
     for path in paths:  # every input is an image (its header read, nothing decoded) before the model loads
         open_encoded(read_file(path, "input"), str(path)).close()
-    enc = _load(args, progress=False)
     if not args.model:
         print(f"vitgraph encode: no --model given: random weights of the {args.preset} preset; "
               "the embeddings mean nothing", file=sys.stderr)
+    enc = _load(args, progress=False)
     source = args.model or f"random weights, preset {args.preset}"
     tensors, grids = {}, {}
     chunk = 16  # images per encode call
-    with tqdm(total=len(paths), desc="encoding", unit="image", disable=len(paths) <= chunk) as bar:
+    shown = sys.stderr.isatty() or len(paths) > chunk  # a bar on a terminal, or in a log for a long run
+    with tqdm(total=len(paths), desc="encoding", unit="image", disable=not shown) as bar:
         for start in range(0, len(paths), chunk):
             batch_keys = keys[start:start + chunk]
             rows, grid = enc.image_rows(paths[start:start + chunk], min_pixels=args.min_pixels,
@@ -146,6 +208,12 @@ def cmd_encode(args) -> None:
           ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items()))
 
 
+def _bucket_names(buckets) -> str:
+    """``tokens x frames`` each (``sN``: frames of at most N tokens), with that key first."""
+    key = "tokens x frames" + ("; sN: frames of at most N tokens" if any("s" in b.name for b in buckets) else "")
+    return f"{key}: {', '.join(b.name for b in buckets)}"
+
+
 def cmd_info(args) -> None:
     """Device, torch, attention backends, buckets and pool bytes."""
     from .ops.attention import available_backends
@@ -157,11 +225,10 @@ def cmd_info(args) -> None:
     print(f"attention backends: {', '.join(available_backends(device))}")
     stats = enc.stats()
     if stats["mode"] == "graph":
-        print(f"buckets ({len(enc.buckets)}): {', '.join(str(b.tokens) for b in enc.buckets)}")
+        print(f"{len(enc.buckets)} buckets ({_bucket_names(enc.buckets)})")
         print(f"pool bytes: {stats['pool_bytes']}, capture seconds: {stats['capture_seconds']:.2f}")
     else:
-        print(f"eager mode on {device}: no graphs (buckets planned: "
-              f"{', '.join(str(b.tokens) for b in enc.requested_buckets)})")
+        print(f"eager mode on {device}: no graphs (buckets planned, {_bucket_names(enc.requested_buckets)})")
 
 
 def _check_serve_args(args) -> None:
@@ -169,6 +236,8 @@ def _check_serve_args(args) -> None:
     (a local folder with a config.json, or a Hub id that resolves; its configs read)."""
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if not 0 < args.request_timeout < float("inf"):
+        raise ValueError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout:g}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     if args.device is not None:
@@ -208,24 +277,31 @@ def cmd_serve(args) -> None:
     from .serve import build_app
 
     app = build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype, num_replicas=args.replicas)
-    ray.init()
-    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    previous = None
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(app, name="vitgraph", route_prefix="/")
-        print(f"vitgraph serving {args.model or 'random weights'} on http://{args.host}:{args.port}/encode "
-              f"({args.replicas} replica(s)); Ctrl-C stops", file=sys.stderr)
+        with status(f"starting Ray and {args.replicas} replica(s) of {describe(args)}"):
+            # Ray's and Serve's start-up logs (a dozen lines) stay out of the terminal; errors still show.
+            ray.init(logging_level=logging.ERROR, log_to_driver=False, include_dashboard=False)
+            previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)  # after ray.init, which sets its own
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)
+            serve.start(http_options={"host": args.host, "port": args.port, "request_timeout_s": args.request_timeout})
+            serve.run(app, name="vitgraph", route_prefix="/")
+        print(f"vitgraph serving {describe(args)} on http://{args.host}:{args.port}/encode "
+              f"({args.replicas} replica(s), requests time out after {args.request_timeout:g} s); Ctrl-C stops",
+              file=sys.stderr)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
+        if previous is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
         try:
             serve.shutdown()
             ray.shutdown()
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,27 +311,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="encode a sample batch and print shapes and timing")
-    common.add_model_args(p)
+    add_model_args(p)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("encode", help="encode image files to a safetensors file")
     p.add_argument("files", nargs="+", help="image files (PNG, JPEG, ...)")
     p.add_argument("--out", required=True, help="output .safetensors path (never one of the inputs)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    p.add_argument("--min-pixels", type=int, default=None)
-    p.add_argument("--max-pixels", type=int, default=None)
-    common.add_model_args(p)
+    p.add_argument("--min-pixels", type=int, default=None,
+                   help="resize smaller images up to this area (default: the model's preprocessor_config.json)")
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="resize larger images down to this area (default: the model's preprocessor_config.json)")
+    add_model_args(p)
     p.set_defaults(func=cmd_encode)
 
     p = sub.add_parser("info", help="device, torch, attention backends, buckets, pool bytes")
-    common.add_model_args(p)
+    add_model_args(p)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("serve", help="a Ray Serve deployment on a local Ray instance (needs vitgraph[serve])")
-    common.add_model_args(p)
+    add_model_args(p)
     p.add_argument("--replicas", type=int, default=1, help="replicas (each takes a GPU where there is one)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--request-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="the server answers 408 to a request not done in this time (default 60)")
     p.set_defaults(func=cmd_serve)
 
     sub.add_parser("bench", help="latency suite (see vitgraph bench --help)", add_help=False)
@@ -276,21 +356,30 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     _quiet_libraries(args.verbose)
-    return _run(args.command, lambda: args.func(args))
+
+    def command() -> None:
+        resolve_model_args(args)  # a preset given to --model is refused before anything is looked up
+        args.func(args)
+
+    return _run(args.command, command)
 
 
 def _quiet_libraries(verbose: bool) -> None:
-    # huggingface_hub logs every retry of an unreachable Hub; the one error that follows says it all.
-    if not verbose:
-        from huggingface_hub.utils import logging as hub_logging
+    from huggingface_hub.utils import logging as hub_logging
 
-        hub_logging.set_verbosity_error()
+    if verbose:
+        hub_logging.disable_propagation()  # its own handler prints each line; the root's would repeat it
+    else:
+        hub_logging.set_verbosity_error()  # its retries and warnings; the one error that follows says it all
 
 
 def _run(command: str, fn) -> int:
     """Run a command: bad input or a missing file is one line on stderr and exit code 2."""
     try:
         fn()
+    except KeyboardInterrupt:
+        print(f"vitgraph {command}: interrupted", file=sys.stderr)
+        return 130  # as a shell reports a process ended by Ctrl-C
     except (ValueError, TypeError, OSError) as err:
         print(f"vitgraph {command}: error: {err}".splitlines()[0], file=sys.stderr)
         return 2

@@ -63,11 +63,11 @@ class _Counters:
 
 
 class GraphedVisionEncoder(ImageInput):
-    """A Qwen VL family's vision encoder (ViT + patch merger), replayed from CUDA graphs.
+    """A vision encoder of the Qwen VL families (ViT + patch merger), replayed from CUDA graphs.
 
     ``encode(pixels, grid_thw)`` validates the input, plans it into bucket replays
     on the host, copies each step into static buffers, replays, and returns the
-    merged embeddings ``[N / 4, hidden_size]`` in item order. Inputs larger than
+    merged embeddings ``[N / 4, output_width]`` in item order. Inputs larger than
     the largest bucket (one frame) run eagerly; empty input returns ``[0, hidden]``.
 
     Threads and streams: ``encode`` may be called from several threads. Graph
@@ -280,7 +280,7 @@ class GraphedVisionEncoder(ImageInput):
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor, grid_thw, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``pixels [N, C*T*P*P]`` + ``grid_thw [k, 3]`` -> ``[N / 4, hidden_size]`` on the encoder's device.
+        """``pixels [N, C*T*P*P]`` + ``grid_thw [k, 3]`` -> ``[N / 4, output_width]`` on the encoder's device.
 
         ``pixels``: normalised float rows, or the processor's uint8 rows (resized and
         patchified, not normalised), which are rescaled and normalised on the device with

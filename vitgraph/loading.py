@@ -18,7 +18,7 @@ from typing import Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .models import FAMILIES, family_for, family_of
+from .models import FAMILIES, PRESETS, family_for, family_of
 from .models.config_parsing import read_json
 from .preprocess import ProcessorConfig
 
@@ -154,28 +154,64 @@ def find_local(directory: Path) -> CheckpointFiles:
     raise ValueError(f"checkpoint directory {directory} has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
+def _hub_answers(repo_id: str, revision: str | None, token) -> bool:
+    """Whether the Hub answers one request for ``repo_id``'s config.json (no retries: on a
+    network error ``hf_hub_download`` retries for ~25 s before it falls back to the cache). A
+    repo, revision or config.json the Hub says does not exist is a ValueError naming the model."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json", revision=revision), token=token)
+    except GatedRepoError:
+        raise ValueError(f"model {repo_id}: is gated on the Hugging Face Hub; accept its terms on "
+                         f"huggingface.co/{repo_id} and log in (hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"model {repo_id}: no such model on the Hugging Face Hub (or it is private: log in with "
+                         "hf auth login); give a Hub repo id such as Qwen/Qwen2-VL-2B-Instruct or a "
+                         "checkpoint folder") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"model {repo_id}: the Hub has no revision {revision!r} of it") from None
+    except EntryNotFoundError:
+        raise ValueError(f"model {repo_id}: has no config.json on the Hugging Face Hub; "
+                         "it is not a transformers checkpoint") from None
+    except Exception as err:  # a network error or a server's: the cache may still hold the model
+        logger.info("%s: the Hugging Face Hub did not answer (%s); using the local cache", repo_id, err)
+        return False
+    return True
+
+
 def find_on_hub(repo_id: str, *, revision: str | None, cache_dir: str | Path | None,
                 local_files_only: bool, token: str | bool | None) -> CheckpointFiles:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
-    local_files_only = local_files_only or _offline()
+    forbidden = local_files_only or _offline()
+    local_files_only = forbidden or not _hub_answers(repo_id, revision, token)
 
-    def fetch(filename: str) -> Path:
-        return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
-                                    local_files_only=local_files_only, token=token))
-
-    def optional(filename: str) -> Path | None:  # the family's defaults where it is absent
+    def fetch(filename: str, missing_ok: bool = False) -> Path | None:
+        """The cached or downloaded file; None for a ``missing_ok`` one the Hub lacks (or,
+        offline, the cache)."""
         try:
-            return fetch(filename)
-        except (EntryNotFoundError, LocalEntryNotFoundError):
-            return None
+            return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
+                                        local_files_only=local_files_only, token=token))
+        except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: not cached, no download
+            if missing_ok and local_files_only:
+                return None
+            why = ("downloads are off (HF_HUB_OFFLINE or local_files_only); allow them"
+                   if forbidden else "the Hugging Face Hub cannot be reached; check the network")
+            raise ValueError(f"model {repo_id}: {filename} is not in the local Hugging Face cache and {why}, "
+                             "or give a checkpoint folder") from None
+        except EntryNotFoundError:
+            if missing_ok:
+                return None
+            raise ValueError(f"model {repo_id}: the Hugging Face Hub has no {filename} in it") from None
 
     config = fetch("config.json")
-    processor, video = optional(PROCESSOR_FILE), optional(VIDEO_PROCESSOR_FILE)
-    try:
-        index = fetch(INDEX_FILE)
-    except EntryNotFoundError:
+    processor, video = fetch(PROCESSOR_FILE, True), fetch(VIDEO_PROCESSOR_FILE, True)  # else the family's defaults
+    index = fetch(INDEX_FILE, True)
+    if index is None:
         single = fetch(SINGLE_FILE)
         return CheckpointFiles(config, {single: _keys_in_file(single)}, processor, video)
     shards = {fetch(name): keys for name, keys in _shards_from_index(index).items()}
@@ -194,6 +230,9 @@ def find_checkpoint(source: str | os.PathLike, *, revision: str | None = None, c
         raise ValueError(f"model source {text[:200]!r}: cannot be looked up ({err.strerror or err})") from None
     if is_dir:
         return find_local(path)
+    if text in PRESETS and not exists:
+        raise ValueError(f"model source {text!r} is a preset name, not a checkpoint; "
+                         f"GraphedVisionEncoder.from_config({text!r}) builds random weights of its shape")
     if exists or not _REPO_ID.fullmatch(text):
         raise ValueError(f"model source {text!r} is neither a checkpoint directory nor a Hub repo id")
     return find_on_hub(text, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)

@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 
 from ..encoder import GraphedVisionEncoder
-from ..models import PRESETS, transformers_tower
+from ..cli_args import make_encoder
+from ..models import transformers_tower
 
 Grid = tuple[int, int, int]
 
@@ -283,30 +284,6 @@ def check_systems(parser, systems, on_gpu: bool) -> None:
         parser.error("--systems needs at least one system")
     if not on_gpu and systems and set(systems) & set(GPU_SYSTEMS):
         parser.error(f"--systems {' '.join(sorted(set(systems) & set(GPU_SYSTEMS)))} needs a CUDA device")
-
-
-def add_model_args(parser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="random weights of this shape (default: qwen2-vl-2b on GPU, tiny on CPU)")
-    parser.add_argument("--model", help="a checkpoint directory or Hub repo id instead of random weights")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
-                        help="default: bf16 on GPU, fp32 on CPU")
-
-
-def resolve_model_args(args) -> bool:
-    """Fill in the device and preset defaults of :func:`add_model_args` in place (the encoder
-    resolves ``--dtype`` itself); returns whether the run is on a GPU."""
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")  # the encoder checks it
-    on_gpu = str(args.device).startswith("cuda")
-    args.preset = args.preset or ("qwen2-vl-2b" if on_gpu else "tiny")
-    return on_gpu
-
-
-def make_encoder(args, **options) -> GraphedVisionEncoder:
-    if args.model:
-        return GraphedVisionEncoder.from_pretrained(args.model, device=args.device, dtype=args.dtype, **options)
-    return GraphedVisionEncoder.from_config(args.preset, device=args.device, dtype=args.dtype, seed=0, **options)
 
 
 def build_systems(args, systems: list[str], max_budget: int, **engine_options):

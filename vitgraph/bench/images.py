@@ -36,6 +36,7 @@ from PIL import Image
 from ..decode import decode_pil, gpu_jpeg_decoder, load_pixels
 from ..device_preprocess import rows_of, upload
 from ..preprocess import pixel_limits, preprocess_images
+from .. import cli_args
 from . import common
 
 SYSTEMS = ["hf_pil", "hf_torchvision", "vitgraph_host", "vitgraph_device", "vitgraph_gpu_decode"]
@@ -221,7 +222,7 @@ def _p(values: list[float], q: float) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vitgraph bench-images", description=__doc__.split("\n\n")[0])
-    common.add_model_args(parser)
+    cli_args.add_model_args(parser)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS, metavar="SYSTEM",
                         help=f"systems to run (default: all that can run here): {', '.join(SYSTEMS)}")
     parser.add_argument("--repeats", type=common.positive_int, default=5,
@@ -235,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the image set (default 0)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     args = parser.parse_args(argv)
-    common.resolve_model_args(args)
-    enc = common.make_encoder(args, progress=True)
+    cli_args.resolve_model_args(args)
+    enc = cli_args.make_encoder(args, progress=True)
     low, high = pixel_limits(enc.processor, None, args.max_pixels)
     device = enc.device
     jpegs = make_jpegs(args.seed)

@@ -23,9 +23,11 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..ops.attention import BACKENDS
 from ..ops.gemm import GEMM_BACKENDS
+from .. import cli_args
 from . import common
 
 CASES = {
@@ -64,7 +66,7 @@ def parse_case(text: str) -> tuple[str, list[tuple[int, int, int]]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vitgraph bench", description=__doc__.split("\n\n")[0])
-    common.add_model_args(p)
+    cli_args.add_model_args(p)
     p.add_argument("--cases", nargs="*", default=None, choices=list(CASES), metavar="CASE",
                    help=f"case names from {list(CASES)}")
     p.add_argument("--case", action="append", type=parse_case, default=[], help="an extra case: name=t,h,w+t,h,w")
@@ -74,13 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the encoders' attention backend (EngineOptions.attention)")
     p.add_argument("--gemm", default="auto", choices=("auto",) + GEMM_BACKENDS,
                    help="the encoders' fc1/qkv GEMM backend (EngineOptions.gemm)")
-    p.add_argument("--iters", type=common.positive_int, default=30)
-    p.add_argument("--warmup", type=common.non_negative_int, default=5)
+    p.add_argument("--iters", type=common.positive_int, default=30, help="timed calls per case and system")
+    p.add_argument("--warmup", type=common.non_negative_int, default=5, help="untimed calls before them")
     p.add_argument("--preheat", type=float, default=0.0,
                    help="seconds of back-to-back calls before each system is timed on each case, so that it "
                         "is timed at the clock a GPU holds under sustained load (default 0: timed in whatever "
                         "state the system before it left)")
-    p.add_argument("--max-budget", type=common.positive_int, default=16384)
+    p.add_argument("--max-budget", type=common.positive_int, default=16384,
+                   help="the largest bucket's patch tokens")
     p.add_argument("--json", help="write the full result here")
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     return p
@@ -172,7 +175,7 @@ def plot(result: dict, path: str, systems: list[str]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    on_gpu = common.resolve_model_args(args)
+    on_gpu = cli_args.resolve_model_args(args)
     common.check_systems(parser, args.systems, on_gpu)
     if args.preheat < 0:
         parser.error(f"--preheat must be >= 0, got {args.preheat}")
@@ -204,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{result['eager_peak_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
     truth = fp32_reference(eager_enc)
     gen = torch.Generator(device="cpu").manual_seed(0)
+    bar = tqdm(total=len(cases), desc="cases", unit="case", disable=None)  # None: on a terminal (logs get the lines)
     for name, grids in cases.items():
         tokens = sum(t * h * w for t, h, w in grids)
         pixels = torch.randn(tokens, cfg.patch_width, generator=gen).to(device, dtype)
@@ -228,8 +232,10 @@ def main(argv: list[str] | None = None) -> dict:
         if tuple(grids) in compile_seconds:
             entry["compile_s"] = compile_seconds[tuple(grids)]
         result["cases"].append(entry)
-        print(f"  {name}: " + ", ".join(f"{s} {v:.2f} ms" for s, v in entry["ms"].items())
-              + "; rel err " + ", ".join(f"{s} {e:.1e}" for s, e in entry["check"].items()), file=sys.stderr)
+        tqdm.write(f"  {name}: " + ", ".join(f"{s} {v:.2f} ms" for s, v in entry["ms"].items())
+                   + "; rel err " + ", ".join(f"{s} {e:.1e}" for s, e in entry["check"].items()), file=sys.stderr)
+        bar.update()
+    bar.close()
 
     gemm = f", gemm {result['gemm']}" if device.type == "cuda" else ""  # the GEMM backend is a GPU choice
     print(f"\n{result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "

@@ -22,10 +22,12 @@ import time
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from ..engine import fit_budgets
 from ..options import EngineOptions
 from ..preprocess import MAX_PIXELS, MIN_PIXELS, smart_resize
+from .. import cli_args
 from . import common
 
 # (kind, width, height, frames, weight): photos, screenshots and short clips.
@@ -107,14 +109,15 @@ def medians_across_seeds(runs: list[dict]) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vitgraph bench-serving", description=__doc__.split("\n\n")[0])
-    common.add_model_args(p)
+    cli_args.add_model_args(p)
     p.add_argument("--loads", type=common.positive_float, nargs="*", default=None,
                    help="offered loads, requests per second")
     p.add_argument("--requests", type=common.positive_int, default=None, help="requests per load")
     p.add_argument("--systems", nargs="*", default=None, choices=("hf_eager", "vitgraph_eager", "vitgraph_graph"),
                    metavar="SYSTEM", help="subset of hf_eager vitgraph_eager vitgraph_graph")
-    p.add_argument("--max-pixels", type=common.positive_int, default=MAX_PIXELS)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-pixels", type=common.positive_int, default=MAX_PIXELS,
+                   help="the largest image area a simulated request asks for")
+    p.add_argument("--seed", type=int, default=0, help="the request stream's random seed")
     p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
                    help="run each load on several request streams (instead of --seed) and also report, per "
                         "system and load, the median of each percentile across them: one stream's p99 is set "
@@ -139,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    on_gpu = common.resolve_model_args(args)
+    on_gpu = cli_args.resolve_model_args(args)
     common.check_systems(parser, args.systems, on_gpu)
     loads = args.loads or ([5.0, 10.0, 20.0] if on_gpu else [0.5, 1.0])
     n = args.requests or (300 if on_gpu else 8)
@@ -185,6 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
             run(pixels_for(g), [g])
     if args.closed_loop:
         return _saturation(args, result, runners, systems, streams, pixels_for, max_budget, device)
+    shown = [name for name in systems if name in runners]
+    bar = tqdm(total=len(streams) * len(loads) * len(shown), desc="runs", unit="run", disable=None)  # a terminal's
     for seed, grids in streams.items():
         for load in loads:
             rng = np.random.default_rng(seed + int(load * 1000))
@@ -196,8 +201,10 @@ def main(argv: list[str] | None = None) -> dict:
                 result["runs"].append({"system": name, "load_rps": load, "seed": seed, **stats})
                 slowest = ", ".join(f"{c['ms']:.1f} ms ({c['tokens']} tokens, {c['frames']} frames)"
                                     for c in stats["slowest_calls"])
-                print(f"  seed {seed} load {load:g}/s {name}: p50 {stats['p50_ms']:.1f} ms, p99 "
-                      f"{stats['p99_ms']:.1f} ms; slowest calls {slowest}", file=sys.stderr)
+                tqdm.write(f"  seed {seed} load {load:g}/s {name}: p50 {stats['p50_ms']:.1f} ms, p99 "
+                           f"{stats['p99_ms']:.1f} ms; slowest calls {slowest}", file=sys.stderr)
+                bar.update()
+    bar.close()
 
     print(f"\nserving: {result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "
           f"{result['date']}; {n} requests per load, mean {result['mean_tokens_per_request']:.0f} patch tokens")

@@ -1,0 +1,96 @@
+"""A newcomer's mistakes on the command line: each is one line on stderr, exit code 2, naming
+the thing that is wrong and the fix, before any model is built or loaded."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+import vitgraph.cli
+from vitgraph.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def png(tmp_path):
+    path = tmp_path / "x.png"
+    Image.new("RGB", (56, 84), "green").save(path)
+    return path
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(vitgraph.cli, "make_encoder", refuse)
+
+
+def one_error_line(code: int, err: str) -> str:
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def vitgraph_cli(*args, env=None, timeout=120):
+    """``python -m vitgraph ARGS`` in a fresh process: (exit code, stderr, seconds)."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "vitgraph", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=timeout)
+    return proc.returncode, proc.stderr, time.perf_counter() - start
+
+
+@pytest.mark.parametrize("command", [["info"], ["demo"], ["encode", "PNG", "--out", "OUT"], ["bench"]])
+def test_a_preset_given_to_model_points_to_preset(png, tmp_path, capsys, no_load, command):
+    args = [str(png) if a == "PNG" else str(tmp_path / "e.safetensors") if a == "OUT" else a for a in command]
+    err = one_error_line(cli_main([*args, "--model", "tiny", "--device", "cpu"]), capsys.readouterr().err)
+    assert "--model tiny: is a preset name" in err and "use --preset tiny" in err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--max-pixels", "0"], "--max-pixels must be in [1, 268435456]"),
+    (["--min-pixels", "5000", "--max-pixels", "4000"], "--min-pixels 5000 exceeds --max-pixels 4000"),
+    (["--min-pixels", "99999999"], "--min-pixels 99999999 exceeds the model's max_pixels (12845056); pass a larger"),
+    (["--max-pixels", "100"], "--max-pixels 100 is below the model's min_pixels (3136); pass a smaller --min-pixels"),
+])
+def test_pixel_limits_are_checked_before_the_model_loads(png, tmp_path, capsys, no_load, flags, words):
+    code = cli_main(["encode", str(png), "--out", str(tmp_path / "e.safetensors"), "--device", "cpu", *flags])
+    assert words in one_error_line(code, capsys.readouterr().err)
+
+
+def test_an_unreachable_hub_is_named_at_once_and_logged_once(tmp_path):
+    """A closed port stands in for the Hub: one request, no retries, the model named; with -v
+    no line is printed twice (huggingface_hub's own handler and the root's)."""
+    env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "0"}
+    code, err, seconds = vitgraph_cli("-v", "info", "--model", "Qwen/No-Such-VL", "--device", "cpu", env=env)
+    lines = err.strip().splitlines()
+    assert code == 2 and seconds < 20 and len(lines) == len(set(lines)), err
+    assert lines[-1].startswith("vitgraph info: error: model Qwen/No-Such-VL: config.json is not in the local "
+                                "Hugging Face cache and the Hugging Face Hub cannot be reached")
+    code, err, _ = vitgraph_cli("info", "--model", "Qwen/No-Such-VL", "--device", "cpu", env=env)
+    assert "Qwen/No-Such-VL" in one_error_line(code, err)
+
+
+def test_an_input_folder_is_named_as_one(tmp_path, capsys, no_load):
+    code = cli_main(["encode", str(tmp_path), "--out", str(tmp_path / "e.safetensors"), "--device", "cpu"])
+    assert f"{tmp_path}: is a directory" in one_error_line(code, capsys.readouterr().err)
+
+
+def test_the_cli_imports_no_benchmark():
+    code = "import sys, vitgraph.cli; print(sorted(m for m in sys.modules if m.startswith('vitgraph.bench')))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vitgraph.cli, "make_encoder", interrupted)
+    assert cli_main(["demo", "--device", "cpu"]) == 130
+    assert capsys.readouterr().err == "vitgraph demo: interrupted\n"
