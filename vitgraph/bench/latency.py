@@ -205,57 +205,57 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"captured {len(graph_enc.buckets)} buckets in {capture_s:.1f} s, pool {result['pool_bytes'] / 2**20:.0f} MiB"
               f" ({result['pool_workspace_bytes'] / 2**20:.0f} MiB workspaces), eager peak "
               f"{result['eager_peak_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
-    truth = fp32_reference(eager_enc)
+    truth = fp32_reference(eager_enc) or eager_enc.encode
     gen = torch.Generator(device="cpu").manual_seed(0)
-    bar = tqdm(total=len(cases), desc="cases", unit="case", disable=None)  # None: on a terminal (logs get the lines)
-    for name, grids in cases.items():
+    for name, grids in tqdm(cases.items(), desc="cases", unit="case", disable=None):  # None: on a terminal
         tokens = sum(t * h * w for t, h, w in grids)
         pixels = torch.randn(tokens, cfg.patch_width, generator=gen).to(device, dtype)
-        reference = (truth or eager_enc.encode)(pixels, grids).float()
         entry = {"case": name, "grid": [list(g) for g in grids], "tokens": tokens,
                  "floor_ms": common.floor_ms(common.case_flops(eager_enc.tower, grids), weight_bytes, ceilings),
-                 "ms": {}, "check": {}, "compile_s": None}
-        outputs = {s: runners[s](pixels, grids) for s in systems if s in runners}
-        entry["check"] = {s: common.rel_err(out.float(), reference) for s, out in outputs.items()}
-        tolerance = max(CHECK_TOLERANCE[dtype], 1.5 * entry["check"].get("hf_eager", 0.0))
-        for system, err in entry["check"].items():
-            if not err <= tolerance:
-                raise SystemExit(f"{system} on {name}: rel err {err:.3e} from the fp32 reference, above {tolerance:.3e}"
-                                 f" ({', '.join(f'{s} {e:.2e}' for s, e in entry['check'].items())})")
-        del outputs
-        for system in systems:
-            if system not in runners:
-                continue
+                 "check": _checked(name, runners, systems, pixels, grids, truth(pixels, grids).float(), dtype),
+                 "ms": {}, "compile_s": compile_seconds.get(tuple(grids))}
+        for system in (s for s in systems if s in runners):
             run = runners[system]
             common.preheat(lambda: run(pixels, grids), device, args.preheat)
             entry["ms"][system] = common.median_ms(lambda: run(pixels, grids), device, args.iters, args.warmup)
-        if tuple(grids) in compile_seconds:
-            entry["compile_s"] = compile_seconds[tuple(grids)]
         result["cases"].append(entry)
         tqdm.write(f"  {name}: " + ", ".join(f"{s} {v:.2f} ms" for s, v in entry["ms"].items())
                    + "; rel err " + ", ".join(f"{s} {e:.1e}" for s, e in entry["check"].items()), file=sys.stderr)
-        bar.update()
-    bar.close()
-
-    gemm = f", gemm {result['gemm']}" if device.type == "cuda" else ""  # the GEMM backend is a GPU choice
-    print(f"\n{result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "
-          f"{result['date']}; attention {result['attention']}{gemm}; "
-          f"measured GEMM {ceilings['gemm_tflops']:.3g} TFLOP/s, copy {ceilings['copy_tbps']:.3g} TB/s")
-    if graph_enc is not None:
-        print(f"captured {len(result['buckets'])} buckets in {capture_s:.1f} s, pool {result['pool_bytes'] / 2**20:.0f} MiB"
-              f" ({result['pool_workspace_bytes'] / 2**20:.0f} MiB of it cuBLAS workspaces)"
-              f" (eager activation peak of the largest bucket {result['eager_peak_bytes'] / 2**20:.0f} MiB)")
     shown = [s for s in systems if s in runners]
-    print("median ms per call; floor: the least time the case can take here, max(its FLOPs at the "
-          "measured GEMM rate, its weight bytes at the measured copy rate)")
-    common.print_table(["case", "tokens", "floor ms"] + [f"{s} ms" for s in shown]
-                       + (["compile s"] if compile_seconds else []),
-                       [[c["case"], c["tokens"], c["floor_ms"]] + [c["ms"].get(s) for s in shown]
-                        + ([c["compile_s"]] if compile_seconds else []) for c in result["cases"]])
+    _print_result(result, shown, bool(compile_seconds), device.type == "cuda")
     common.write_json(result, args.json)
     if args.plot:
         plot(result, args.plot, shown)
     return result
+
+
+def _checked(name: str, runners: dict, systems: list[str], pixels, grids, reference, dtype) -> dict[str, float]:
+    """Each system's relative error from the fp32 reference; a system farther from it than
+    transformers' own (by half again), or than the dtype's tolerance, stops the run."""
+    check = {s: common.rel_err(runners[s](pixels, grids).float(), reference) for s in systems if s in runners}
+    tolerance = max(CHECK_TOLERANCE[dtype], 1.5 * check.get("hf_eager", 0.0))
+    for system, err in check.items():
+        if not err <= tolerance:
+            raise SystemExit(f"{system} on {name}: rel err {err:.3e} from the fp32 reference, above {tolerance:.3e}"
+                             f" ({', '.join(f'{s} {e:.2e}' for s, e in check.items())})")
+    return check
+
+
+def _print_result(result: dict, shown: list[str], compiled: bool, on_gpu: bool) -> None:
+    ceilings = result["ceilings"]
+    gemm = f", gemm {result['gemm']}" if on_gpu else ""  # the GEMM backend is a GPU choice
+    print(f"\n{result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "
+          f"{result['date']}; attention {result['attention']}{gemm}; "
+          f"measured GEMM {ceilings['gemm_tflops']:.3g} TFLOP/s, copy {ceilings['copy_tbps']:.3g} TB/s")
+    if result["buckets"]:
+        print(f"captured {len(result['buckets'])} buckets in {result['capture_s']:.1f} s, pool "
+              f"{result['pool_bytes'] / 2**20:.0f} MiB ({result['pool_workspace_bytes'] / 2**20:.0f} MiB of it cuBLAS "
+              f"workspaces) (eager activation peak of the largest bucket {result['eager_peak_bytes'] / 2**20:.0f} MiB)")
+    print("median ms per call; floor: the least time the case can take here, max(its FLOPs at the "
+          "measured GEMM rate, its weight bytes at the measured copy rate)")
+    common.print_table(["case", "tokens", "floor ms"] + [f"{s} ms" for s in shown] + (["compile s"] if compiled else []),
+                       [[c["case"], c["tokens"], c["floor_ms"]] + [c["ms"].get(s) for s in shown]
+                        + ([c["compile_s"]] if compiled else []) for c in result["cases"]])
 
 
 if __name__ == "__main__":

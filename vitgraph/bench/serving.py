@@ -174,15 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
               "budgets": engine.get("budgets", "default ladder"), "seeds": seeds, "runs": []}
     streams = {seed: request_grids(n, seed, max_pixels) for seed in seeds}
     result["mean_tokens_per_request"] = statistics.fmean(t * h * w for g in streams.values() for t, h, w in g)
-    # Correctness first: every system on one mixed batch, against vitgraph_eager.
-    probe = streams[seeds[0]][:6]
-    reference = eager_enc.encode(torch.cat([pixels_for(g) for g in probe]), probe)
-    result["check"] = {}
-    for name, run in runners.items():
-        err = common.rel_err(run(torch.cat([pixels_for(g) for g in probe]), probe).float(), reference.float())
-        result["check"][name] = err
-        if not err <= (1e-4 if dtype == torch.float32 else 3e-2):
-            raise SystemExit(f"{name}: output differs from vitgraph_eager (rel err {err:.3e})")
+    result["check"] = _checked(runners, eager_enc, streams[seeds[0]][:6], pixels_for, dtype)
     for g in {g for grids in streams.values() for g in grids}:  # warm every shape and kernel first
         for run in runners.values():
             run(pixels_for(g), [g])
@@ -206,6 +198,24 @@ def main(argv: list[str] | None = None) -> dict:
                 bar.update()
     bar.close()
 
+    _print_runs(result, n, seeds)
+    common.write_json(result, args.json)
+    return result
+
+
+def _checked(runners: dict, eager_enc, probe: list, pixels_for, dtype) -> dict[str, float]:
+    """Correctness first: every system on one mixed batch, against vitgraph_eager."""
+    pixels = torch.cat([pixels_for(g) for g in probe])
+    reference = eager_enc.encode(pixels, probe).float()
+    check = {}
+    for name, run in runners.items():
+        check[name] = err = common.rel_err(run(pixels, probe).float(), reference)
+        if not err <= (1e-4 if dtype == torch.float32 else 3e-2):
+            raise SystemExit(f"{name}: output differs from vitgraph_eager (rel err {err:.3e})")
+    return check
+
+
+def _print_runs(result: dict, n: int, seeds: list[int]) -> None:
     print(f"\nserving: {result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "
           f"{result['date']}; {n} requests per load, mean {result['mean_tokens_per_request']:.0f} patch tokens")
     common.print_table(["seed", "load/s", "system", "p50 ms", "p90 ms", "p99 ms", "req/s", "busy"],
@@ -217,8 +227,6 @@ def main(argv: list[str] | None = None) -> dict:
         common.print_table(["load/s", "system", "p50 ms", "p90 ms", "p99 ms", "busy"],
                            [[m["load_rps"], m["system"], m["p50_ms"], m["p90_ms"], m["p99_ms"], m["utilisation"]]
                             for m in result["medians"]])
-    common.write_json(result, args.json)
-    return result
 
 
 def _saturation(args, result, runners, systems, streams, pixels_for, max_budget, device) -> dict:
