@@ -158,7 +158,8 @@ def _check_pixel_args(args) -> None:
 
 def _processor_of(args):
     """The image preprocessing ``args`` would load, read from configs alone (no weights)."""
-    from .loading import find_checkpoint, read_config, read_processor
+    from .loading import find_checkpoint, read_config
+    from .processor_files import read_processor
     from .models import PRESETS, family_of
 
     if args.model:
@@ -252,7 +253,8 @@ def _check_serve_args(args) -> None:
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA GPU(s)")
     if args.model:
-        from .loading import find_checkpoint, read_config, read_processor
+        from .loading import find_checkpoint, read_config
+        from .processor_files import read_processor
 
         files = find_checkpoint(args.model)
         read_processor(files, read_config(files))

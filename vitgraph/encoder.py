@@ -18,9 +18,9 @@ from .engine.contract import Precompiled, VisionTower
 from .engine.graphs import GraphBank
 from .engine.planner import Bucket, Plan, Step, padded_batch, plan_call
 from .engine.routing import faster_next_buckets, single_frame_thresholds
-from .loading import (build_tower, find_checkpoint, load_tower, read_config, read_processor, read_video_processor,
-                      tower_from_state_dict)
+from .loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
 from .options import EngineOptions, buckets_for, configure_tower, resolve_device, resolve_dtype, uses_graphs
+from .processor_files import read_processor, read_video_processor
 from .precompile import PrecompileReport, TowerSetup, precompile, start_early
 from .tuning import Tuning, derive_tuning
 from .preprocess import check_same_rows, statistics
