@@ -484,3 +484,11 @@ def test_a_replica_killed_under_load(app, direct):
     assert longest <= REQUEST_TIMEOUT_S + 10
     assert recovered is not None and sum(ok for start, _, ok in after if start > killed_at + 10) > 10
     serve.delete("kill")
+
+
+def test_build_app_refuses_a_bad_max_image_pixels():
+    from vitgraph.serve import build_app
+
+    for bad in (0, -1, 2.5, True, 1 << 40):
+        with pytest.raises(ValueError, match="max_image_pixels"):
+            build_app(preset="tiny", device="cpu", max_image_pixels=bad)

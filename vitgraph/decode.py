@@ -22,6 +22,16 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 # The most pixels an encoded image may declare (2**27: 16384 x 8192, 400 MB decoded).
 MAX_IMAGE_PIXELS = 1 << 27
+MAX_IMAGE_PIXELS_CEILING = 1 << 28  # the most a caller may raise that limit to
+
+
+def check_image_ceiling(max_image_pixels) -> None:
+    """``max_image_pixels``: an int in [1, :data:`MAX_IMAGE_PIXELS_CEILING`]."""
+    if (isinstance(max_image_pixels, bool) or not isinstance(max_image_pixels, int)
+            or not 1 <= max_image_pixels <= MAX_IMAGE_PIXELS_CEILING):
+        raise ValueError(f"max_image_pixels must be an int in [1, {MAX_IMAGE_PIXELS_CEILING}], got {max_image_pixels!r}")
+
+
 # The largest image file read from a path (far above any real photo or screenshot).
 MAX_FILE_BYTES = 1 << 30
 

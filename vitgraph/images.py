@@ -22,8 +22,7 @@ import torch
 
 from . import decode as decoding
 from .device_preprocess import frame_size, rows_of
-from .preprocess import (ProcessorConfig, check_list, check_pixel_limits, image_rows_pil, pixel_limits,
-                         video_rows_pil)
+from .preprocess import ProcessorConfig, check_list, image_rows_pil, pixel_limits, video_rows_pil
 
 PREPROCESS = ("auto", "device", "pil")
 DECODE = ("host", "gpu")
@@ -82,7 +81,7 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
     for ``"pil"``, preprocesses) several items at once. ``max_image_pixels``: the most pixels an
     encoded image may declare (refused from its header, before decoding; each decoding thread
     holds at most that many RGB pixels, about 3 bytes each)."""
-    check_pixel_limits(1, max_image_pixels)
+    decoding.check_image_ceiling(max_image_pixels)
     check_choices(preprocess, decode)
     device = torch.device(device)
     limits = pixel_limits(processor, min_pixels, max_pixels)

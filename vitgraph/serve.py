@@ -33,6 +33,7 @@ from ray import serve
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from .decode import check_image_ceiling
 from .encoder import GraphedVisionEncoder
 from .preprocess import check_pixel_limits, pixel_limits
 from .validation import check_pixels, check_rows, normalize_grid
@@ -277,7 +278,7 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
     ``max_image_pixels``: the most pixels an uploaded image may declare (checked before decoding)."""
     if min_pixels is not None or max_pixels is not None:  # refused here, not in a replica's start-up
         check_pixel_limits(min_pixels if min_pixels is not None else 1, max_pixels if max_pixels is not None else 1 << 28)
-    check_pixel_limits(1, max_image_pixels)
+    check_image_ceiling(max_image_pixels)
     if num_gpus is None:
         num_gpus = 1 if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else 0
     actor = {"num_gpus": num_gpus}
