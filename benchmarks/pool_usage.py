@@ -4,7 +4,7 @@
     python benchmarks/pool_usage.py --bias-free off # tuning gemm.bias_free off (change 41's other branch)
 
 The target is a pool of at most 1.2x the peak of the largest bucket; a pool far above it
-means an allocation order that fragments the pool's first segment (see BENCHMARKS, change 41).
+means an allocation order that fragments the pool's first segment (see benchmarks/HISTORY.md, change 41).
 """
 
 import argparse

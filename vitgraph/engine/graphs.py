@@ -50,7 +50,7 @@ ARENA_MARGIN = 16  # the pool's first segment is the forward's peak plus 1/16
 class CaptureTuning:
     """How a :class:`GraphBank` stages and warms up (switches kept for A/Bs)."""
 
-    metadata_copy_in_graph: bool = True  # False: load_for_replay copies the metadata, a host op more
+    metadata_copy_in_graph: bool = True  # False: load(replay=True) copies the metadata, a host op more
     # Warm up before each capture through the model's warm_up (one block of each kind: the same
     # kernels at the same shapes) where it has one; False: the whole forward.
     warm_up_one_block: bool = True
