@@ -89,6 +89,8 @@ def test_normalize_kernel_matches_torch_ops(kernel_dtype):
     out = torch.empty(37, 2 * 1176, dtype=kernel_dtype)[:, :1176]  # a strided output
     strided = normalize_rows(rows, shift, scale, kernel_dtype, out=out, kernel=True)
     assert strided.data_ptr() == out.data_ptr() and torch.equal(strided, got)
+    transposed = torch.empty(1176, 37, dtype=kernel_dtype).t()  # dense, not contiguous
+    assert torch.equal(normalize_rows(rows, shift, scale, kernel_dtype, out=transposed, kernel=True), got)
     if kernel_dtype == torch.float32:
         assert torch.equal(got, want)
     else:  # the interpreter's bf16 casts truncate: one ulp (the CUDA test asks for the bits)

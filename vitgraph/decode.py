@@ -22,7 +22,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 # The most pixels an encoded image may declare (2**27: 16384 x 8192, 400 MB decoded).
 MAX_IMAGE_PIXELS = 1 << 27
-MAX_IMAGE_PIXELS_CEILING = 1 << 28  # the most a caller may raise that limit to
+MAX_IMAGE_PIXELS_CEILING = 2 * Image.MAX_IMAGE_PIXELS  # the most a caller may raise it to: PIL opens no more
 
 
 def check_image_ceiling(max_image_pixels) -> None:
@@ -180,6 +180,9 @@ def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: i
     try:
         from torchvision.io import ImageReadMode
 
-        return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
-    except RuntimeError as err:
-        raise ValueError(f"{name}: cannot be decoded ({err})") from None
+        decoded = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:  # a JPEG nvJPEG cannot take (progressive, arithmetic...): the host decodes it
+        return None
+    # Decoded on this thread's stream; the caller reads it on its own: finish here first.
+    torch.cuda.current_stream(device).synchronize()
+    return decoded

@@ -115,7 +115,8 @@ class TowerSetup:
 
 def _base_spec(config, device: torch.device, dtype: torch.dtype) -> dict:
     """What every worker's spec holds: a one-block tower of the family's shape, where it runs,
-    and when it was started."""
+    and when it was started. (Only Qwen2-VL precompiles: a family with block-index fields, such
+    as Qwen2.5-VL's full-attention blocks, must map them to its one block before it can.)"""
     return {"started": time.time(),  # the worker reports how long its start and imports took
             "family": family_of(config).name, "config": asdict(replace(config, depth=1)),
             "dtype": str(dtype).removeprefix("torch."), "device": str(device)}

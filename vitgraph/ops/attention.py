@@ -16,7 +16,7 @@ Items stay isolated: a key outside a query's segment gets weight exactly 0, but 
 NaN, so a backend that multiplies values outside a segment (FlashAttention 4's and cuDNN's
 key tiles past a segment's end, the masked-SDPA fallback's one dense product) only ever sees
 finite ones there (:func:`finite_values`); the fallback then marks every row of a segment
-that held a non-finite value NaN, as attending that segment alone would.
+that held a non-finite value NaN (alone, a non-finite key or value would reach them all).
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def normalize_rows(rows: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
     if kernel is None:
         kernel = rows.is_cuda and kernels.available()
     if kernel:
-        rows, out_view = rows.contiguous(), out if out.is_contiguous() else torch.empty_like(out)
+        rows = rows.contiguous()
+        out_view = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
         _normalize_kernel[(triton.cdiv(rows.numel(), _BLOCK),)](rows, shift, scale, out_view, rows.numel(),
                                                                 rows.shape[1], BLOCK=_BLOCK)
         return out_view if out_view is out else out.copy_(out_view)
