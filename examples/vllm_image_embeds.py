@@ -44,10 +44,12 @@ def needs(missing: str) -> None:
     sys.exit(f"this example needs a CUDA device and vLLM >= 0.11.1 (pip install 'vllm>=0.11.1'): {missing}")
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def setup(argv: list[str], doc: str, default_model: str, model_help: str):
+    """``(args, LLM, SamplingParams)``: the command line (``doc``: the example's docstring), then
+    vLLM, where the machine has what it needs."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("images", nargs="+", help="image files (PNG, JPEG, ...)")
-    parser.add_argument("--model", default="Qwen/Qwen2-VL-2B-Instruct", help="a Qwen2-VL or Qwen2.5-VL checkpoint")
+    parser.add_argument("--model", default=default_model, help=model_help)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         needs("no CUDA device here")
@@ -55,22 +57,35 @@ def main(argv: list[str]) -> None:
         from vllm import LLM, SamplingParams
     except ImportError:
         needs("vLLM is not installed")
+    return args, LLM, SamplingParams
 
+
+def embed(args) -> tuple[GraphedVisionEncoder, torch.Tensor, torch.Tensor]:
+    """vitgraph's rows for the image files, items back to back as vLLM takes them, and their grids."""
     encoder = GraphedVisionEncoder.from_pretrained(args.model, device="cuda")
-    per_image = encoder.encode_images(args.images)  # one [rows, out_hidden_size] tensor per file
+    per_image = encoder.encode_images(args.images)  # one tensor per file
     grids = grid_thw(args.images, encoder.processor)
     assert [len(e) for e in per_image] == (grids.prod(-1) // 4).tolist()
-    image_embeds = torch.cat(per_image)  # items back to back, as vLLM takes them
+    return encoder, torch.cat(per_image), grids
 
-    llm = LLM(model=args.model, enable_mm_embeds=True, limit_mm_per_prompt={"image": 0, "video": 0})  # tower off
-    placeholders = "<|vision_start|><|image_pad|><|vision_end|>" * len(args.images)
+
+def describe(llm, sampling_params, count: int, image_embeds: torch.Tensor, grids: torch.Tensor) -> None:
+    """Generate from the embeddings (vLLM's tower never runs on them) and print the text."""
+    placeholders = "<|vision_start|><|image_pad|><|vision_end|>" * count
     prompt = f"<|im_start|>user\n{placeholders}Describe the image(s).<|im_end|>\n<|im_start|>assistant\n"
     outputs = llm.generate(
         {"prompt": prompt,
          "multi_modal_data": {"image": {"image_embeds": image_embeds.to("cpu", torch.bfloat16),
                                         "image_grid_thw": grids}}},
-        SamplingParams(max_tokens=64))
+        sampling_params(max_tokens=64))
     print(outputs[0].outputs[0].text)
+
+
+def main(argv: list[str]) -> None:
+    args, LLM, SamplingParams = setup(argv, __doc__, "Qwen/Qwen2-VL-2B-Instruct", "a Qwen2-VL or Qwen2.5-VL checkpoint")
+    _, image_embeds, grids = embed(args)  # [rows, out_hidden_size]
+    llm = LLM(model=args.model, enable_mm_embeds=True, limit_mm_per_prompt={"image": 0, "video": 0})  # tower off
+    describe(llm, SamplingParams, len(args.images), image_embeds, grids)
 
 
 if __name__ == "__main__":

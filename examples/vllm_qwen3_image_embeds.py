@@ -21,45 +21,19 @@ processor=encoder.processor)`` gives.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-import torch
-from vllm_image_embeds import grid_thw, needs
-
-from vitgraph import GraphedVisionEncoder
+from vllm_image_embeds import describe, embed, setup
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("images", nargs="+", help="image files (PNG, JPEG, ...)")
-    parser.add_argument("--model", default="Qwen/Qwen3-VL-8B-Instruct", help="a Qwen3-VL checkpoint")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        needs("no CUDA device here")
-    try:
-        from vllm import LLM, SamplingParams
-    except ImportError:
-        needs("vLLM is not installed")
-
-    encoder = GraphedVisionEncoder.from_pretrained(args.model, device="cuda")
-    per_image = encoder.encode_images(args.images)  # [rows, 4096 * 4] each for the 8B: main + 3 deepstack
-    grids = grid_thw(args.images, encoder.processor)  # 16-pixel patches
-    assert [len(e) for e in per_image] == (grids.prod(-1) // 4).tolist()
-    image_embeds = torch.cat(per_image)
+    args, LLM, SamplingParams = setup(argv, __doc__, "Qwen/Qwen3-VL-8B-Instruct", "a Qwen3-VL checkpoint")
+    encoder, image_embeds, grids = embed(args)  # [rows, 4096 * 4] for the 8B: main + 3 deepstack; 16-px patches
     main_rows, deepstack = encoder.split(image_embeds)
     print(f"{len(args.images)} image(s): main {list(main_rows.shape)}, {len(deepstack)} deepstack features")
-
     # The tower stays enabled (a limit above 0): vLLM keeps deepstack on only then.
     llm = LLM(model=args.model, enable_mm_embeds=True, limit_mm_per_prompt={"image": len(args.images)})
-    placeholders = "<|vision_start|><|image_pad|><|vision_end|>" * len(args.images)
-    prompt = f"<|im_start|>user\n{placeholders}Describe the image(s).<|im_end|>\n<|im_start|>assistant\n"
-    outputs = llm.generate(
-        {"prompt": prompt,
-         "multi_modal_data": {"image": {"image_embeds": image_embeds.to("cpu", torch.bfloat16),
-                                        "image_grid_thw": grids}}},
-        SamplingParams(max_tokens=64))
-    print(outputs[0].outputs[0].text)
+    describe(llm, SamplingParams, len(args.images), image_embeds, grids)
 
 
 if __name__ == "__main__":
