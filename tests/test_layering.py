@@ -179,6 +179,37 @@ def test_every_family_and_the_toy_keep_the_contract():
                        "configure", "build_batch", "__call__", "warm_up"}, members
 
 
+@dataclass(frozen=True)
+class ToyShape:
+    """The widths the runtime derives its tuning from, for a tower that is not a Qwen family."""
+
+    embed_dim: int = 8
+    num_heads: int = 2
+    head_dim: int = 4
+    mlp_dim: int = 16
+    spatial_merge_size: int = 1
+
+
+def test_the_encoder_runs_a_tower_that_is_not_qwen():
+    """The encoder needs nothing of a tower but the contract (and, for images, a processor)."""
+    from vitgraph import GraphedVisionEncoder
+    from vitgraph.preprocess import QWEN2_VL_PROCESSOR
+
+    torch.manual_seed(0)
+    tower = MeanPoolTower()
+    tower.config = ToyShape()
+    enc = GraphedVisionEncoder(tower, device="cpu", _processor=QWEN2_VL_PROCESSOR, _video_processor=QWEN2_VL_PROCESSOR)
+    grids = [(1, 4, 6), (2, 2, 4), (1, 6, 2)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 12)
+    with torch.inference_mode():
+        exact = tower(pixels, tower.build_batch(grids))
+    got = enc.encode(pixels, grids)
+    assert got.shape == (exact.shape[0], 16) and torch.allclose(got, exact, atol=1e-6)
+    main, parts = enc.split(got)
+    assert main.shape == (exact.shape[0], 8) and len(parts) == 1  # output_parts = 2
+    assert enc.stats()["mode"] == "eager" and tower.fused is False
+
+
 @pytest.mark.cuda
 def test_the_engine_captures_a_tower_that_is_not_qwen():
     from helpers import run_eager
