@@ -216,3 +216,23 @@ def test_on_cuda_every_backend_agrees_eagerly(hf_model):
         got = enc.encode(pixels.cuda(), grids).float().cpu()
         print(f"\n[qwen2.5 cuda eager] attention={enc.attention} dtype={enc.dtype}: {diff_report(got, ref)}")
         assert torch.isfinite(got).all() and rel_err(got, ref) <= 3e-2, (backend, diff_report(got, ref))
+
+
+def test_random_weights_compute_what_their_state_dict_holds():
+    """A tower built with random weights (presets, benchmarks) keeps its SwiGLU padding zero, so
+    it computes what transformers computes from its state dict (which drops the padding)."""
+    from dataclasses import replace
+
+    from vitgraph import GraphedVisionEncoder
+    from vitgraph.models import PRESETS, transformers_tower
+
+    cfg = replace(PRESETS["qwen2.5-vl-3b"], depth=2, hidden_size=64, num_heads=4, intermediate_size=90,
+                  out_hidden_size=32, fullatt_block_indexes=(1,))  # 90: padded to 128
+    enc = GraphedVisionEncoder.from_config(cfg, device="cpu", dtype=torch.float32, seed=3)
+    hf = transformers_tower(cfg, enc.tower.state_dict(), enc.tower.inv_freq)
+    grids = [(1, 8, 12), (2, 4, 4)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), cfg.patch_width, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(pixels, grid_thw=torch.tensor(grids)).pooler_output
+    got = enc.encode(pixels, grids)
+    assert (got - want).abs().max().item() <= 1e-5, (got - want).abs().max().item()

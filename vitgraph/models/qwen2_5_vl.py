@@ -173,6 +173,11 @@ class SwiGLU(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.padded, bias=True)
         self.down_proj = nn.Linear(self.padded, cfg.hidden_size, bias=True)
         self.act_name = cfg.hidden_act
+        with torch.no_grad():  # the padding is zero from the start (random weights too), not only once loaded
+            for rows in (slice(self.width, self.padded), slice(self.padded + self.width, None)):
+                self.gate_up.weight[rows].zero_()
+                self.gate_up.bias[rows].zero_()
+            self.down_proj.weight[:, self.width:].zero_()
         self.register_load_state_dict_pre_hook(_pad_on_load)
         self.register_state_dict_post_hook(_unpad_on_save)
 
