@@ -312,3 +312,21 @@ def test_bench_images_jpegs_are_seeded_and_decodable():
     for (name, blob), (_, w, h, _) in zip(a, IMAGES):
         image = Image.open(io.BytesIO(blob))
         assert image.format == "JPEG" and image.size == (w, h), name
+
+
+def test_the_kernel_profile_sums_time_by_class(tmp_path):
+    """benchmarks/profile_kernels.py (run on the H200 to choose what to speed up) on a CPU: every
+    case gets ms per class summing to its total, GEMMs and attention among them."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_kernels.py"
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, str(script), "--presets", "tiny", "--device", "cpu", "--calls", "1",
+                           "--cases", "1x256", "4x1024", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result) == {"tiny 1x256", "tiny 4x1024"}
+    for entry in result.values():
+        assert {"gemm", "attention"} <= set(entry["ms_per_class"])
+        assert abs(sum(entry["ms_per_class"].values()) - entry["total_ms"]) < 1e-6 and entry["total_ms"] > 0
+    assert result["tiny 4x1024"]["total_ms"] > result["tiny 1x256"]["total_ms"]  # 16x the tokens
