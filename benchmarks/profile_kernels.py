@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections import defaultdict
 
@@ -22,16 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from vitgraph import GraphedVisionEncoder
+from vitgraph.bench.common import kernel_class
 from vitgraph.bench.latency import CASES
-
-CLASSES = [("attention", r"flash|fmha|cudnn|attn|sdpa"), ("gemm", r"gemm|nvjet|xmma|cutlass|sm90_|cublas|addmm|\bmm\b|linear"),
-           ("norm", r"layernorm|rmsnorm|layer_norm"), ("rotary", r"rotary"), ("activation", r"activation|silu|gelu"),
-           ("gather", r"index|gather|scatter|take"), ("copy", r"copy|memcpy|memset|cat|fill"), ("other", r".")]
-
-
-def kernel_class(name: str) -> str:
-    return next(c for c, pattern in CLASSES if re.search(pattern, name, re.I))
-
 
 def profile_case(enc: GraphedVisionEncoder, grids, calls: int) -> dict:
     """ms per call per class, and the costliest kernels, for ``calls`` eager encodes of ``grids``."""

@@ -119,8 +119,10 @@ class CallTimer:
         return timed
 
 
-KERNEL_CLASSES = [("attention", r"flash|fmha|cudnn|sdpa|attn"), ("gemm", r"gemm|nvjet|xmma|cutlass|sm90_|cublas"),
-                  ("fused", r"triton|_add_layernorm|_rotary|_quick_gelu|_prefix_sums"), ("other", r".")]
+KERNEL_CLASSES = [("attention", r"flash|fmha|cudnn|attn|sdpa"),
+                  ("gemm", r"gemm|nvjet|xmma|cutlass|sm90_|cublas|addmm|\bmm\b|linear"),
+                  ("norm", r"layernorm|rmsnorm|layer_norm"), ("rotary", r"rotary"), ("activation", r"activation|silu|gelu"),
+                  ("gather", r"index|gather|scatter|take"), ("copy", r"copy|memcpy|memset|cat|fill"), ("other", r".")]
 
 
 class ClockSampler:
@@ -157,7 +159,8 @@ def window_medians(samples: list[tuple[float, float, float]], begin: float, end:
 
 
 def kernel_class(name: str) -> str:
-    """attention (flash/cuDNN), gemm (cuBLAS/cuBLASLt/CUTLASS), fused (vitgraph's Triton kernels), or other."""
+    """A kernel's (or CPU op's) class by its name: attention, gemm, norm, rotary, activation,
+    gather, copy, or other."""
     return next(c for c, pattern in KERNEL_CLASSES if re.search(pattern, name, re.I))
 
 
