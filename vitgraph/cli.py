@@ -199,8 +199,7 @@ def cmd_encode(args) -> None:
             rows, grid = enc.image_rows(paths[start:start + chunk], min_pixels=args.min_pixels,
                                         max_pixels=args.max_pixels)
             merged = enc.encode(rows, grid)
-            split = [int(t * h * w) // enc.tower.merge_unit for t, h, w in grid.tolist()]
-            for key, embedding, thw in zip(batch_keys, merged.split(split), grid.tolist()):
+            for key, embedding, thw in zip(batch_keys, enc.per_item(merged, grid), grid.tolist()):
                 tensors[key] = embedding.to("cpu").contiguous()
                 grids[key] = thw
             bar.update(len(batch_keys))

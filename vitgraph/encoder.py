@@ -298,7 +298,7 @@ class GraphedVisionEncoder(ImageInput):
         if tokens == 0:
             return out if out is not None else self._new_output(0)
         if pixels.dtype == torch.uint8:  # 8x fewer bytes than fp32 rows to bring over
-            pixels = self.device_rows(pixels)
+            pixels = self.normalized_rows(pixels)
         result = out if out is not None else self._new_output(rows)
         unit = self.tower.merge_unit
         prepared = self._prepare(grids)
@@ -327,6 +327,11 @@ class GraphedVisionEncoder(ImageInput):
                              f"{getattr(embeddings, 'shape', type(embeddings).__name__)}")
         main, *deepstack = embeddings.split(self.output_width // parts, dim=1)
         return main, deepstack
+
+    def per_item(self, embeddings: torch.Tensor, grid_thw) -> list[torch.Tensor]:
+        """``encode``'s rows as one tensor (a view) per item of ``grid_thw``: ``t*h*w / merge_unit`` rows each."""
+        grids = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+        return list(embeddings.split([int(t * h * w) // self.tower.merge_unit for t, h, w in grids]))
 
     def _new_output(self, rows: int) -> torch.Tensor:
         return torch.empty(rows, self.tower.output_width, device=self.device, dtype=self.dtype)

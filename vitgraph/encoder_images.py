@@ -22,6 +22,10 @@ class ImageInput:
         """Rows on the encoder's device in its dtype; uint8 rows normalised there with
         :attr:`processor`'s mean and std (as ``encode`` does)."""
         check_pixels(pixels, self.tower.input_width)
+        return self.normalized_rows(pixels)
+
+    def normalized_rows(self, pixels: torch.Tensor) -> torch.Tensor:
+        """:meth:`device_rows` of rows already checked (``encode``'s, a server's validated ones)."""
         pixels = pixels.to(self.device, non_blocking=True)
         if pixels.dtype == torch.uint8:
             return normalize_rows(pixels, *self._pixel_statistics, self.dtype)
@@ -61,10 +65,9 @@ class ImageInput:
         if first_clip < grid.shape[0] and self._video_statistics is not None:  # clips normalised their own way
             split = int(grid[:first_clip].prod(-1).sum())
             rows = rows.to(self.device, non_blocking=True)
-            rows = torch.cat([self.device_rows(rows[:split]),
+            rows = torch.cat([self.normalized_rows(rows[:split]),
                               normalize_rows(rows[split:], *self._video_statistics, self.dtype)])
-        merged = self.encode(rows, grid)
-        return list(merged.split([int(t * h * w) // self.tower.merge_unit for t, h, w in grid.tolist()]))
+        return self.per_item(self.encode(rows, grid), grid)
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._host_pool is None:

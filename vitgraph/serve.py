@@ -124,7 +124,7 @@ class VisionEncoderDeployment:
         if len(requests) == 1 or (len(dtypes) == 1 and len({r.pixels.device for r in requests}) == 1):
             pixels = torch.cat([r.pixels for r in requests]) if len(requests) > 1 else requests[0].pixels
         else:  # uint8 rows beside float ones: each normalised (or cast) on the device, then joined
-            pixels = torch.cat([enc.device_rows(r.pixels) for r in requests])
+            pixels = torch.cat([enc.normalized_rows(r.pixels) for r in requests])
         return enc.encode(pixels.to(enc.device, non_blocking=True), [g for r in requests for g in r.grids]).to("cpu")
 
     # Two batches at once: one stages and plans on the host while the other runs on the GPU.
@@ -154,7 +154,7 @@ class VisionEncoderDeployment:
         ``[rows, width]`` tensor per image, on the CPU."""
         request = await asyncio.get_running_loop().run_in_executor(None, self._images, images)
         merged = await self._encode(request)
-        return list(merged.split([t * h * w // self.encoder.tower.merge_unit for t, h, w in request.grids]))
+        return self.encoder.per_item(merged, request.grids)
 
     def stats(self) -> dict[str, Any]:
         """Requests and patch tokens of each batch so far, requests encoded alone, GPU memory
@@ -188,10 +188,7 @@ class VisionEncoderDeployment:
         as_json = http_request.query_params.get("format") == "json"
         try:
             kind, payload = await self._receive(http_request)
-            request = await loop.run_in_executor(None, self._parse, kind, payload)
-            if as_json and request.pixels.dtype != torch.uint8 and not torch.isfinite(request.pixels).all():
-                raise BadRequest("pixels hold NaN or inf, and ?format=json cannot carry the embeddings they give "
-                                 "(strict JSON has no NaN): send finite pixels, or ask for safetensors")
+            request = await loop.run_in_executor(None, self._parse, kind, payload, as_json)
         except BadRequest as err:
             return Response(str(err), status_code=400)
         embeddings = await self._encode(request)
@@ -224,8 +221,9 @@ class VisionEncoderDeployment:
                              f"multipart/form-data, got {kind or 'none'!r}")
         return kind, await http_request.body()
 
-    def _parse(self, kind: str, payload) -> _Request:
-        """A request's content -> a validated request (in a thread: parsing and decoding are CPU work)."""
+    def _parse(self, kind: str, payload, as_json: bool = False) -> _Request:
+        """A request's content -> a validated request (in a thread: parsing, decoding and checking
+        rows are CPU work). ``as_json``: the answer is to be JSON, which cannot carry NaN."""
         if kind == "multipart/form-data":
             return self._images(payload)
         if kind == "application/octet-stream":
@@ -236,7 +234,11 @@ class VisionEncoderDeployment:
             missing = {"pixels", "grid_thw"} - set(tensors)
             if missing:
                 raise BadRequest(f"safetensors payload lacks {sorted(missing)}")
-            return self._validated(tensors["pixels"], tensors["grid_thw"])
+            request = self._validated(tensors["pixels"], tensors["grid_thw"])
+            if as_json and request.pixels.dtype != torch.uint8 and not torch.isfinite(request.pixels).all():
+                raise BadRequest("pixels hold NaN or inf, and ?format=json cannot carry the embeddings they give "
+                                 "(strict JSON has no NaN): send finite pixels, or ask for safetensors")
+            return request
         try:
             body = json.loads(payload)
             images = body["images"]
