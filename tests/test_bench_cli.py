@@ -304,6 +304,36 @@ def test_bench_images_from_jpeg_bytes_on_cpu(tmp_path, capsys):
         assert all(v > 0 for v in r["images_per_s"].values()) and set(r["images_per_s"]) == {"1", "2"}
 
 
+def test_bench_images_serve_measures_the_ray_app_with_jpegs_and_rows(tmp_path):
+    """``vitgraph bench-images --serve`` (in its own process: its own Ray, shut down as it ends):
+    the JPEGs over HTTP (multipart) and through the handle, and the same images as client-made
+    uint8 rows both ways, each at saturation; a mode whose answers are wrong or that errors
+    fails the run (each mode's answers are checked against encode_images' rows first)."""
+    import socket
+    from pathlib import Path
+
+    pytest.importorskip("ray.serve")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "images_serve.json"
+    proc = subprocess.run([sys.executable, "-m", "vitgraph", "bench-images", "--preset", "tiny", "--device", "cpu",
+                           "--systems", "vitgraph_device", "--repeats", "1", "--concurrency", "2",
+                           "--saturation-images", "4", "--max-pixels", "50176", "--serve", "--port", str(port),
+                           "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "vitgraph serve (Ray Serve, one replica)" in proc.stdout and "serve_rows_handle" in proc.stdout
+    result = json.loads(out.read_text())
+    assert set(result["systems"]) == {"vitgraph_device"}
+    assert set(result["serve"]) == {"serve_jpeg_http", "serve_jpeg_handle", "serve_rows_http", "serve_rows_handle"}
+    for name, by_clients in result["serve"].items():
+        assert set(by_clients) == {"2"}, name
+        stats = by_clients["2"]
+        assert stats["throughput_rps"] > 0 and np.isfinite(stats["p50_ms"]), (name, stats)
+        assert 0 < stats["p50_ms"] <= stats["p99_ms"], (name, stats)
+
+
 def test_bench_images_jpegs_are_seeded_and_decodable():
     from vitgraph.bench.images import IMAGES, make_jpegs
 

@@ -2,6 +2,7 @@
 
     vitgraph bench-images                           # qwen2-vl-2b random weights on GPU, tiny on CPU
     vitgraph bench-images --preset qwen2.5-vl-7b --concurrency 1 8 --json out.json
+    vitgraph bench-images --preset qwen2-vl-2b --serve      # also vitgraph serve (Ray Serve) at saturation
 
 A seeded set of JPEGs at the serving mix's sizes (thumbnails to 1080p photos, screenshots) goes
 through each system, one image per call. Per image: end-to-end p50/p99 (ms), and the p50 of each
@@ -15,6 +16,10 @@ Systems (those that cannot run here are skipped with a line):
 * ``vitgraph_host``: PIL decode, PIL preprocessing into float32 rows, vitgraph's graphs;
 * ``vitgraph_device``: host decode, preprocessing on the device from uint8, graphs;
 * ``vitgraph_gpu_decode``: the same with JPEGs decoded by nvJPEG (CUDA, torchvision).
+
+With ``--serve``, also ``vitgraph serve`` (the Ray Serve app, one replica) at saturation: the
+JPEGs over HTTP and through its handle, and the same images as uint8 rows preprocessed by the
+client (:mod:`vitgraph.bench.images_serve`).
 """
 
 from __future__ import annotations
@@ -234,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-pixels", type=common.positive_int, default=None,
                         help="resize images to at most this many pixels (default: the processor's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the image set (default 0)")
+    parser.add_argument("--serve", action="store_true",
+                        help="also start vitgraph serve (Ray Serve, one replica; needs vitgraph[serve]) and measure "
+                             "it at saturation with the JPEGs and with the same images as rows")
+    parser.add_argument("--port", type=common.positive_int, default=8765, help="the Ray Serve app's port (--serve)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     args = parser.parse_args(argv)
     cli_args.resolve_model_args(args)
@@ -263,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
             "images_per_s": {str(c): r for c, r in rates.items()}}
         print(f"  {name}: p50 {_p(times['total'], 50):.1f} ms, {max(rates.values()):.1f} images/s", file=sys.stderr)
     _print(result, args.concurrency)
+    if args.serve:
+        from . import images_serve
+
+        result["serve"] = images_serve.run(args, enc, [blob for _, blob in jpegs], low, high)
+        images_serve.print_table(result["serve"])
     common.write_json(result, args.json)
     return 0
 

@@ -65,9 +65,9 @@ def _rows_payload(pixels: torch.Tensor, grid) -> bytes:
     return save_safetensors({"pixels": pixels.cpu().contiguous(), "grid_thw": torch.tensor([grid])})
 
 
-def _post(url: str, body: bytes, what: str) -> tuple[str, bytes]:
-    """POST a rows payload; returns (the replica that answered, the response body)."""
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/octet-stream"})
+def _post(url: str, body: bytes, what: str, content_type: str = "application/octet-stream") -> tuple[str, bytes]:
+    """POST a rows payload (or a body of ``content_type``); returns (the replica that answered, the response body)."""
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": content_type})
     with urllib.request.urlopen(request, timeout=600) as response:
         if response.status != 200:
             raise RuntimeError(f"{what}: HTTP {response.status}")
@@ -142,21 +142,26 @@ def replica_stats(handle, replicas: int, tries: int = 64) -> dict[str, dict]:
     return found
 
 
-def start_serve_app(args, port: int, max_budget: int):
-    """Ray and the vitgraph app on this machine, for ``--target serve``; returns (url, handle, stop)."""
+def start_serve_app(args, port: int, max_budget: int, **app_options):
+    """Ray and the vitgraph app on this machine, for ``--target serve``; returns (url, handle, stop).
+    ``app_options``: more of :func:`vitgraph.serve.build_app`'s arguments (``max_pixels``...)."""
     import ray
     from ray import serve
 
     from ..serve import build_app
 
-    ray.init(include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    handle = serve.run(build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype,
-                                 num_replicas=args.replicas, num_gpus=args.gpus_per_replica, max_budget=max_budget),
-                       name="vitgraph-bench", route_prefix="/")
-
     def stop():
         serve.shutdown()
         ray.shutdown()
 
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        handle = serve.run(build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype,
+                                     num_replicas=args.replicas, num_gpus=args.gpus_per_replica,
+                                     max_budget=max_budget, **app_options),
+                           name="vitgraph-bench", route_prefix="/")
+    except BaseException:  # a replica that cannot start: leave no Ray behind
+        stop()
+        raise
     return f"http://127.0.0.1:{port}/encode", handle, stop
