@@ -122,7 +122,10 @@ def test_gpu_jpeg_decode_against_pil():
             report.append((h, w, subsampling, levels.max().item(), levels.float().mean().item()))
     for h, w, sub, worst, mean in report:
         print(f"{h}x{w} {'4:2:0' if sub == 2 else '4:4:4'}: max {worst} levels, mean {mean:.3f}")
-    assert all(mean <= 1.5 and worst <= 32 for *_, worst, mean in report), report
+    # Measured on an H200 (2026-12-05): 4:4:4 identical to PIL; 4:2:0 at most 24 levels, 2.7 on
+    # average (nvJPEG upsamples chroma without libjpeg's smoothing filter).
+    assert all(worst == 0 for _, _, sub, worst, _ in report if sub == 0), report
+    assert all(mean <= 4 and worst <= 32 for _, _, sub, worst, mean in report if sub == 2), report
 
 
 def test_encode_images_with_gpu_decode(graph_enc):
@@ -131,16 +134,20 @@ def test_encode_images_with_gpu_decode(graph_enc):
     if gpu_jpeg_decoder() is None:
         pytest.skip("torchvision's decode_jpeg is not importable here")
     blobs = []
-    for i in range(3):
+    for i in range(3):  # 4:4:4 JPEGs: nvJPEG decodes them as PIL does, so the embeddings are equal
         buf = io.BytesIO()
-        Image.fromarray(photo(300 + 50 * i, 400, i)).save(buf, "JPEG", quality=92)
+        Image.fromarray(photo(300 + 50 * i, 400, i)).save(buf, "JPEG", quality=92, subsampling=0)
         blobs.append(buf.getvalue())
+    chroma = io.BytesIO()  # 4:2:0: chroma upsampled otherwise (test above), so close, not equal
+    Image.fromarray(photo(320, 400, 7)).save(chroma, "JPEG", quality=92, subsampling=2)
     png = io.BytesIO()
     Image.fromarray(photo(120, 120, 9)).save(png, "PNG")
-    blobs.append(png.getvalue())  # not a JPEG: decoded on the host
+    blobs += [chroma.getvalue(), png.getvalue()]  # the PNG is not a JPEG: decoded on the host
     host = graph_enc.encode_images(blobs, decode="host")
     gpu = graph_enc.encode_images(blobs, decode="gpu")
     assert [h.shape for h in host] == [g.shape for g in gpu]
-    assert torch.equal(host[-1], gpu[-1])
-    for h, g in zip(host[:3], gpu[:3]):
-        assert ((h.float() - g.float()).norm() / h.float().norm()).item() < 5e-2
+    for i in (0, 1, 2, 4):
+        assert torch.equal(host[i], gpu[i]), i
+    h, g = host[3].float(), gpu[3].float()
+    # Measured on an H200 (2026-12-05): 0.068 for a 4:2:0 photo through random bf16 weights.
+    assert ((h - g).norm() / h.norm()).item() < 0.15
