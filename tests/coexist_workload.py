@@ -50,7 +50,7 @@ def encoder(name: str) -> GraphedVisionEncoder:
     """Encoder A or B: different budgets, seeds and GEMM backends."""
     options = dict(device="cuda", dtype=torch.bfloat16, progress=False, max_items=8,
                    # no routing timed at capture: timings would make the plans differ between processes
-                   route_single_frames=False, route_to_faster_buckets=False)
+                   tuning={"routing.single_frames": False, "routing.faster_buckets": False})
     if name == "a":
         return GraphedVisionEncoder.from_config(TOWER, seed=1, budgets=[256, 1024, 4096], **options)
     return GraphedVisionEncoder.from_config(TOWER, seed=2, budgets=[512, 2048], gemm="cublas", **options)

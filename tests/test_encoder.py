@@ -17,7 +17,7 @@ TINY = PRESETS["tiny"]
 from vitgraph.options import EngineOptions, dense_limit, short_cap_rule
 from vitgraph.ops.attention import attention_tuning
 from vitgraph.ops.gemm import resolve_gemm
-from vitgraph.tuning import Tuning, derive_tuning
+from vitgraph.tuning import Tuning, apply_overrides, derive_tuning
 
 
 @pytest.fixture(scope="module")
@@ -202,13 +202,20 @@ def test_bad_out(encoder, out, error, words):
     (dict(budgets=[256.0]), "budgets"),
     (dict(budgets=[True]), "budgets"),
     (dict(pool_limit_bytes=0), "pool_limit_bytes"),
-    (dict(dense_buckets="yes"), "dense_buckets"),
-    (dict(route_single_frames=1), "route_single_frames"),
-    (dict(route_to_faster_buckets="no"), "route_to_faster_buckets"),
-    (dict(short_frame_buckets=None), "short_frame_buckets"),
+    (dict(capture=1), "capture must be True or False"),
+    (dict(tuning={"buckets.dense": "yes"}), "buckets.dense"),
+    (dict(tuning={"routing.single_frames": 1}), "routing.single_frames"),
+    (dict(tuning={"routing.faster_buckets": "no"}), "routing.faster_buckets"),
+    (dict(tuning={"buckets.short_frames": None}), "buckets.short_frames"),
     (dict(exact_eager_above=-1), "exact_eager_above"),
-    (dict(dense_max_tokens=0), "dense_max_tokens"),
-    (dict(dense_max_tokens=True), "dense_max_tokens"),
+    (dict(tuning={"buckets.dense_max_tokens": 0}), "buckets.dense_max_tokens"),
+    (dict(tuning={"buckets.dense_max_tokens": True}), "buckets.dense_max_tokens"),
+    (dict(tuning={"buckets.dense_max_tokens": 64.0}), "buckets.dense_max_tokens"),
+    # Options that became tuning settings are named with their new place; unknown ones are named.
+    (dict(dense_buckets=False), "dense_buckets is a tuning setting: pass tuning={'buckets.dense': ...}"),
+    (dict(route_to_faster_buckets=False), "tuning={'routing.faster_buckets': ...}"),
+    (dict(dense_max_tokens=1024), "tuning={'buckets.dense_max_tokens': ...}"),
+    (dict(max_itmes=4), "unknown option 'max_itmes'"),
     (dict(fuse="yes"), "fuse"),
     (dict(fuse=0), "fuse"),
     (dict(attention="flash"), "not available"),
@@ -270,27 +277,34 @@ def test_random_weights_are_seeded_and_leave_the_global_rng_alone():
 
 @pytest.mark.parametrize("options, attention, limit", [
     (dict(), "cudnn", 8192),  # exact_eager_above
-    (dict(), "fa4", 0),  # tuning plans.fa4_dense_max_tokens: none
-    (dict(dense_max_tokens=4096), "fa4", 4096),  # an explicit limit wins over the fa4 default
-    (dict(dense_max_tokens=16384), "cudnn", 8192),  # never above exact_eager_above
+    (dict(), "fa4", 0),  # none with fa4: its packed buckets win for single frames
+    (dict(tuning={"buckets.dense_max_tokens": 4096}), "fa4", 4096),  # an explicit limit wins over the fa4 default
+    (dict(tuning={"buckets.dense_max_tokens": 16384}), "cudnn", 8192),  # never above exact_eager_above
     (dict(exact_eager_above=None), "sdpa", None),
     (dict(exact_eager_above=None), "fa4", 0),
     (dict(exact_eager_above=1024), "fa4", 0),
-    (dict(exact_eager_above=1024, dense_max_tokens=2048), "fa4", 1024),
+    (dict(exact_eager_above=1024, tuning={"buckets.dense_max_tokens": 2048}), "fa4", 1024),
+    (dict(tuning={"buckets.dense": False}), "cudnn", 0),
+    (dict(tuning={"buckets.dense": False, "buckets.dense_max_tokens": 2048}), "fa4", 0),
 ])
 def test_dense_bucket_limit(options, attention, limit):
-    assert dense_limit(EngineOptions(**options), attention, Tuning()) == limit
+    options = EngineOptions(**options)
+    assert dense_limit(options, attention, apply_overrides(Tuning(), options.tuning or {})) == limit
 
 
 def test_dense_buckets_follow_the_limit():
-    enc = GraphedVisionEncoder.from_config("tiny", device="cpu", budgets=[64, 128, 256], dense_max_tokens=128)
+    enc = GraphedVisionEncoder.from_config("tiny", device="cpu", budgets=[64, 128, 256],
+                                           tuning={"buckets.dense_max_tokens": 128})
     assert [(b.tokens, b.max_segments) for b in enc.requested_buckets if b.max_segments == 1] == [(64, 1), (128, 1)]
+    off = GraphedVisionEncoder.from_config("tiny", device="cpu", budgets=[64, 128, 256], tuning={"buckets.dense": False})
+    assert [b.tokens for b in off.requested_buckets] == [64, 128, 256]
 
 
 def test_short_frame_buckets_only_with_fa4_on_cuda():
     h200 = Tuning(attention=attention_tuning(9, 132, 80))
     assert short_cap_rule(EngineOptions(), "fa4", 16, torch.device("cpu"), 4, h200) is None
-    assert short_cap_rule(EngineOptions(short_frame_buckets=False), "fa4", 16, torch.device("cpu"), 4, h200) is None
+    off = dataclasses.replace(h200, buckets=dataclasses.replace(h200.buckets, short_frames=False))
+    assert short_cap_rule(EngineOptions(), "fa4", 16, torch.device("cpu"), 4, off) is None
     # On CPU (sdpa) the ladder gets no short buckets.
     enc = GraphedVisionEncoder.from_config("tiny", device="cpu", budgets=[64, 128, 256])
     assert all(b.max_seqlen == b.tokens for b in enc.requested_buckets)
@@ -318,13 +332,39 @@ def test_fa4_short_tile_rule_on_an_h200():
     assert tiny == {64: True, 256: True, 384: True, 512: True, 516: False, 768: False, 1024: False, 1540: False}
     assert not fa4_prefers_tiny_tile(256, 16, dataclasses.replace(h200, tiny_tile=None))
     # Elsewhere FA4 keeps its own tiles; at head_dim 128 its own Hopper tile is 128 rows already.
-    assert attention_tuning(10, 148, 80).sm_count is None and attention_tuning(None, None, 80).sm_count is None
+    assert not attention_tuning(10, 148, 80).choose_tiles and not attention_tuning(None, None, 80).choose_tiles
     assert not fa4_prefers_short_tile(1024, 16, attention_tuning(8, 108, 80))
     assert attention_tuning(9, 132, 128).own_tile_m == 128
     assert fa4_tile_kwargs(None) == {}
     assert fa4_tile_kwargs((128, 128)) == {"tile_mn": (128, 128)}
     assert fa4_tile_kwargs((192, 144, False, True)) == {"tile_mn": (192, 144), "mma_pv_is_rs": False,
                                                         "intra_wg_overlap": True}
+
+
+def test_kernel_tuning_holds_only_what_the_family_reads():
+    """On an H200: Qwen2-VL reads every GEMM setting, Qwen2.5-VL split K only, Qwen3-VL none
+    (its GEMMs are cuBLAS's, unsplit): a setting its tower never reads keeps its default, so the
+    encoder shows what runs, and changing one is refused by name."""
+    from vitgraph.models import family_of
+    from vitgraph.models.qwen3_vl import Qwen3VisionConfig
+    from vitgraph.ops.gemm import GemmTuning
+    from vitgraph.tuning import tuning_for
+
+    h200 = {name: tuning_for(PRESETS[name], 9, 132, reads=family_of(PRESETS[name]).tower.tuning_reads)
+            for name in ("qwen2-vl-2b", "qwen2.5-vl-7b", "qwen3-vl-8b")}
+    assert h200["qwen2-vl-2b"] == tuning_for(PRESETS["qwen2-vl-2b"], 9, 132)  # reads everything
+    assert h200["qwen2-vl-2b"].gemm.small_rows is not None and GemmTuning().small_rows is None
+    assert h200["qwen2.5-vl-7b"].gemm.split_k_max_rows == 896
+    assert h200["qwen2.5-vl-7b"].gemm.fc1_tiles == GemmTuning().fc1_tiles  # quack's: never runs there
+    assert tuning_for(PRESETS["qwen2.5-vl-7b"], 9, 132).gemm.fc1_tiles != GemmTuning().fc1_tiles
+    assert h200["qwen3-vl-8b"].gemm == GemmTuning() and h200["qwen3-vl-8b"].gemm.split_k_max_rows == 0
+    assert all(t.attention.choose_tiles for t in h200.values())  # attention and norms: every family
+    qwen3 = Qwen3VisionConfig(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=16,
+                              num_position_embeddings=16, deepstack_visual_indexes=(0,))
+    with pytest.raises(ValueError, match="does not read 'gemm.split_k_max_rows'"):
+        GraphedVisionEncoder.from_config(qwen3, device="cpu", tuning={"gemm.split_k_max_rows": 64})
+    enc = GraphedVisionEncoder.from_config(qwen3, device="cpu", tuning={"norms.one_row_max_rows": 8})
+    assert enc.tuning.norms.one_row_max_rows == 8 and enc.tuning.gemm == GemmTuning()
 
 
 def test_tuning_is_data_each_encoder_holds():
@@ -348,8 +388,8 @@ def test_tuning_is_data_each_encoder_holds():
         EngineOptions(tuning={"gemm.backend": "quack"})
     with pytest.raises(ValueError, match="routing.margin"):
         EngineOptions(tuning={"routing.margin": "big"})
-    with pytest.raises(ValueError, match="capture.warm_up_one_block"):
-        EngineOptions(tuning={"capture.warm_up_one_block": 1})  # a bool setting takes a bool
+    with pytest.raises(ValueError, match="routing.single_frames"):
+        EngineOptions(tuning={"routing.single_frames": 1})  # a bool setting takes a bool
     with pytest.raises(ValueError, match="tuning must be a mapping"):
         EngineOptions(tuning=[("gemm.split_k", 4)])
     tile = [128, 192, True, 1, 2]

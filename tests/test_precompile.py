@@ -23,7 +23,7 @@ from vitgraph.ops.gemm import gemm_tuning
 from vitgraph.options import EngineOptions, buckets_for
 from vitgraph.tuning import Tuning, tuning_for
 from vitgraph.loading import build_tower
-from vitgraph.precompile import (EarlyWorkers, KernelJob, PrecompileTuning, TowerSetup, _persists, _spawn, _spec, _tail,
+from vitgraph.precompile import (EARLY_WORKERS, EarlyWorkers, KernelJob, TowerSetup, _persists, _spawn, _spec, _tail,
                                  kernel_jobs, precompile,
                                  start_early)
 from vitgraph.precompile_worker import worker_main
@@ -95,8 +95,8 @@ def test_one_job_per_kernel_of_the_default_ladder_each_on_its_smallest_bucket():
     assert tiles["qkv_rope"] == {g.tile, g.rope_small_tile} | {tile for tile, _ in g.rope_tiles}
     assert tiles["attention"] == {(a.long_tile,), (a.short_tile,), (a.tiny_tile,)}
     assert "qkv" not in tiles  # every default bucket rotates in qkv's epilogue
-    # start_early cannot count the kernels before the libraries load: its setting must match.
-    assert PrecompileTuning().early_workers == len(jobs)
+    # start_early cannot count the kernels before the libraries load: its constant must match.
+    assert EARLY_WORKERS == len(jobs)
 
 
 def test_jit_kernels_follow_the_forward_paths():
@@ -204,7 +204,7 @@ def test_run_triton_kernels_runs_nothing_for_the_plain_forward(monkeypatch):
 def test_precompile_with_no_workers_or_no_kernels_does_nothing():
     t = tower()
     report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), workers=0)
-    assert (report.kernels, report.workers, report.cold) == (PrecompileTuning().early_workers, 0, False)
+    assert (report.kernels, report.workers, report.cold) == (EARLY_WORKERS, 0, False)
     plain = tower(attention="varlen", gemm="cublas")
     report = precompile(plain, setup_of(plain), [Bucket(256, 16)], torch.device("cpu"))
     assert (report.kernels, report.workers) == (0, 0)
@@ -217,7 +217,7 @@ def test_warm_caches_leave_every_kernel_to_capture(monkeypatch, files, started):
     monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: files)  # and no new file
     report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), workers=2)
     # With no kernel on disk the workers start before the first kernel, and are stopped after it.
-    assert (report.kernels, report.workers, report.cold, report.failures) == (PrecompileTuning().early_workers, started,
+    assert (report.kernels, report.workers, report.cold, report.failures) == (EARLY_WORKERS, started,
                                                                              False, [])
 
 
@@ -366,11 +366,7 @@ def test_workers_start_with_the_encoder_only_where_no_kernel_is_on_disk(empty_ca
     assert specs[0]["config"]["depth"] == 1 and specs[0]["dtype"] == "bfloat16" and specs[0]["device"] == "cuda"
     assert specs[0]["options"] == dataclasses.asdict(EngineOptions(compile_workers=3))
     monkeypatch.setattr(vitgraph.precompile, "_usable_cpus", lambda: 64)
-    assert len(start().procs) == PrecompileTuning().early_workers
-    assert len(start_early(VisionConfig(), torch.device("cuda"), torch.bfloat16, dataclasses.asdict(EngineOptions()),
-                           PrecompileTuning(early_workers=4)).procs) == 4
-    assert start_early(VisionConfig(), torch.device("cuda"), torch.bfloat16, dataclasses.asdict(EngineOptions()),
-                       PrecompileTuning(start_with_encoder=False)) is None
+    assert len(start().procs) == EARLY_WORKERS
     monkeypatch.setattr(vitgraph.precompile, "_usable_cpus", lambda: 3)
     assert len(start().procs) == 2
     specs.clear()

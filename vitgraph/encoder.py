@@ -19,7 +19,8 @@ from .engine.graphs import GraphBank
 from .engine.planner import Bucket, Plan, Step, padded_batch, plan_call
 from .engine.routing import faster_next_buckets, single_frame_thresholds
 from .loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
-from .options import EngineOptions, buckets_for, configure_tower, resolve_device, resolve_dtype, uses_graphs
+from .options import (EngineOptions, buckets_for, configure_tower, engine_options, resolve_device, resolve_dtype,
+                      uses_graphs)
 from .processor_files import read_processor, read_video_processor
 from .precompile import PrecompileReport, TowerSetup, precompile, start_early
 from .tuning import Tuning, derive_tuning
@@ -34,8 +35,7 @@ def _start_early(config, device: torch.device, dtype: torch.dtype, options: Engi
     """Kernel-compiling workers for a family whose forward compiles kernels (else None)."""
     if not issubclass(family_of(config).tower, Precompiled):
         return None
-    tuning = derive_tuning(config, device, options.tuning).precompile
-    return start_early(config, device, dtype, asdict(options), tuning)
+    return start_early(config, device, dtype, asdict(options))
 
 
 @dataclass
@@ -84,14 +84,15 @@ class GraphedVisionEncoder(ImageInput):
     def __init__(self, tower: VisionTower, *, device=None, dtype=None, _early_workers=None, _processor=None,
                  _video_processor=None, **options: Any) -> None:
         try:
-            self.options = EngineOptions(**options)
+            self.options = engine_options(options)
             self.device = resolve_device(device)
             self.dtype = resolve_dtype(dtype, self.device)
             if self.options.mode == "graph" and self.device.type != "cuda":
                 raise ValueError(f"mode='graph' needs a CUDA device, got {self.device}")
             self.use_graphs = uses_graphs(self.options, self.device)
             # Every threshold, tile and switch this encoder runs by (see vitgraph.tuning).
-            self.tuning: Tuning = derive_tuning(tower.config, self.device, self.options.tuning)
+            self.tuning: Tuning = derive_tuning(tower.config, self.device, self.options.tuning,
+                                                tower=tower)
             # With no compiled kernel on disk, kernel-compiling workers start now (or started
             # as from_pretrained read the checkpoint's config), before this process loads the
             # kernel libraries, so that their start-up overlaps its own.
@@ -138,7 +139,7 @@ class GraphedVisionEncoder(ImageInput):
         self._counters = _Counters()
         if self.use_graphs:
             layouts = {b: padded_batch(self.tower, b) for b in self.requested_buckets}  # empty: for capture
-            self.bank = GraphBank(self.tower, layouts, self.device, self.dtype, self.tuning.capture)
+            self.bank = GraphBank(self.tower, layouts, self.device, self.dtype)
             if self.options.capture:
                 self.capture()
 
@@ -150,7 +151,7 @@ class GraphedVisionEncoder(ImageInput):
                         **options: Any) -> "GraphedVisionEncoder":
         """Load from a local checkpoint directory or a Hub repo id (vision shards only). A weight
         holding a NaN or an inf is refused, naming it, unless ``allow_nonfinite_weights``."""
-        engine = EngineOptions(**options)  # refuse bad options before any download or load
+        engine = engine_options(options)  # refuse bad options before any download or load
         if not isinstance(allow_nonfinite_weights, bool):
             raise TypeError(f"allow_nonfinite_weights must be a bool, got {allow_nonfinite_weights!r}")
         device = resolve_device(device)
@@ -176,7 +177,7 @@ class GraphedVisionEncoder(ImageInput):
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config, *,
                         device=None, dtype=None, **options: Any) -> "GraphedVisionEncoder":
         """Build from weights already in memory (``visual.``-prefixed, ``model.visual.``-prefixed or bare)."""
-        EngineOptions(**options)
+        engine_options(options)
         if not isinstance(config, tuple(f.config for f in FAMILIES) + (Mapping,)):
             raise TypeError(f"config must be a VisionConfig or a mapping (a config.json object), "
                             f"got {type(config).__name__}")
@@ -194,7 +195,7 @@ class GraphedVisionEncoder(ImageInput):
             if config not in PRESETS:
                 raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {config!r}")
             config = PRESETS[config]
-        EngineOptions(**options)
+        engine_options(options)
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # leave the global RNG be
@@ -219,7 +220,7 @@ class GraphedVisionEncoder(ImageInput):
             if todo:
                 setup = TowerSetup(self.attention, self.tower.fused, self.tuning.kernels, self.dtype)
                 self._precompile = precompile(self.tower, setup, todo, self.device, self.options.compile_workers,
-                                              early=self._early_workers, tuning=self.tuning.precompile)
+                                              early=self._early_workers)
                 self._early_workers = None
                 self._precompile_seconds += self._precompile.seconds
             self.bank.capture(pool_limit_bytes=self.options.pool_limit_bytes, progress=self.options.progress)
@@ -230,10 +231,10 @@ class GraphedVisionEncoder(ImageInput):
                 def frame(tokens: int) -> tuple[int, int, int]:  # one frame of that many tokens
                     return 1, merge, tokens // merge
 
-                if self.options.route_single_frames:
+                if self.tuning.routing.single_frames:
                     self._packed_single_below = single_frame_thresholds(
                         self.bank.buckets, self._time_replay, frame, self.tower.merge_unit, self.tuning.routing)
-                if self.options.route_to_faster_buckets:
+                if self.tuning.routing.faster_buckets:
                     self._faster_next = faster_next_buckets(self.bank.buckets, self._time_replay, frame,
                                                             self.tuning.routing)
                 self._routing_seconds += time.perf_counter() - start

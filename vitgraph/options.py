@@ -31,33 +31,17 @@ class EngineOptions:
     attention: str = "auto"  # "auto" | "fa4" | "cudnn" | "varlen" | "flash" | "sdpa"
     fuse: bool | None = None  # Triton kernels for the elementwise work; None = on CUDA in fp16/bf16 with triton
     gemm: str = "auto"  # "quack" (fc1 + QuickGELU as one GEMM, qkv too; Hopper, bf16) | "cublas"; auto = quack where it runs
-    # Also capture a one-frame bucket per budget: a step holding a single frame (most images)
-    # replays there with dense cuDNN attention instead of packed varlen attention.
-    dense_buckets: bool = True
     # One frame above this runs eagerly at its exact shape (GPU-bound there), as does a step its
     # bucket would pad by tuning plans.eager_min_padding or more. None: never.
     exact_eager_above: int | None = 8192
-    # The largest dense bucket. None: none with fa4 (its packed buckets win), else exact_eager_above.
-    dense_max_tokens: int | None = None
-    # fa4 on Hopper: a packed bucket per budget for short frames, attended with 128-row tiles
-    # (vitgraph.ops.attention.fa4_short_cap).
-    short_frame_buckets: bool = True
-    # Time dense against packed graphs at capture; send single frames to the faster (vitgraph.engine.routing).
-    route_single_frames: bool = True
-    # Time small packed buckets against the next larger at capture; send steps to the faster.
-    route_to_faster_buckets: bool = True
     capture: bool = True  # capture on construction; else call encoder.capture()
-    # Before capture, where FlashAttention 4's or quack's kernel caches are cold, compile those
-    # kernels in up to this many worker processes at once (None: one per kernel, up to the CPU
-    # count less one, and at most tuning precompile.early_workers (10) where the caches hold no kernel
-    # at all and the workers start with the encoder; 0: none, each compiles in this process
-    # when capture first meets it).
-    # See vitgraph.precompile.
+    # Where FlashAttention 4's or quack's kernel caches are cold, compile those kernels in up to
+    # this many worker processes before capture (None: automatic; 0: none, capture compiles them).
     compile_workers: int | None = None
     pool_limit_bytes: int | None = None
     progress: bool = True
-    # Changes to the tuning derived from the device and the tower's widths, by dotted name
-    # ({"gemm.split_k_max_rows": 0, "attention.short_seqlen": 0}; see vitgraph.tuning).
+    # The second tier: changes to the tuning derived from the device and the tower, by dotted
+    # name ({"buckets.dense": False, "gemm.split_k_max_rows": 0}; see vitgraph.tuning).
     tuning: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -67,15 +51,13 @@ class EngineOptions:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("pool_limit_bytes", self.pool_limit_bytes, minimum=1, optional=True)
         _check_int("exact_eager_above", self.exact_eager_above, minimum=0, optional=True)
-        _check_int("dense_max_tokens", self.dense_max_tokens, minimum=1, optional=True)
         _check_int("compile_workers", self.compile_workers, minimum=0, optional=True)
         if self.gemm not in ("auto",) + GEMM_BACKENDS:
             raise ValueError(f"gemm must be 'auto' or one of {GEMM_BACKENDS}, got {self.gemm!r}")
         if self.fuse is not None and not isinstance(self.fuse, bool):
             raise ValueError(f"fuse must be True, False or None (auto), got {self.fuse!r}")
-        for name in ("dense_buckets", "short_frame_buckets", "route_single_frames", "route_to_faster_buckets"):
-            if not isinstance(getattr(self, name), bool):  # not "in (True, False)": 1 == True
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.capture, bool):  # not "in (True, False)": 1 == True
+            raise ValueError(f"capture must be True or False, got {self.capture!r}")
         if self.tuning is not None:
             check_overrides(self.tuning)
         if self.budgets is not None and (isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence)
@@ -84,20 +66,37 @@ class EngineOptions:
             raise ValueError(f"budgets must be a non-empty list of ints or None, got {self.budgets!r}")
 
 
+# Options that became tuning settings, named in the error for a caller who still passes them.
+MOVED_TO_TUNING = {"dense_buckets": "buckets.dense", "dense_max_tokens": "buckets.dense_max_tokens",
+                   "short_frame_buckets": "buckets.short_frames", "route_single_frames": "routing.single_frames",
+                   "route_to_faster_buckets": "routing.faster_buckets"}
+
+
+def engine_options(options: Mapping[str, Any]) -> EngineOptions:
+    """:class:`EngineOptions` from keyword options; a ``TypeError`` naming an unknown one."""
+    known = {f.name for f in dataclasses.fields(EngineOptions)}
+    for name in options:
+        if name in MOVED_TO_TUNING:
+            raise TypeError(f"{name} is a tuning setting: pass tuning={{{MOVED_TO_TUNING[name]!r}: ...}}")
+        if name not in known:
+            raise TypeError(f"unknown option {name!r}; the options are {', '.join(sorted(known))}")
+    return EngineOptions(**options)
+
+
 def dense_limit(options: EngineOptions, attention: str, tuning: Tuning) -> int | None:
-    """Tokens of the largest dense bucket to capture (None: no limit)."""
-    limits = [options.exact_eager_above, options.dense_max_tokens]
-    if options.dense_max_tokens is None and attention == "fa4":
-        limits.append(tuning.plans.fa4_dense_max_tokens)
-    limits = [n for n in limits if n is not None]
+    """Tokens of the largest dense bucket to capture (None: no limit; 0: none)."""
+    chosen = tuning.buckets.dense_max_tokens
+    if not tuning.buckets.dense or (chosen is None and attention == "fa4"):
+        return 0  # fa4's packed buckets win for single frames
+    limits = [n for n in (options.exact_eager_above, chosen) if n is not None]
     return min(limits) if limits else None
 
 
 def short_cap_rule(options: EngineOptions, attention_backend: str, heads: int, device: torch.device,
                    unit: int, tuning: Tuning) -> Callable[[int], int | None] | None:
     """``budget -> frame cap`` of the short-frame bucket to capture for it (None: none)."""
-    if (not options.short_frame_buckets or attention_backend != "fa4" or device.type != "cuda"
-            or tuning.attention.sm_count is None):
+    if (not tuning.buckets.short_frames or attention_backend != "fa4" or device.type != "cuda"
+            or not tuning.attention.choose_tiles):
         return None
     return lambda budget: fa4_short_cap(budget, heads, unit, tuning.attention)
 
@@ -126,8 +125,8 @@ def buckets_for(tower: VisionTower, options: EngineOptions, attention: str,
     budgets = options.budgets
     if budgets is None:
         budgets = budget_ladder(options.min_budget, options.max_budget, align=tower.merge_unit)
-    return make_buckets(list(budgets), options.max_items, tower.merge_unit, dense=options.dense_buckets,
-                        dense_up_to=dense_limit(options, attention, tuning),
+    limit = dense_limit(options, attention, tuning)
+    return make_buckets(list(budgets), options.max_items, tower.merge_unit, dense=limit != 0, dense_up_to=limit,
                         short_cap=short_cap_rule(options, attention, tower.config.num_heads, device,
                                                  tower.merge_unit, tuning))
 

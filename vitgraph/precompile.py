@@ -40,11 +40,13 @@ from .engine.contract import Precompiled, VisionTower
 from .engine.planner import Bucket, padded_batch
 from .models import family_of
 from .ops.gemm import quack_available
-from .tuning import PrecompileTuning
 
 logger = logging.getLogger(__name__)
 
 WORKER_TIMEOUT_S = 600.0
+# Most workers start_early starts when compile_workers is None: it cannot count the kernels
+# before the libraries load, and about ten cover the default buckets' kernels.
+EARLY_WORKERS = 10
 # Per op: the module whose get_cache_path() holds its compiled kernels (*.o files), the switch
 # of that disk cache ("1": on) and the library's default (FA4's is off, quack's on). A worker's
 # compile only helps where the kernel persists.
@@ -233,20 +235,19 @@ def _early_caches(device: torch.device, dtype: torch.dtype, options: dict) -> li
     return caches
 
 
-def start_early(config, device: torch.device, dtype: torch.dtype, options: dict,
-                tuning: PrecompileTuning = PrecompileTuning()) -> EarlyWorkers | None:
+def start_early(config, device: torch.device, dtype: torch.dtype, options: dict) -> EarlyWorkers | None:
     """Where no compiled kernel of FlashAttention 4's or quack's is on disk, start the workers
     now, before the encoder loads those libraries (seconds of imports each process spends,
     workers included): each works out the encoder's kernels from ``options`` (the encoder's,
     as a dict) and compiles its share. None where the caches hold kernels (or none can be
     used here): then :func:`precompile` decides, after one kernel."""
     workers = options["compile_workers"]
-    if workers == 0 or device.type != "cuda" or not tuning.start_with_encoder:
+    if workers == 0 or device.type != "cuda":
         return None
     roots = {m: _default_root(m) for m in _early_caches(device, dtype, options)}
     if not roots or None in roots.values() or _count_kernel_files(roots.values()) > 0:
         return None
-    count = workers if workers is not None else min(tuning.early_workers, max(0, _usable_cpus() - 1))
+    count = workers if workers is not None else min(EARLY_WORKERS, max(0, _usable_cpus() - 1))
     if count == 0:
         return None
     early = EarlyWorkers([], roots)
@@ -292,8 +293,7 @@ def _wait(proc, log, report: PrecompileReport, timeout_s: float) -> None:
 
 
 def precompile(tower: VisionTower, setup: TowerSetup, buckets: Sequence[Bucket], device: torch.device,
-               workers: int | None = None, early: EarlyWorkers | None = None,
-               tuning: PrecompileTuning = PrecompileTuning()) -> PrecompileReport:
+               workers: int | None = None, early: EarlyWorkers | None = None) -> PrecompileReport:
     """Compile, in parallel processes when the disk caches are cold, the kernels the forwards of
     ``buckets`` run (see the module). ``workers``: most processes (None: one per kernel after
     the first, up to the CPU count less one; 0: none, kernels compile at capture as they are
@@ -337,7 +337,7 @@ def precompile(tower: VisionTower, setup: TowerSetup, buckets: Sequence[Bucket],
                 proc.kill()
         elif procs is None:  # kernels on disk, but not this one (another release, other buckets)
             procs = _start(tower, setup, shares, device, report)
-        if report.cold and procs and tuning.triton_while_waiting and _triton_compiles(device):
+        if report.cold and procs and _triton_compiles(device):
             report.triton_seconds = _compile_triton(tower, buckets, device)  # idle here until the workers finish
         deadline = time.monotonic() + WORKER_TIMEOUT_S  # one deadline for all of them
         for proc, log in procs if report.cold else ():

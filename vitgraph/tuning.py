@@ -11,7 +11,6 @@ from typing import Any, Mapping
 
 import torch
 
-from .engine.graphs import CaptureTuning
 from .engine.routing import RoutingTuning
 from .ops.attention import AttentionTuning, attention_tuning
 from .ops.gemm import GemmTuning, Tile, gemm_tuning
@@ -20,16 +19,14 @@ from .ops.tuning import KernelTuning
 
 
 @dataclass(frozen=True)
-class PrecompileTuning:
-    """When the kernel-compiling workers start, and what this process does meanwhile."""
+class BucketTuning:
+    """Which buckets beside each budget's packed one an encoder captures."""
 
-    # Most workers start_early starts when compile_workers is None (it cannot count the
-    # kernels before the libraries load): one per kernel of the default buckets.
-    early_workers: int = 10
-    start_with_encoder: bool = True  # False: workers start only in precompile, after the build
-    # While cold-cache workers compile, this process compiles the buckets' Triton kernels (else
-    # capture compiles them, one after another, after the wait).
-    triton_while_waiting: bool = True
+    dense: bool = True  # one-frame buckets: a single frame replays with dense attention
+    # The largest dense bucket. None: up to EngineOptions.exact_eager_above, and none with fa4,
+    # whose packed buckets win for single frames.
+    dense_max_tokens: int | None = None
+    short_frames: bool = True  # fa4 on Hopper: a packed bucket per budget for short frames (128-row tiles)
 
 
 @dataclass(frozen=True)
@@ -42,8 +39,6 @@ class PlanTuning:
     eager_min_padding: float = 0.04
     # Backends whose graphs attend through a faster kernel than eager calls do: never eager there.
     packed_eager_slower: tuple[str, ...] = ("cudnn",)
-    # fa4: no dense bucket above this by default (its packed buckets win for single frames).
-    fa4_dense_max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,9 +46,8 @@ class Tuning:
     gemm: GemmTuning = field(default_factory=GemmTuning)
     norms: NormTuning = field(default_factory=NormTuning)
     attention: AttentionTuning = field(default_factory=AttentionTuning)
+    buckets: BucketTuning = field(default_factory=BucketTuning)
     routing: RoutingTuning = field(default_factory=RoutingTuning)
-    capture: CaptureTuning = field(default_factory=CaptureTuning)
-    precompile: PrecompileTuning = field(default_factory=PrecompileTuning)
     plans: PlanTuning = field(default_factory=PlanTuning)
 
     @property
@@ -75,21 +69,56 @@ def mlp_width(config) -> int:
     return getattr(config, "mlp_dim", None) or config.intermediate_size
 
 
-def derive_tuning(config, device: torch.device, overrides: Mapping[str, Any] | None = None) -> Tuning:
+def derive_tuning(config, device: torch.device, overrides: Mapping[str, Any] | None = None,
+                  tower=None) -> Tuning:
     """The tuning for a tower of ``config``'s widths on ``device``, with ``overrides`` applied
-    (see :func:`apply_overrides`). The GEMM backend is cuBLAS until the encoder resolves its own."""
-    return tuning_for(config, *device_arch(device), overrides)
+    (see :func:`apply_overrides`). The GEMM backend is cuBLAS until the encoder resolves its own.
+    ``tower``: the kernel settings it does not read (its ``tuning_reads``) keep their defaults,
+    and changing one is a ``ValueError``."""
+    reads = getattr(tower, "tuning_reads", None)
+    return tuning_for(config, *device_arch(device), overrides, reads=reads, owner=type(tower).__name__)
 
 
-def tuning_for(config, arch: int | None, sm_count: int | None, overrides: Mapping[str, Any] | None = None) -> Tuning:
+def tuning_for(config, arch: int | None, sm_count: int | None, overrides: Mapping[str, Any] | None = None,
+               reads: frozenset[str] | None = None, owner: str = "the tower") -> Tuning:
     """:func:`derive_tuning` for a GPU of compute capability major ``arch`` with ``sm_count``
-    SMs (None, None: not a GPU), whichever device this process has."""
+    SMs (None, None: not a GPU), whichever device this process has; ``reads`` as a tower's
+    ``tuning_reads`` (None: every setting)."""
     tuning = Tuning(gemm=gemm_tuning("cublas", arch, sm_count, config.embed_dim, mlp_width(config)),
                     norms=norm_tuning(arch), attention=attention_tuning(arch, sm_count, config.head_dim))
-    return apply_overrides(tuning, overrides or {})
+    overrides = overrides or {}
+    apply_overrides(tuning, overrides)  # unknown names and bad values first
+    if reads is not None:
+        unread = sorted(str(name) for name in overrides if not _read(str(name), reads))
+        if unread:
+            raise ValueError(f"tuning: the {owner} does not read {', '.join(map(repr, unread))}; "
+                             f"of the kernel settings it reads {', '.join(sorted(reads))}")
+        tuning = _unread_to_defaults(tuning, reads)
+    return apply_overrides(tuning, overrides)
+
+
+KERNEL_GROUPS = ("gemm", "norms", "attention")  # what a tower reads; the other groups the engine reads
+
+
+def _read(name: str, reads: frozenset[str]) -> bool:
+    group = name.partition(".")[0]
+    return group not in KERNEL_GROUPS or group in reads or name in reads
+
+
+def _unread_to_defaults(tuning: Tuning, reads: frozenset[str]) -> Tuning:
+    """``tuning`` with each kernel setting a tower does not read at its default, so that what the
+    encoder shows is what runs (a threshold derived for a kernel the tower never calls is not)."""
+    for group_name in KERNEL_GROUPS:
+        group = getattr(tuning, group_name)
+        defaults = type(group)()
+        kept = {f.name: getattr(group, f.name) for f in dataclasses.fields(group)
+                if _read(f"{group_name}.{f.name}", reads) or f"{group_name}.{f.name}" in _FIXED}
+        tuning = dataclasses.replace(tuning, **{group_name: dataclasses.replace(defaults, **kept)})
+    return tuning
 
 
 _FIXED = ("gemm.backend",)  # chosen by EngineOptions.gemm, not by name
+_OPTIONAL_COUNTS = ("buckets.dense_max_tokens",)  # a positive int or None
 
 
 def check_overrides(overrides) -> None:
@@ -127,6 +156,10 @@ def _coerce(name: str, current, value):
     def bad() -> ValueError:
         return ValueError(f"tuning[{name!r}] must be like {current!r}, got {value!r}")
 
+    if name in _OPTIONAL_COUNTS:
+        if value is None or (_number(value) and isinstance(value, int) and value >= 1):
+            return value
+        raise bad()
     if isinstance(current, bool) or isinstance(value, bool):
         if not (isinstance(current, bool) and isinstance(value, bool)):
             raise bad()
@@ -136,8 +169,6 @@ def _coerce(name: str, current, value):
     if isinstance(current, (int, float)):
         if not isinstance(value, (int, float)) or (isinstance(current, int) and not isinstance(value, int)):
             raise bad()
-        return value
-    if current is None and isinstance(value, (int, float)):  # an optional number (attention.sm_count)
         return value
     if isinstance(current, str):
         if not isinstance(value, str):

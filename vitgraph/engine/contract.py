@@ -48,6 +48,7 @@ class VisionTower(Protocol):
     output_parts: int  # outputs side by side in each row (1, or 1 + deepstack features)
     merge_unit: int  # pixel rows per output row
     gemm_backends: tuple[str, ...]  # the GEMM backends its fused forward has (vitgraph.ops.gemm)
+    tuning_reads: frozenset[str]  # the kernel settings its forwards read: "gemm", "norms.one_row_max_rows", ...
     fused: bool  # whether the fused forward (vitgraph's kernels) runs
 
     def configure(self, attention: str, fused: bool, tuning: Any) -> None:

@@ -46,16 +46,6 @@ ARENA_ALIGN = 2 << 20  # the caching allocator rounds large segments to 2 MiB
 ARENA_MARGIN = 16  # the pool's first segment is the forward's peak plus 1/16
 
 
-@dataclass(frozen=True)
-class CaptureTuning:
-    """How a :class:`GraphBank` stages and warms up (switches kept for A/Bs)."""
-
-    metadata_copy_in_graph: bool = True  # False: load(replay=True) copies the metadata, a host op more
-    # Warm up before each capture through the model's warm_up (one block of each kind: the same
-    # kernels at the same shapes) where it has one; False: the whole forward.
-    warm_up_one_block: bool = True
-
-
 def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
@@ -97,13 +87,12 @@ class GraphBank:
     """Static buffers plus one captured graph per bucket."""
 
     def __init__(self, model: VisionTower, layouts: Mapping[Bucket, BatchLayout], device: torch.device,
-                 dtype: torch.dtype, tuning: CaptureTuning = CaptureTuning()) -> None:
+                 dtype: torch.dtype) -> None:
         """``layouts``: each bucket's empty padded layout (valid metadata for warm-up and capture;
         :func:`vitgraph.engine.planner.padded_batch` with no grids)."""
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model = model
-        self.tuning = tuning
         self.device = device
         self.dtype = dtype
         self.requested = sorted(layouts)
@@ -125,7 +114,7 @@ class GraphBank:
         # Recorded after each copy out of the staging buffer. Where torch can record an event
         # inside a graph, each graph copies its metadata from the staging buffer itself: a
         # host op fewer before every replay, on hosts where each costs tens of µs.
-        external = _external_event() if tuning.metadata_copy_in_graph else None
+        external = _external_event()
         self.copies_metadata_in_graph = external is not None
         self._staged = external or torch.cuda.Event()
         self._views = {b: self._carve(layout, self.static_meta) for b, layout in self._layouts.items()}
@@ -300,9 +289,9 @@ class GraphBank:
 
     def _warm_up(self, pixels: torch.Tensor, batch) -> None:
         """Run every kernel the forward runs once, off the capture: JIT compiles, kernel
-        selection, library plans and workspaces (see :class:`CaptureTuning`)."""
-        warm_up = getattr(self.model, "warm_up", None) if self.tuning.warm_up_one_block else None
-        (warm_up or self.model)(pixels, batch)
+        selection, library plans and workspaces; through the tower's warm-up (one block of each
+        kind: the same kernels at the same shapes) where it has one."""
+        (getattr(self.model, "warm_up", None) or self.model)(pixels, batch)
 
     def activation_peak(self, bucket: Bucket) -> int:
         """Bytes one eager forward of ``bucket`` allocates at its peak, on the static buffers and

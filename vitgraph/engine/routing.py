@@ -31,13 +31,12 @@ from .planner import Bucket, Grid
 class RoutingTuning:
     """What routing times at capture, and by how much a faster graph must win."""
 
+    single_frames: bool = True  # time dense against packed graphs; send single frames to the faster
+    faster_buckets: bool = True  # time small packed buckets against the next larger; send steps to the faster
     min_tokens: int = 1024  # below it attention is a few percent of a replay: not worth the capture time
     margin: float = 0.01  # the packed bucket must be predicted this much faster than the dense one
-    # Packed buckets of up to this many tokens may hand their steps to the next larger one (see
-    # faster_next_buckets). Below it the GEMM kernels a library picks per shape can make a
-    # bucket slower than the next one: on an H200 with the default ladder the 320-, 480- and
-    # 704-token buckets, in each of six captures. From 1024 rows every GEMM's tiles fill the
-    # GPU and its time grows with the rows, so larger buckets are not timed.
+    # Packed buckets of up to this many tokens may hand their steps to the next larger one: below
+    # it a library's per-shape GEMM choice can make a bucket slower than the next.
     faster_next_max_tokens: int = 1024
     faster_next_margin: float = 0.02  # the larger bucket must be this much faster, on the smaller one's input
     faster_next_reps: int = 3  # interleaved replays of each, the least kept

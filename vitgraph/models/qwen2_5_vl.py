@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import DEFAULT_ATTENTION, SegmentFlags
-from ..ops.gemm import linear_split_k
+from ..ops.gemm import SPLIT_K_SETTINGS, linear_split_k
 from .config_parsing import FamilyConfig, TowerShape, check_block_indexes
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
@@ -265,6 +265,8 @@ def expected_shapes(cfg: Qwen25VisionConfig) -> dict[str, tuple[int, ...]]:
 
 class Qwen25VisionTower(ReferenceTower):
     """Qwen2.5-VL ViT plus patch merger, against the engine's contract. Knows nothing of CUDA graphs."""
+
+    tuning_reads = ReferenceTower.tuning_reads | SPLIT_K_SETTINGS  # proj and down_proj split K
 
     def __init__(self, cfg: Qwen25VisionConfig) -> None:
         super().__init__()

@@ -267,6 +267,7 @@ class Qwen2VisionTower(FusedForward, TowerBase, nn.Module):
     contract (:class:`vitgraph.engine.contract.VisionTower`)."""
 
     gemm_backends = ("cublas", "quack")  # quack's epilogues are written for this tower's MLP and rotary
+    tuning_reads = frozenset({"gemm", "norms", "attention"})
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()

@@ -11,6 +11,8 @@ class TowerBase(RotaryFrequencies):
     ``set_attention_backend``, ``fuse`` and ``set_tuning``; the runtime calls :meth:`configure`."""
 
     gemm_backends: tuple[str, ...] = ("cublas",)  # the GEMM backends its fused forward has
+    # The kernel settings its forwards read (a group, or "group.field"); the others cannot be set.
+    tuning_reads: frozenset[str] = frozenset({"norms", "attention"})
     output_parts: int = 1  # outputs side by side in each row
 
     @property

@@ -21,6 +21,7 @@ that held a non-finite value NaN (alone, a non-finite key or value would reach t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -70,18 +71,15 @@ class AttentionTuning:
     tower's heads (:func:`attention_tuning`) and a tower holds. A tile is ``(m, n)``, or
     ``(m, n, pv_from_registers, intra_warpgroup_overlap)``; None: FA4's own choice."""
 
-    sm_count: int | None = None  # where the tile follows the batch (measured: Hopper); None: FA4's own tiles
-    # FA4 tiles queries by 192 rows on Hopper at head_dim <= 96, which wastes much of the last
-    # tile of a short segment: where no segment exceeds short_seqlen tokens (a batch's
-    # max_seqlen, which a graph bakes in) and a wave model says it is no slower
-    # (fa4_prefers_short_tile), it attends with short_tile. On an H200 (µs per block) 16x256
-    # 40.7 -> 30.2, one 2048-token frame 65.0 -> 48.7, but one 4096-token frame 169.6 -> 174.5.
+    choose_tiles: bool = False  # the tile follows the batch (measured on Hopper); False: FA4's own tiles
+    sm_count: int = 132  # of the device: the wave model's
+    # A short segment wastes most of FA4's last 192-row query tile: up to short_seqlen tokens
+    # (a batch's max_seqlen, which a graph bakes in) short_tile where the wave model allows.
     short_seqlen: int = 2048
     short_tile: tuple | None = (128, 128)
     long_tile: tuple | None = None
     own_tile_m: int = 192  # the query tile FA4 picks itself (Hopper, non-causal)
-    # Batches below tiny_max_rows rows take tiny_tile where one frame fits one wave with it:
-    # 1x256 7.5 -> 6.4 µs, 1x512 10.2 -> 9.3 on an H200; with two waves it loses. None: off.
+    # Below tiny_max_rows rows, tiny_tile where one frame fits one wave with it. None: off.
     tiny_tile: tuple | None = (64, 128)
     tiny_max_rows: int = 1024
 
@@ -90,8 +88,10 @@ def attention_tuning(arch: int | None, sm_count: int | None, head_dim: int) -> A
     """The attention tuning on a device of compute capability major ``arch`` with ``sm_count``
     SMs (None, None: not a GPU) for heads ``head_dim`` wide: FA4's own Hopper tile is 192 query
     rows up to head_dim 96 and 128 above (then the short tile saves nothing)."""
-    return AttentionTuning(sm_count=sm_count if arch in FA4_SHORT_TILE_ARCHS else None,
-                           own_tile_m=192 if head_dim <= 96 else 128)
+    tuning = AttentionTuning(own_tile_m=192 if head_dim <= 96 else 128)
+    if arch in FA4_SHORT_TILE_ARCHS and sm_count is not None:
+        tuning = dataclasses.replace(tuning, choose_tiles=True, sm_count=sm_count)
+    return tuning
 
 
 DEFAULT_ATTENTION = AttentionTuning()
@@ -174,7 +174,7 @@ def fa4_prefers_short_tile(max_seqlen: int, heads: int, tuning: AttentionTuning)
     time with it. On an H200 (132 SMs, 16 heads) 128-row tiles then serve up to 1024 tokens
     and from 1537 to 2048; between, 192-row tiles fit one wave (a 1156-token frame replayed
     0.26 ms slower with 128-row tiles)."""
-    if tuning.sm_count is None or max_seqlen > tuning.short_seqlen:
+    if not tuning.choose_tiles or max_seqlen > tuning.short_seqlen:
         return False
     return (_wave_cost(max_seqlen, heads, tuning, tuning.short_tile)
             <= _wave_cost(max_seqlen, heads, tuning, tuning.long_tile))
@@ -195,7 +195,7 @@ def fa4_short_cap(budget: int, heads: int, unit: int, tuning: AttentionTuning) -
     """The frame cap of a short-frame bucket for ``budget``, or None where its own packed
     bucket attends with the short tile already (or the tile does not follow the batch): the
     largest frame length (a multiple of ``unit``) below the budget that takes the short tile."""
-    if tuning.sm_count is None or fa4_prefers_short_tile(budget, heads, tuning):
+    if not tuning.choose_tiles or fa4_prefers_short_tile(budget, heads, tuning):
         return None
     cap = min(budget - unit, tuning.short_seqlen) // unit * unit
     while cap > 0 and not fa4_prefers_short_tile(cap, heads, tuning):
@@ -213,7 +213,7 @@ def fa4_tile(max_seqlen: int, heads: int, rows: int | None = None,
              tuning: AttentionTuning = DEFAULT_ATTENTION) -> tuple | None:
     """FlashAttention 4's tile for a batch of ``rows`` rows (None: many) whose segments hold at
     most ``max_seqlen`` tokens; None: FA4's own."""
-    if tuning.sm_count is None:
+    if not tuning.choose_tiles:
         return None
     if not fa4_prefers_short_tile(max_seqlen, heads, tuning):
         return tuning.long_tile

@@ -247,6 +247,11 @@ def linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tuning
     return F.linear(x, weight, bias)
 
 
+# What split_k_count and linear_split_k read: a tower that splits K only there reads these.
+SPLIT_K_SETTINGS = frozenset({"gemm.split_k_max_rows", "gemm.split_k", "gemm.split_k_long_rows", "gemm.split_k_long",
+                              "gemm.split_k_long_min_k"})
+
+
 def split_k_count(rows: int, k: int, tuning: GemmTuning) -> int:
     """How many slices of K :func:`linear_split_k` splits ``rows`` rows into (1: unsplit)."""
     if rows > tuning.split_k_max_rows:
