@@ -1,6 +1,7 @@
 """Checkpoint loading: layouts, prefixes, the Hub cache (offline), and every error case."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -275,8 +276,6 @@ def _load_in_thread(ckpt):
 
 
 def _replace_with(path: Path, kind: str, tmp_path: Path) -> None:
-    import os
-
     path.unlink(missing_ok=True)
     if kind == "huge":  # sparse: 17 MiB long, nothing on disk
         with open(path, "wb") as f:
@@ -316,13 +315,20 @@ def test_read_json_bounds_and_names(tmp_path):
     small.write_text(json.dumps({"a": [1, 2, 3]}))
     assert read_json(small) == {"a": [1, 2, 3]}
     size = small.stat().st_size
-    with pytest.raises(ValueError, match=f"small.json is {size} bytes; a JSON config must be at most {size - 1}"):
+    with pytest.raises(ValueError, match=f"small.json: is {size} bytes; a JSON config must be at most {size - 1}"):
         read_json(small, max_bytes=size - 1)
     assert read_json(small, max_bytes=size) == {"a": [1, 2, 3]}
-    for path in (tmp_path / ("x" * 300 + ".json"), tmp_path / "missing.json"):
-        with pytest.raises(ValueError, match="cannot be read") as err:
+    for path, words in ((tmp_path / ("x" * 300 + ".json"), "cannot be read"),
+                        (tmp_path / "missing.json", "no such file")):
+        with pytest.raises(ValueError, match=words) as err:
             read_json(path)
         assert str(path) in str(err.value)
+    (tmp_path / "folder.json").mkdir()
+    os.mkfifo(tmp_path / "fifo.json")  # opened non-blocking: refused, never waited on
+    for path, words in ((tmp_path / "folder.json", "folder.json: is a directory, not a JSON config"),
+                        (tmp_path / "fifo.json", "fifo.json: is not a regular file")):
+        with pytest.raises(ValueError, match=words):
+            read_json(path)
 
 
 def test_a_very_long_model_path_is_a_named_error(tmp_path):

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import io
 import os
-import stat
 import warnings
-from pathlib import Path
 from typing import Union
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+from .files import read_regular_file
 
 # The most pixels an encoded image may declare (2**27: 16384 x 8192, 400 MB decoded).
 MAX_IMAGE_PIXELS = 1 << 27
@@ -44,33 +44,12 @@ def is_encoded(item) -> bool:
 
 
 def read_file(path, name: str) -> bytes:
-    """A path's bytes: a regular file of at most :data:`MAX_FILE_BYTES`, checked on the opened
-    file itself (so a file swapped for a FIFO after a check never blocks the read)."""
-    path = Path(path)
+    """A path's bytes: a regular file of at most :data:`MAX_FILE_BYTES`
+    (:func:`vitgraph.files.read_regular_file`), its errors prefixed with ``name``."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise ValueError(f"{name}: {path}: no such file") from None
-    except IsADirectoryError:
-        raise ValueError(f"{name}: {path}: is a directory, not an image file") from None
-    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
-        raise ValueError(f"{name}: {path!r}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        kind = "is a directory, not an image file" if stat.S_ISDIR(info.st_mode) else "is not a regular file"
-        raise ValueError(f"{name}: {path}: {kind}")
-    if info.st_size > MAX_FILE_BYTES:
-        os.close(fd)
-        raise ValueError(f"{name}: {path}: {info.st_size} bytes is above the {MAX_FILE_BYTES}-byte limit")
-    with os.fdopen(fd, "rb") as f:
-        try:
-            data = f.read(MAX_FILE_BYTES + 1)
-        except OSError as err:
-            raise ValueError(f"{name}: {path}: cannot be read ({err.strerror or err})") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise ValueError(f"{name}: {path}: grew past the {MAX_FILE_BYTES}-byte limit while read")
-    return data
+        return read_regular_file(path, MAX_FILE_BYTES, "an image file")
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
 
 
 def open_encoded(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:

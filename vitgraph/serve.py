@@ -43,8 +43,7 @@ from .validation import check_pixels, check_rows, normalize_grid
 SERVE_MAX_IMAGE_PIXELS = 1 << 26
 DEFAULT_WAIT_S = 0.005  # how long a batch waits for more requests once its first arrives
 # Requests a replica holds at once. Ray's default (5) starves the GPU: a batch then holds at
-# most five requests and the next ones are only sent once it returns (on an H200 one replica
-# served 16.6 req/s of the serving mix over HTTP against 61.4 in process).
+# most five requests and the next ones are only sent once it returns (HISTORY.md).
 DEFAULT_MAX_ONGOING = 64
 
 

@@ -49,11 +49,8 @@ def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup
     return statistics.median(call_times_ms(fn, device, iters, warmup))
 
 
-# Seconds of back-to-back calls before an A/B's rounds. A board that starts cool boosts, then
-# reaches its power cap about 1 s in, and its clock dips below the level it then holds, once or
-# twice: on an H200 at 4x1024 the block timed in a dip read 0.3-0.9 ms slow, whichever encoder
-# it was, and after 5 s of load identical encoders agreed within 0.08 ms
-# (benchmarks/ab_sequence.py --clocks, h200-ab-sequence-clocks.log).
+# Seconds of back-to-back calls before an A/B's rounds: a cool board's clock dips as it reaches
+# its power cap, and a block timed in the dip reads slow (HISTORY.md, benchmarks/ab_sequence.py --clocks).
 PREHEAT_SECONDS = 5.0
 
 
@@ -77,9 +74,8 @@ def alternating_ab(run: Callable[[str, torch.Tensor, list], torch.Tensor], keys:
     seconds of calls of the first key bring the board to the clock it holds under load.
 
     Without the preheat, rounds that start on a cool board put the power cap's first clock dip
-    on whichever key falls about 1 s in (the mirrored order, ABBA, always on the first key:
-    the second read up to 0.27 ms faster at 4096 tokens in A/As of identical encoders);
-    ``benchmarks/ab_setting.py``'s doc has the numbers."""
+    on whichever key it falls in (the mirrored order, ABBA, always on the first key); HISTORY.md
+    and ``benchmarks/ab_setting.py``'s doc have the numbers."""
     gen = torch.Generator().manual_seed(0)
     results = []
     for name, grids in cases.items():

@@ -4,9 +4,9 @@ dense bucket, or the packed one), and which packed buckets the next larger one b
 Both graphs of a budget run the same GEMMs over the same padded rows; they differ in
 attention. The dense bucket attends over every row of the bucket (padding keys masked),
 at a speed set by how its query tiles fill the GPU's waves. The packed bucket's ragged
-attention computes only the frame's rows, but runs slower per row (on an H200 a
-1024-token frame took 29.3 µs per block ragged against 19.7 dense). Which wins depends on
-the bucket size and on how much of it the frame fills, so it is measured once, at capture:
+attention computes only the frame's rows, but runs slower per row (HISTORY.md). Which wins
+depends on the bucket size and on how much of it the frame fills, so it is measured once, at
+capture:
 
 * ``d``: the dense graph (its time does not depend on the frame's size);
 * ``p(t)`` and ``p(low)``: the packed graph holding one frame of the budget's size ``t``,
@@ -14,9 +14,9 @@ the bucket size and on how much of it the frame fills, so it is measured once, a
 
 The packed graph's time grows with the frame's attention, about as ``n**2``; between the
 two measured sizes it is interpolated in ``n**2``. The result, per budget: single frames
-of fewer tokens than the threshold replay in the packed bucket. Each time is one replay
-(about 1 s for the default ladder on an H200); the packed bucket must win by
-a margin (:class:`RoutingTuning`), so that timing noise never moves a frame that fills its dense bucket.
+of fewer tokens than the threshold replay in the packed bucket. Each time is one replay, to
+keep capture short; the packed bucket must win by a margin (:class:`RoutingTuning`), so that
+timing noise never moves a frame that fills its dense bucket.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import stat
 from pathlib import Path
 from typing import Any
+
+from ..files import read_regular_file
 
 _ALIASES = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
 
@@ -43,23 +43,10 @@ MAX_JSON_BYTES = 16 << 20  # configs are KBs and shard indexes ~100 KB: far abov
 
 def read_json(path: str | Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """A JSON file's value; a ValueError naming the file for anything else than a regular file
-    of at most ``max_bytes`` holding JSON that Python can hold (no deep nesting, no huge ints)."""
+    of at most ``max_bytes`` (:func:`vitgraph.files.read_regular_file`) holding JSON that Python
+    can hold (no deep nesting, no huge ints)."""
     path = Path(path)
-    try:
-        info = os.stat(path)  # before opening: a FIFO would block the open
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{path} is not a regular file")
-        if info.st_size > max_bytes:
-            raise ValueError(f"{path} is {info.st_size} bytes; a JSON config must be at most {max_bytes}")
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # swapped since the stat
-                raise ValueError(f"{path} is not a regular file")
-            data = f.read(max_bytes + 1)
-    except OSError as err:  # missing, a dangling link, a name too long, unreadable
-        raise ValueError(f"{path}: cannot be read ({err.strerror or err})") from None
-    if len(data) > max_bytes:
-        raise ValueError(f"{path} grew past {max_bytes} bytes while read")
+    data = read_regular_file(path, max_bytes, "a JSON config")
     try:
         return json.loads(data.decode("utf-8"))
     except RecursionError:

@@ -171,9 +171,7 @@ def fa4_prefers_short_tile(max_seqlen: int, heads: int, tuning: AttentionTuning)
     """Whether a batch whose segments hold at most ``max_seqlen`` tokens attends with the short
     tile rather than the long one: never above ``short_seqlen``; below, where one frame of
     ``max_seqlen`` tokens (what a bucket's single-frame steps hold) takes no more tile-rows of
-    time with it. On an H200 (132 SMs, 16 heads) 128-row tiles then serve up to 1024 tokens
-    and from 1537 to 2048; between, 192-row tiles fit one wave (a 1156-token frame replayed
-    0.26 ms slower with 128-row tiles)."""
+    time with it (where the short tile needs more waves it replays slower: HISTORY.md)."""
     if not tuning.choose_tiles or max_seqlen > tuning.short_seqlen:
         return False
     return (_wave_cost(max_seqlen, heads, tuning, tuning.short_tile)
@@ -183,8 +181,7 @@ def fa4_prefers_short_tile(max_seqlen: int, heads: int, tuning: AttentionTuning)
 def fa4_prefers_tiny_tile(max_seqlen: int, heads: int, tuning: AttentionTuning) -> bool:
     """Whether a small batch whose segments hold at most ``max_seqlen`` tokens attends with the
     tiny tile rather than the short one: only where one such frame takes strictly less time by
-    the same wave count (on a tie the larger tile measured faster). On an H200 with 16 heads:
-    up to 512 tokens."""
+    the same wave count (on a tie the larger tile is the faster one: HISTORY.md)."""
     if tuning.tiny_tile is None or not fa4_prefers_short_tile(max_seqlen, heads, tuning):
         return False
     return (_wave_cost(max_seqlen, heads, tuning, tuning.tiny_tile)

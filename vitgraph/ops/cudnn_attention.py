@@ -1,8 +1,8 @@
 """cuDNN's fused attention over packed segments (ragged offsets + padding mask), through
 the optional ``nvidia-cudnn-frontend`` package.
 
-At head_dim 80 on an H200 it is 1.2-1.4x faster than FA2 varlen for packed buckets
-(``benchmarks/attention_graphs.py``). Building a cuDNN graph costs ~45 ms, so one is
+At head_dim 80 it beats FA2 varlen for packed buckets (HISTORY.md,
+``benchmarks/attention_graphs.py``). A cuDNN graph is slow to build, so one is
 built per fixed layout ``(segments, max_seqlen)`` and kept: the engine uses it only for
 graph buckets, whose layout never changes; exact-shape eager calls keep FA2 varlen.
 q, k and v are read in place from the packed ``qkv [T, 3, H, D]`` rows; segment

@@ -50,7 +50,7 @@ class Tile(NamedTuple):
     cluster_n: int
 
 
-TILE = Tile(128, 160, True, 1, 2)  # fc1 (1280 -> 5120) on an H200: the fastest at 1024 and 4096 rows
+TILE = Tile(128, 160, True, 1, 2)  # the tile measured fastest for fc1 (1280 -> 5120) on Hopper (HISTORY.md)
 
 
 @dataclass(frozen=True)
@@ -86,14 +86,8 @@ class GemmTuning:
             raise ValueError(f"gemm backend must be one of {GEMM_BACKENDS}, got {self.backend!r}")
 
 
-# Measured on an H200 for Qwen2-VL's tower (K = 1280; fc1 N = 5120, qkv N = 3840), µs per call
-# (HISTORY.md): fc1 + QuickGELU through quack wins from 512 rows (14.5 vs 17.2; equal at 384);
-# plain qkv from 2048 (28.4 vs 31.5, loses at 1024); qkv + rotary epilogue after the LayerNorm
-# from 576 (18.3 vs 20.6) and at 512 in its 64-row tile (15.1 vs 17.1); the 256-row bucket's
-# fc1 and qkv + rotary in 64-row tiles in 2x1 clusters (9.8 vs 11.8, 10.9 vs 13.7); the wave
-# model's alternative tiles (qkv 1024 rows 21.7 -> 19.4 µs with 128x240, fc1 1152 rows 28.8 ->
-# 24.6 with 128x128); fc2 in four slices at 320 and 416 rows (17.2 -> 14.9, 18.5 -> 15.4).
-# Each was kept only where it beat the A/A noise end to end.
+# Rows, bands and tiles measured on Hopper for Qwen2-VL's tower (K = 1280; fc1 N = 5120, qkv N = 3840),
+# each kept only where it beat the A/A noise end to end; the timings are in HISTORY.md.
 _MEASURED = dict(fc1_min_rows=512, qkv_min_rows=2048, rope_min_rows=576, small_rows=(256, 256),
                  rope_small_rows=(512, 512),
                  fc1_tiles=((Tile(128, 128, True, 1, 2), 7.39),),
@@ -113,8 +107,8 @@ def gemm_tuning(backend: str, arch: int | None, sm_count: int | None, embed: int
     capability major ``arch`` with ``sm_count`` SMs (None, None: not a GPU).
 
     Split K (proj and fc2, N = ``embed``) while their 128x128 output tiles fill at most 0.55 of
-    the SMs: 896 rows at 1280 wide on 132 SMs, as measured (HISTORY.md; 1024 rows gained
-    nothing). quack's row thresholds: where a 128-row tile grid fills one wave (fc1, qkv + rotary)
+    the SMs (896 rows at 1280 wide on 132 SMs), where splitting measured faster (HISTORY.md).
+    quack's row thresholds: where a 128-row tile grid fills one wave (fc1, qkv + rotary)
     or three (plain qkv), except on the measured tower, which keeps its measured rows and bands."""
     hopper = arch in QUACK_ARCHS and sm_count is not None
     sms = sm_count or GemmTuning.sm_count
