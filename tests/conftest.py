@@ -31,3 +31,23 @@ def hf_model():
 def checkpoint(hf_model, tmp_path_factory):
     from helpers import write_checkpoint
     return write_checkpoint(tmp_path_factory.mktemp("ckpt"), hf_model, shards=2)
+
+
+# The CUDA suites' encoders of one tiny family: each module names it with a ``family`` fixture
+# (a key of helpers.TINY_FAMILIES; parametrised where a module runs several).
+@pytest.fixture(scope="module")
+def weights(family):
+    from helpers import family_weights
+    return family_weights(family)
+
+
+@pytest.fixture(scope="module")
+def graph_enc(weights):
+    from helpers import make
+    return make(weights, mode="graph")
+
+
+@pytest.fixture(scope="module")
+def eager_enc(weights):
+    from helpers import make
+    return make(weights, mode="eager")

@@ -1,26 +1,88 @@
-"""Tiny random Qwen2-VL towers, written to disk as real checkpoints in the Hugging Face layout."""
+"""Tiny random towers of every family, transformers' reference tower, checkpoints written to
+disk in the Hugging Face layout, and the helpers the CUDA suites share (their fixtures, which
+take a ``family`` fixture of the test module, are in conftest.py)."""
 
 from __future__ import annotations
 
+import importlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
+
+from vitgraph.models import family_for
 
 TINY_VISION = dict(depth=2, embed_dim=64, num_heads=4, mlp_ratio=4, hidden_size=48, hidden_act="quick_gelu",
                    patch_size=14, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
 
 
-def hf_tower(seed: int = 0, **overrides):
-    """transformers' own vision tower with random, non-trivial weights (norms and biases included), fp32."""
-    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+@dataclass(frozen=True)
+class TinyFamily:
+    """A family's (or a released layout's) tiny towers: ``model_type``, its vision_config at
+    CUDA size (head_dim 80 as Qwen2-VL's and Qwen2.5-VL's, 72 as Qwen3-VL-8B's: captured in
+    seconds), at CPU size where CPU tests use one (milliseconds), and the seed of the random
+    weights of transformers' tower the CUDA suites load."""
 
-    cfg = Qwen2VLVisionConfig(**{**TINY_VISION, **overrides})
+    model_type: str
+    cuda: dict
+    cpu: dict | None = None
+    seed: int = 3
+
+
+_QWEN25 = dict(hidden_act="silu", patch_size=14, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+_QWEN3 = dict(hidden_act="gelu_pytorch_tanh", patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+              in_channels=3)
+_QWEN25_CUDA = dict(depth=4, hidden_size=320, num_heads=4, intermediate_size=640, out_hidden_size=256,
+                    window_size=112, fullatt_block_indexes=[0, 3], **_QWEN25)
+_QWEN3_CUDA = dict(depth=3, hidden_size=288, num_heads=4, intermediate_size=576, out_hidden_size=128,
+                   num_position_embeddings=64, deepstack_visual_indexes=[0, 2], **_QWEN3)
+_QWEN3_CPU = dict(depth=3, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=32,
+                  num_position_embeddings=64, deepstack_visual_indexes=[0, 2], **_QWEN3)
+
+
+def _without_deepstack(vision: dict) -> dict:
+    """Qwen3.5's tower: Qwen3-VL's with no deepstack merger (its configs may have no such field)."""
+    return {k: v for k, v in vision.items() if k != "deepstack_visual_indexes"}
+
+
+# Qwen2.5: full attention in the first and last blocks, windows in between (CPU: windows of 4 x 4
+# patches); Qwen3: a deepstack merger after the first block and after the last, and an 8 x 8
+# position grid. The "released" layouts start with a plain block as released checkpoints do
+# (Qwen2.5-VL's full attention at 7, 15, 23, 31; Qwen3-VL's mergers after 8, 16, 24): a
+# capture's warm-up must reach the other kind. Qwen3.5: Qwen3-VL's tower with no deepstack merger.
+TINY_FAMILIES = {
+    "qwen2_vl": TinyFamily("qwen2_vl", dict(TINY_VISION, depth=3, embed_dim=320, hidden_size=256), TINY_VISION,
+                           seed=2),
+    "qwen2_5_vl": TinyFamily("qwen2_5_vl", _QWEN25_CUDA,
+                             dict(depth=3, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=48,
+                                  window_size=56, fullatt_block_indexes=[0, 2], **_QWEN25)),
+    "qwen3_vl": TinyFamily("qwen3_vl", _QWEN3_CUDA, _QWEN3_CPU),
+    "qwen2_5_vl_released": TinyFamily("qwen2_5_vl", dict(_QWEN25_CUDA, fullatt_block_indexes=[3])),
+    "qwen3_vl_released": TinyFamily("qwen3_vl", dict(_QWEN3_CUDA, depth=4, deepstack_visual_indexes=[1, 3])),
+    "qwen3_5": TinyFamily("qwen3_5", _without_deepstack(_QWEN3_CUDA), _without_deepstack(_QWEN3_CPU)),
+}
+
+
+def reference_classes(model_type: str, reference: tuple[str, str] | None = None):
+    """transformers' tower and config classes of ``model_type``'s family: the registry's
+    ``reference`` row (the classes vitgraph.models.transformers_tower builds), or ``reference``."""
+    return tuple(getattr(importlib.import_module(module), name)
+                 for module, name in (ref.split(":") for ref in reference or family_for(model_type).reference))
+
+
+def hf_tower(model_type: str = "qwen2_vl", vision: dict | None = None, seed: int = 0,
+             reference: tuple[str, str] | None = None, **overrides):
+    """transformers' own vision tower of ``model_type``'s family (``vision``, default the tiny
+    Qwen2-VL, with ``overrides``) with random, non-trivial weights (norms and biases included),
+    fp32, sdpa: the one way tests build the reference tower."""
+    model_cls, config_cls = reference_classes(model_type, reference)
+    cfg = config_cls(**{**(TINY_VISION if vision is None else vision), **overrides})
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    return randomize_(Qwen2VisionTransformerPretrainedModel(cfg).float().eval())
+    return randomize_(model_cls(cfg).float().eval())
 
 
 def randomize_(model):
@@ -37,9 +99,12 @@ def randomize_(model):
 
 
 def hf_forward(model, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
+    """transformers' tower's output in vitgraph's layout (Qwen3: main, then each deepstack feature)."""
     grid = torch.as_tensor(grid_thw, dtype=torch.long)
     with torch.no_grad():
         out = model(pixels, grid_thw=grid)
+    if getattr(out, "deepstack_features", None):
+        return torch.cat([out.pooler_output, *out.deepstack_features], dim=1)
     return getattr(out, "pooler_output", out)
 
 
@@ -121,3 +186,76 @@ def write_two_shards(directory: Path, state: dict[str, torch.Tensor]) -> None:
         save_file({k: state[k] for k in names}, str(directory / name))
         weight_map.update({k: name for k in names})
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+# The CUDA suites' encoders: a packed and a one-frame (dense) bucket per budget.
+BUDGETS = [64, 128, 256, 512, 1024]
+MAX_ITEMS = 8
+
+
+def cuda_backends(names):
+    """``names`` as parameters, each skipped with a reason where this machine's GPU lacks it."""
+    from vitgraph.ops.attention import available_backends
+
+    here = available_backends("cuda") if torch.cuda.is_available() else ()
+    return [pytest.param(b, marks=pytest.mark.skipif(b not in here,
+                                                     reason=f"needs the {b} attention backend on a CUDA GPU"))
+            for b in names]
+
+
+PACKED = cuda_backends(("fa4", "cudnn", "varlen"))  # every packed backend
+
+
+def family_weights(family: str, size: str = "cuda"):
+    """(transformers' tower, its state dict under visual., the config) of ``TINY_FAMILIES[family]``."""
+    tiny = TINY_FAMILIES[family]
+    vision = getattr(tiny, size)
+    model = hf_tower(tiny.model_type, vision, seed=tiny.seed)
+    return model, vision_state(model), {"model_type": tiny.model_type, "vision_config": vision}
+
+
+def make(weights, **options):
+    """An encoder of ``weights`` (:func:`family_weights`), by default on CUDA in bf16 with the
+    suites' buckets. One-frame buckets on every backend (FA4's defaults capture none), so their
+    path stays tested. No routing to a faster next bucket unless asked: these small models
+    replay in microseconds, where timing noise would pick the buckets the tests expect."""
+    from vitgraph import GraphedVisionEncoder
+
+    _, state, config = weights
+    options = {"device": "cuda", "dtype": torch.bfloat16, "budgets": BUDGETS, "max_items": MAX_ITEMS,
+               "dense_max_tokens": BUDGETS[-1], "route_to_faster_buckets": False, "progress": False, **options}
+    return GraphedVisionEncoder.from_state_dict(state, config, **options)
+
+
+def random_grids(rng, n, max_frames=3, max_side=16):
+    """Even sides of 2..max_side patches: most are no multiple of Qwen2.5's 8-patch window, so
+    windows are cut by the frame's edge."""
+    return [(rng.choice([1] * 4 + list(range(2, max_frames + 1))), 2 * rng.randint(1, max_side // 2),
+             2 * rng.randint(1, max_side // 2)) for _ in range(n)]
+
+
+def pixels_for(enc, grids, seed, device="cuda", dtype=torch.float32) -> torch.Tensor:
+    """Random pixel rows of ``grids`` at ``enc``'s patch width (drawn on the CPU from ``seed``)."""
+    return random_pixels(grids, enc.tower.input_width, seed).to(device, dtype)
+
+
+def load_random_frames(bank, bucket, rng):
+    """Load random frames filling about 3/4 of ``bucket`` into its buffers; returns (grids, tokens)."""
+    grids = []
+    while True:
+        g = random_grids(rng, 1, max_frames=1, max_side=min(16, int(bucket.tokens ** 0.5)))[0]
+        if (sum(t * h * w for t, h, w in grids) + g[1] * g[2] > 0.75 * bucket.tokens
+                or len(grids) == bucket.max_segments):
+            break
+        grids.append(g)
+    return load_frames(bank, bucket, grids or [(1, 2, 2)])
+
+
+def load_frames(bank, bucket, grids):
+    """Load random pixels of ``grids`` into ``bucket``'s buffers; returns (grids, tokens)."""
+    from vitgraph.engine.planner import padded_batch
+
+    tokens = sum(t * h * w for t, h, w in grids)
+    pixels = random_pixels(grids, width=bank.static_pixels.shape[1], seed=bucket.tokens).cuda().bfloat16()
+    bank.load(bucket, pixels, bank.stage(padded_batch(bank.model, bucket, grids)))
+    return grids, tokens

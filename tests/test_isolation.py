@@ -4,23 +4,15 @@ layout: the padded layout the graphs use (eager on the CPU; eager and replayed o
 
 import pytest
 import torch
+from helpers import TINY_FAMILIES, pixels_for
 
 from vitgraph import GraphedVisionEncoder
 from vitgraph.models import family_for
 from vitgraph.ops.attention import BACKENDS, available_backends
 
-# Tiny towers: Qwen2.5 with windows of 4 x 4 patches between full-attention blocks, Qwen3 with
-# a deepstack merger.
-FAMILIES = {
-    "qwen2_vl": dict(depth=2, embed_dim=64, num_heads=4, mlp_ratio=2, hidden_size=48, hidden_act="quick_gelu",
-                     patch_size=14, temporal_patch_size=2, spatial_merge_size=2, in_channels=3),
-    "qwen2_5_vl": dict(depth=3, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=48,
-                       window_size=56, fullatt_block_indexes=[0, 2], hidden_act="silu", patch_size=14,
-                       temporal_patch_size=2, spatial_merge_size=2, in_channels=3),
-    "qwen3_vl": dict(depth=3, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=32,
-                     num_position_embeddings=64, deepstack_visual_indexes=[0, 2], hidden_act="gelu_pytorch_tanh",
-                     patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3),
-}
+# helpers.TINY_FAMILIES' CPU-size towers: Qwen2.5 with windows of 4 x 4 patches between
+# full-attention blocks, Qwen3 with a deepstack merger, Qwen3.5 with none.
+FAMILIES = [name for name, tiny in TINY_FAMILIES.items() if tiny.cpu is not None]
 GRIDS = [(1, 8, 8), (2, 4, 6), (1, 2, 2), (1, 6, 4)]  # item 1 is a two-frame video
 POISONS = [float("nan"), float("inf"), float("-inf")]
 PADDING = 40  # rows past the items, as a bucket has
@@ -28,7 +20,8 @@ CPU_BACKENDS = [b for b in BACKENDS if b in available_backends("cpu")]
 
 
 def encoder(family: str, attention: str, device: str = "cpu", dtype=torch.float32, **options):
-    config = family_for(family).config.from_dict({"model_type": family, "vision_config": FAMILIES[family]})
+    tiny = TINY_FAMILIES[family]
+    config = family_for(tiny.model_type).config.from_dict({"model_type": tiny.model_type, "vision_config": tiny.cpu})
     return GraphedVisionEncoder.from_config(config, device=device, dtype=dtype, attention=attention,
                                             progress=False, **options)
 
@@ -40,12 +33,6 @@ def item_rows(grids, unit=1):
         spans.append((start // unit, (start + t * h * w) // unit))
         start += t * h * w
     return spans
-
-
-def pixels_for(enc, grids, device="cpu", dtype=torch.float32):
-    rows = sum(t * h * w for t, h, w in grids)
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(rows, enc.tower.input_width, generator=g).to(device, dtype)
 
 
 def poisoned(pixels, grids, item, value, seed=0):
@@ -88,10 +75,10 @@ def assert_isolated(run, enc, pixels, grids, label):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_non_finite_item_leaves_the_others_bitwise_unchanged_on_the_cpu(family, backend):
     enc = encoder(family, backend)
-    pixels = pixels_for(enc, GRIDS)
+    pixels = pixels_for(enc, GRIDS, 7, "cpu")
     assert_isolated(lambda p: padded_forward(enc.tower, p, GRIDS), enc, pixels, GRIDS, f"{family}/{backend} padded")
     # The exact layout, one segment after another, and through the encoder's own call.
     assert_isolated(lambda p: enc.encode(p, GRIDS), enc, pixels, GRIDS, f"{family}/{backend} encode")
@@ -129,7 +116,7 @@ CUDA_BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(b not in _CUDA_HERE,
 @pytest.mark.cuda
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_non_finite_item_leaves_the_others_bitwise_unchanged_on_cuda(family, backend, fuse):
     """Every backend, in bf16, fused and reference forward: the padded layout eager (packed and,
     for one item alone, a one-slot layout), then replayed from graphs (dense and packed buckets,
@@ -138,7 +125,7 @@ def test_a_non_finite_item_leaves_the_others_bitwise_unchanged_on_cuda(family, b
         fuse = None  # the others have one forward
     kwargs = dict(budgets=[64, 256, 1024], max_items=8, dense_max_tokens=1024, route_to_faster_buckets=False)
     enc = encoder(family, backend, "cuda", torch.bfloat16, mode="graph", fuse=fuse, **kwargs)
-    pixels = pixels_for(enc, GRIDS, "cuda", torch.bfloat16)
+    pixels = pixels_for(enc, GRIDS, 7, "cuda", torch.bfloat16)
     label = f"{family}/{backend}/fuse={fuse}"
     assert_isolated(lambda p: padded_forward(enc.tower, p, GRIDS), enc, pixels, GRIDS, f"{label} padded")
     assert_isolated(lambda p: enc.encode(p, GRIDS).clone(), enc, pixels, GRIDS, f"{label} graph")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import diff_report, randomize_, random_pixels, rel_err
+from helpers import diff_report, hf_tower, random_pixels, rel_err
 from safetensors.torch import save_file
 
 from vitgraph import GraphedVisionEncoder
@@ -21,16 +21,6 @@ GRIDS = {
     "mixed": [(1, 6, 10), (2, 16, 8), (1, 2, 2)],
     "minimal": [(1, 2, 2)],
 }
-
-
-def hf_tower(seed=0, **overrides):
-    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
-    cfg = Qwen2_5_VLVisionConfig(**{**TINY, **overrides})
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return randomize_(Qwen2_5_VisionTransformerPretrainedModel(cfg).float().eval())
 
 
 def write_checkpoint(directory, model, prefix="visual.", **overrides):
@@ -61,7 +51,7 @@ def hf_out(model, pixels, grids):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    return hf_tower()
+    return hf_tower("qwen2_5_vl", TINY)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +73,7 @@ def test_fp32_parity_with_transformers(encoder, hf_model, case):
                                        dict(window_size=224, fullatt_block_indexes=[0, 1, 2, 3])],
                          ids=["window-56", "one-full-block", "window-224-all-full"])
 def test_other_windows_and_full_blocks(tmp_path, overrides):
-    model = hf_tower(seed=3, **overrides)
+    model = hf_tower("qwen2_5_vl", TINY, seed=3, **overrides)
     enc = GraphedVisionEncoder.from_pretrained(write_checkpoint(tmp_path, model, prefix="model.visual.",
                                                                 **overrides), device="cpu")
     grids = GRIDS["mixed"] + GRIDS["edge-cut windows"]

@@ -3,21 +3,18 @@ with no deepstack merger. fp32 parity with each of transformers' three classes f
 checkpoints, their processors' published defaults and a checkpoint's own files over them, and
 the one-part output layout."""
 
-import importlib
 import json
 
 import pytest
 import torch
-from helpers import diff_report, randomize_, rel_err, write_two_shards
+from helpers import TINY_FAMILIES, diff_report, hf_tower, rel_err, write_two_shards
 from PIL import Image
 
 from vitgraph import GraphedVisionEncoder
 from vitgraph.models import Qwen35VisionConfig, Qwen3VisionTower, family_for
 
 # An 8 x 8 position grid (not the released 48 x 48), three blocks.
-TINY = dict(depth=3, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=32,
-            num_position_embeddings=64, hidden_act="gelu_pytorch_tanh", patch_size=16, temporal_patch_size=2,
-            spatial_merge_size=2, in_channels=3)
+TINY = TINY_FAMILIES["qwen3_5"].cpu
 GRIDS = {
     "smaller than the position grid": [(1, 4, 6)],
     "larger than the position grid": [(1, 20, 12)],
@@ -34,14 +31,12 @@ KINDS = {
 }
 
 
-def hf_tower(model_type, seed=0):
+def reference_tower(model_type):
+    """transformers' tower of the kind (each kind its own class, not the registry's one per family)."""
     module, name, _, _ = KINDS[model_type]
-    config = importlib.import_module(f"transformers.models.{module}.configuration_{module}")
-    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-    cfg = getattr(config, f"{name}Config")(**TINY)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return randomize_(getattr(modeling, f"{name}Model")(cfg).float().eval())
+    package = f"transformers.models.{module}"
+    return hf_tower(model_type, TINY, reference=(f"{package}.modeling_{module}:{name}Model",
+                                                 f"{package}.configuration_{module}:{name}Config"))
 
 
 def write_checkpoint(directory, model, model_type):
@@ -65,7 +60,7 @@ def pixels_for(grids, seed):
 
 @pytest.fixture(scope="module", params=list(KINDS))
 def pair(request, tmp_path_factory):
-    model = hf_tower(request.param)
+    model = reference_tower(request.param)
     directory = write_checkpoint(tmp_path_factory.mktemp(request.param), model, request.param)
     return request.param, model, GraphedVisionEncoder.from_pretrained(directory, device="cpu")
 
@@ -112,7 +107,7 @@ def test_published_processor_values_are_the_defaults(pair):
 
 
 def test_the_checkpoints_processor_files_override_the_defaults(tmp_path):
-    model = hf_tower("qwen3_5")
+    model = reference_tower("qwen3_5")
     ckpt = write_checkpoint(tmp_path / "c", model, "qwen3_5")
     (ckpt / "preprocessor_config.json").write_text(json.dumps(
         {"size": {"shortest_edge": 1024, "longest_edge": 128 * 128}, "patch_size": 16, "merge_size": 2}))
@@ -139,7 +134,7 @@ def test_the_checkpoints_processor_files_override_the_defaults(tmp_path):
                                         ({"size": {"longest_edge": 4096}}, "shortest_edge"),
                                         ({"merge_size": "2"}, "merge_size"), ([1, 2], "JSON object")])
 def test_a_bad_video_preprocessor_config_is_refused_by_file_and_field(tmp_path, raw, field):
-    ckpt = write_checkpoint(tmp_path / "c", hf_tower("qwen4_exp"), "qwen4_exp")
+    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen4_exp"), "qwen4_exp")
     (ckpt / "video_preprocessor_config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=field) as err:
         GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
@@ -147,7 +142,7 @@ def test_a_bad_video_preprocessor_config_is_refused_by_file_and_field(tmp_path, 
 
 
 def test_a_video_preprocessor_config_outside_the_folder_is_refused(tmp_path):
-    ckpt = write_checkpoint(tmp_path / "c", hf_tower("qwen3_5_moe"), "qwen3_5_moe")
+    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5_moe"), "qwen3_5_moe")
     (tmp_path / "elsewhere.json").write_text("{}")
     (ckpt / "video_preprocessor_config.json").symlink_to(tmp_path / "elsewhere.json")
     with pytest.raises(ValueError, match="outside the checkpoint folder"):
@@ -193,7 +188,7 @@ def test_bench_reference_tower_is_transformers_qwen35(tmp_path, capsys):
     ref = common.hf_call(hf, encoder.device)(pixels, grids)
     got = encoder.encode(pixels, grids)
     assert rel_err(got, ref) <= 1e-5, diff_report(got, ref)
-    ckpt = write_checkpoint(tmp_path / "c", hf_tower("qwen3_5_moe"), "qwen3_5_moe")
+    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5_moe"), "qwen3_5_moe")
     result = latency.main(["--model", str(ckpt), "--device", "cpu", "--iters", "1", "--warmup", "0",
                            "--cases", "1x256", "--systems", "hf_eager", "vitgraph_eager"])
     check = result["cases"][0]["check"]

@@ -5,14 +5,12 @@ import json
 
 import pytest
 import torch
-from helpers import diff_report, randomize_, rel_err, write_two_shards
+from helpers import TINY_FAMILIES, diff_report, hf_tower, rel_err, write_two_shards
 
 from vitgraph import GraphedVisionEncoder
 
 # A position grid of 8 x 8 (not the released 48 x 48), a deepstack merger fed by the first block.
-TINY = dict(depth=3, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=32,
-            num_position_embeddings=64, deepstack_visual_indexes=[0, 2], hidden_act="gelu_pytorch_tanh",
-            patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+TINY = TINY_FAMILIES["qwen3_vl"].cpu
 GRIDS = {
     "smaller than the position grid": [(1, 4, 6)],
     "larger than the position grid": [(1, 20, 12)],
@@ -27,16 +25,6 @@ def pixels_for(grids, seed):
     return torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(seed))
 
 
-def hf_tower(seed=0):
-    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
-    cfg = Qwen3VLVisionConfig(**TINY)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return randomize_(Qwen3VLVisionModel(cfg).float().eval())
-
-
 def hf_out(model, pixels, grids):
     with torch.no_grad():
         out = model(pixels, grid_thw=torch.tensor(grids))
@@ -45,7 +33,7 @@ def hf_out(model, pixels, grids):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    return hf_tower()
+    return hf_tower("qwen3_vl", TINY)
 
 
 @pytest.fixture(scope="module")
