@@ -222,8 +222,9 @@ def make(weights, **options):
     from vitgraph import GraphedVisionEncoder
 
     _, state, config = weights
+    tuning = {"buckets.dense_max_tokens": BUDGETS[-1], "routing.faster_buckets": False, **options.pop("tuning", {})}
     options = {"device": "cuda", "dtype": torch.bfloat16, "budgets": BUDGETS, "max_items": MAX_ITEMS,
-               "dense_max_tokens": BUDGETS[-1], "route_to_faster_buckets": False, "progress": False, **options}
+               "progress": False, "tuning": tuning, **options}
     return GraphedVisionEncoder.from_state_dict(state, config, **options)
 
 

@@ -142,7 +142,7 @@ def test_single_frames_follow_the_routing_measured_at_capture(weights, graph_enc
     bucket = graph_enc.buckets[0]
     assert graph_enc.bank.time_replay(bucket, graph_enc.bank.stage(padded_batch(graph_enc.tower, bucket, [(1, 2, 2)]))) > 0
     # Force the 512 budget's single frames into its packed bucket: same numbers, other graph.
-    enc = make(weights, mode="graph", budgets=[256, 512], route_single_frames=False)
+    enc = make(weights, mode="graph", budgets=[256, 512], tuning={"routing.single_frames": False})
     assert enc.stats()["single_frame_packed_below"] == {}
     enc._packed_single_below = {512: 400}
     grids = [(1, 16, 20)]  # 320 tokens
@@ -155,7 +155,7 @@ def test_single_frames_follow_the_routing_measured_at_capture(weights, graph_enc
 
 
 def test_steps_follow_a_faster_next_bucket_measured_at_capture(weights, eager_enc):
-    enc = make(weights, mode="graph", budgets=[256, 512], route_to_faster_buckets=True)
+    enc = make(weights, mode="graph", budgets=[256, 512], tuning={"routing.faster_buckets": True})
     measured = enc.stats()["faster_next_bucket"]
     print(f"\n[routing] faster next buckets: {measured}")
     assert measured in ({}, {"256x8": "512x8"}) and enc._routing_seconds > 0
@@ -313,7 +313,7 @@ def test_out_of_memory_during_capture_drops_the_bucket(weights, monkeypatch, cap
         return real_forward(self, pixels, batch)
 
     monkeypatch.setattr(Qwen2VisionTower, "forward", flaky)
-    enc = make(weights, mode="graph", route_single_frames=False)  # single frames: always dense
+    enc = make(weights, mode="graph", tuning={"routing.single_frames": False})  # single frames: always dense
     assert 512 not in [b.tokens for b in enc.buckets] and len(enc.buckets) == 2 * len(BUDGETS) - 2
     assert "out of memory" in enc.stats()["dropped_buckets"]["512x1"]
     assert "out of memory" in enc.stats()["dropped_buckets"]["512x8"]
@@ -550,7 +550,7 @@ def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):
     if "fa4" not in available_backends("cuda"):
         pytest.skip("flash-attn-4 is not installed")
     tuning = derive_tuning(PRESETS["qwen2-vl-2b"], torch.device("cuda")).attention
-    if tuning.sm_count is None:
+    if not tuning.choose_tiles:
         pytest.skip("FlashAttention 4's tiles follow the batch on Hopper only")
     short, long, tiny = (fa4_tile_kwargs(t) for t in (tuning.short_tile, tuning.long_tile, tuning.tiny_tile))
     assert fa4_tile_kwargs(fa4_tile(1024, 16, None, tuning)) == short and short["tile_mn"][0] == 128
@@ -589,8 +589,8 @@ def test_short_frame_buckets_replay_bitwise_and_take_short_steps(weights, eager_
     the same buffers, steps of short frames go to the short bucket, and results match."""
     if "fa4" not in available_backends("cuda"):
         pytest.skip("flash-attn-4 is not installed")
-    enc = make(weights, mode="graph", attention="fa4", budgets=[128, 256, 512], dense_buckets=False,
-               tuning={"attention.short_seqlen": 128})
+    enc = make(weights, mode="graph", attention="fa4", budgets=[128, 256, 512],
+               tuning={"buckets.dense": False, "attention.short_seqlen": 128})
     assert [b.name for b in enc.buckets] == ["128x8", "256x8s128", "256x8", "512x8s128", "512x8"]
     assert enc.stats()["buckets"]["256x8s128"]["max_seqlen"] == 128 and enc.stats()["buckets"]["256x8"]["max_seqlen"] == 256
     rng = random.Random(5)

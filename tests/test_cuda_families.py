@@ -80,7 +80,7 @@ def test_poisoned_pool_and_padding_never_reach_outputs(weights, graph_enc, eager
     poisoned for the tests after this one; a packed backend: its own encoders, packed buckets only."""
     enc = graph_enc
     if backend is not None:
-        enc = make(weights, mode="graph", attention=backend, dense_max_tokens=None)
+        enc = make(weights, mode="graph", attention=backend, tuning={"buckets.dense_max_tokens": None})
         eager_enc = make(weights, mode="eager", attention=backend)  # the same kernels, so the bound is tight
     bank = enc.bank
     largest = bank.buckets[-1]

@@ -123,7 +123,8 @@ def test_a_non_finite_item_leaves_the_others_bitwise_unchanged_on_cuda(family, b
     the cudnn backend's ragged attention and the dense variants)."""
     if fuse and family != "qwen2_vl":
         fuse = None  # the others have one forward
-    kwargs = dict(budgets=[64, 256, 1024], max_items=8, dense_max_tokens=1024, route_to_faster_buckets=False)
+    kwargs = dict(budgets=[64, 256, 1024], max_items=8,
+                  tuning={"buckets.dense_max_tokens": 1024, "routing.faster_buckets": False})
     enc = encoder(family, backend, "cuda", torch.bfloat16, mode="graph", fuse=fuse, **kwargs)
     pixels = pixels_for(enc, GRIDS, 7, "cuda", torch.bfloat16)
     label = f"{family}/{backend}/fuse={fuse}"
