@@ -222,7 +222,7 @@ def make(weights, **options):
     from vitgraph import GraphedVisionEncoder
 
     _, state, config = weights
-    tuning = {"buckets.dense_max_tokens": BUDGETS[-1], "routing.faster_buckets": False, **options.pop("tuning", {})}
+    tuning = {"buckets.dense_max_tokens": BUDGETS[-1], "routing.faster_buckets": False, **(options.pop("tuning", None) or {})}
     options = {"device": "cuda", "dtype": torch.bfloat16, "budgets": BUDGETS, "max_items": MAX_ITEMS,
                "progress": False, "tuning": tuning, **options}
     return GraphedVisionEncoder.from_state_dict(state, config, **options)

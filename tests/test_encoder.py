@@ -211,6 +211,8 @@ def test_bad_out(encoder, out, error, words):
     (dict(tuning={"buckets.dense_max_tokens": 0}), "buckets.dense_max_tokens"),
     (dict(tuning={"buckets.dense_max_tokens": True}), "buckets.dense_max_tokens"),
     (dict(tuning={"buckets.dense_max_tokens": 64.0}), "buckets.dense_max_tokens"),
+    (dict(tuning={"attention.sm_count": 0}), "attention.sm_count"),  # the wave model divides by it
+    (dict(tuning={"gemm.sm_count": -1}), "gemm.sm_count"),
     # Options that became tuning settings are named with their new place; unknown ones are named.
     (dict(dense_buckets=False), "dense_buckets is a tuning setting: pass tuning={'buckets.dense': ...}"),
     (dict(route_to_faster_buckets=False), "tuning={'routing.faster_buckets': ...}"),

@@ -193,3 +193,18 @@ def test_bench_reference_tower_is_transformers_qwen35(tmp_path, capsys):
                            "--cases", "1x256", "--systems", "hf_eager", "vitgraph_eager"])
     check = result["cases"][0]["check"]
     assert set(check) == {"hf_eager", "vitgraph_eager"} and check["hf_eager"] <= 1e-5
+
+
+def test_a_kernel_setting_the_family_never_reads_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+    """Qwen3.5's tower runs no GEMM of vitgraph's: a GEMM setting is refused, naming it and the
+    tower, from the checkpoint's config alone."""
+    import vitgraph.encoder
+
+    directory = write_checkpoint(tmp_path / "ckpt", reference_tower("qwen3_5"), "qwen3_5")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(vitgraph.encoder, "load_tower", no_load)
+    with pytest.raises(ValueError, match="Qwen3VisionTower does not read 'gemm.split_k_max_rows'"):
+        GraphedVisionEncoder.from_pretrained(directory, device="cpu", tuning={"gemm.split_k_max_rows": 64})

@@ -316,6 +316,16 @@ def test_build_app_refuses_a_bad_max_ongoing_requests():
             build_app(preset="tiny", device="cpu", max_ongoing_requests=bad)
 
 
+
+def test_build_app_refuses_bad_engine_options_before_any_replica_starts():
+    from vitgraph.serve import build_app
+
+    with pytest.raises(ValueError, match="max_items"):
+        build_app(preset="tiny", device="cpu", max_items=0)
+    with pytest.raises(TypeError, match="tuning={'routing.faster_buckets': ...}"):
+        build_app(preset="tiny", device="cpu", route_to_faster_buckets=False)
+
+
 def jpeg(array, quality=90) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(array).save(buffer, format="JPEG", quality=quality)

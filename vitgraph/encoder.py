@@ -23,7 +23,7 @@ from .options import (EngineOptions, buckets_for, configure_tower, engine_option
                       uses_graphs)
 from .processor_files import read_processor, read_video_processor
 from .precompile import PrecompileReport, TowerSetup, precompile, start_early
-from .tuning import Tuning, derive_tuning
+from .tuning import Tuning, check_reads, derive_tuning
 from .preprocess import check_same_rows, statistics
 from .encoder_images import ImageInput
 from .validation import check_out, check_pixels, check_rows, normalize_grid
@@ -159,6 +159,7 @@ class GraphedVisionEncoder(ImageInput):
         files = find_checkpoint(source, revision=revision, cache_dir=cache_dir,
                                 local_files_only=local_files_only, token=token)
         config = read_config(files)
+        check_reads(engine.tuning, family_of(config).tower)  # before the weights load
         processor = read_processor(files, config)
         video_processor = read_video_processor(files, config, processor)
         # Cold kernel caches: the workers need only the shapes, so they compile while the

@@ -22,7 +22,7 @@ def read_regular_file(path: str | os.PathLike, max_bytes: int, what: str) -> byt
     except IsADirectoryError:
         raise ValueError(f"{path}: is a directory, not {what}") from None
     except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
-        raise ValueError(f"{path!r}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
+        raise ValueError(f"{str(path)!r}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):  # checked before fdopen, which refuses a directory itself
         os.close(fd)

@@ -35,6 +35,7 @@ from safetensors.torch import save as save_safetensors
 
 from .decode import check_image_ceiling
 from .encoder import GraphedVisionEncoder
+from .options import engine_options as check_engine_options
 from .preprocess import check_pixel_limits, pixel_limits
 from .validation import check_pixels, check_rows, normalize_grid
 
@@ -43,7 +44,7 @@ from .validation import check_pixels, check_rows, normalize_grid
 SERVE_MAX_IMAGE_PIXELS = 1 << 26
 DEFAULT_WAIT_S = 0.005  # how long a batch waits for more requests once its first arrives
 # Requests a replica holds at once. Ray's default (5) starves the GPU: a batch then holds at
-# most five requests and the next ones are only sent once it returns (HISTORY.md).
+# most five requests and the next ones are only sent once it returns (benchmarks/HISTORY.md).
 DEFAULT_MAX_ONGOING = 64
 
 
@@ -280,6 +281,7 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
     if min_pixels is not None or max_pixels is not None:  # refused here, not in a replica's start-up
         check_pixel_limits(min_pixels if min_pixels is not None else 1, max_pixels if max_pixels is not None else 1 << 28)
     check_image_ceiling(max_image_pixels)
+    check_engine_options(engine_options)  # refused here, not in a replica's start-up
     if num_gpus is None:
         num_gpus = 1 if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else 0
     actor = {"num_gpus": num_gpus}

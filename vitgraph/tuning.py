@@ -76,7 +76,26 @@ def derive_tuning(config, device: torch.device, overrides: Mapping[str, Any] | N
     ``tower``: the kernel settings it does not read (its ``tuning_reads``) keep their defaults,
     and changing one is a ``ValueError``."""
     reads = getattr(tower, "tuning_reads", None)
-    return tuning_for(config, *device_arch(device), overrides, reads=reads, owner=type(tower).__name__)
+    return tuning_for(config, *device_arch(device), overrides, reads=reads, owner=_owner(tower))
+
+
+def check_reads(overrides: Mapping[str, Any] | None, tower) -> None:
+    """Refuse, naming them, overrides of kernel settings ``tower`` (a tower or its class) never
+    reads; before any weight is loaded."""
+    reads = getattr(tower, "tuning_reads", None)
+    if reads is not None:
+        _refuse_unread(overrides or {}, reads, _owner(tower))
+
+
+def _refuse_unread(overrides: Mapping[str, Any], reads: frozenset[str], owner: str) -> None:
+    unread = sorted(str(name) for name in overrides if not _read(str(name), reads))
+    if unread:
+        raise ValueError(f"tuning: the {owner} does not read {', '.join(map(repr, unread))}; "
+                         f"of the kernel settings it reads {', '.join(sorted(reads))}")
+
+
+def _owner(tower) -> str:
+    return tower.__name__ if isinstance(tower, type) else type(tower).__name__
 
 
 def tuning_for(config, arch: int | None, sm_count: int | None, overrides: Mapping[str, Any] | None = None,
@@ -89,10 +108,7 @@ def tuning_for(config, arch: int | None, sm_count: int | None, overrides: Mappin
     overrides = overrides or {}
     apply_overrides(tuning, overrides)  # unknown names and bad values first
     if reads is not None:
-        unread = sorted(str(name) for name in overrides if not _read(str(name), reads))
-        if unread:
-            raise ValueError(f"tuning: the {owner} does not read {', '.join(map(repr, unread))}; "
-                             f"of the kernel settings it reads {', '.join(sorted(reads))}")
+        _refuse_unread(overrides, reads, owner)
         tuning = _unread_to_defaults(tuning, reads)
     return apply_overrides(tuning, overrides)
 
@@ -106,8 +122,8 @@ def _read(name: str, reads: frozenset[str]) -> bool:
 
 
 def _unread_to_defaults(tuning: Tuning, reads: frozenset[str]) -> Tuning:
-    """``tuning`` with each kernel setting a tower does not read at its default, so that what the
-    encoder shows is what runs (a threshold derived for a kernel the tower never calls is not)."""
+    """``tuning`` with each kernel setting a tower does not read at its default, so that the
+    encoder shows no threshold derived for a kernel its tower never calls."""
     for group_name in KERNEL_GROUPS:
         group = getattr(tuning, group_name)
         defaults = type(group)()
@@ -119,6 +135,7 @@ def _unread_to_defaults(tuning: Tuning, reads: frozenset[str]) -> Tuning:
 
 _FIXED = ("gemm.backend",)  # chosen by EngineOptions.gemm, not by name
 _OPTIONAL_COUNTS = ("buckets.dense_max_tokens",)  # a positive int or None
+_POSITIVE = ("gemm.sm_count", "attention.sm_count")  # the wave models divide by them
 
 
 def check_overrides(overrides) -> None:
@@ -168,6 +185,8 @@ def _coerce(name: str, current, value):
         return _tile(value, bad)
     if isinstance(current, (int, float)):
         if not isinstance(value, (int, float)) or (isinstance(current, int) and not isinstance(value, int)):
+            raise bad()
+        if name in _POSITIVE and value < 1:
             raise bad()
         return value
     if isinstance(current, str):

@@ -50,7 +50,7 @@ def median_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup
 
 
 # Seconds of back-to-back calls before an A/B's rounds: a cool board's clock dips as it reaches
-# its power cap, and a block timed in the dip reads slow (HISTORY.md, benchmarks/ab_sequence.py --clocks).
+# its power cap, and a block timed in the dip reads slow (benchmarks/HISTORY.md, benchmarks/ab_sequence.py --clocks).
 PREHEAT_SECONDS = 5.0
 
 
@@ -74,7 +74,7 @@ def alternating_ab(run: Callable[[str, torch.Tensor, list], torch.Tensor], keys:
     seconds of calls of the first key bring the board to the clock it holds under load.
 
     Without the preheat, rounds that start on a cool board put the power cap's first clock dip
-    on whichever key it falls in (the mirrored order, ABBA, always on the first key); HISTORY.md
+    on whichever key it falls in (the mirrored order, ABBA, always on the first key); benchmarks/HISTORY.md
     and ``benchmarks/ab_setting.py``'s doc have the numbers."""
     gen = torch.Generator().manual_seed(0)
     results = []

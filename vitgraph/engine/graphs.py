@@ -113,7 +113,7 @@ class GraphBank:
         self._staging_np = self._staging.numpy()
         # Recorded after each copy out of the staging buffer. Where torch can record an event
         # inside a graph, each graph copies its metadata from the staging buffer itself: a
-        # host op fewer before every replay, on hosts where each costs measurable time (HISTORY.md).
+        # host op fewer before every replay, on hosts where each costs measurable time (benchmarks/HISTORY.md).
         external = _external_event()
         self.copies_metadata_in_graph = external is not None
         self._staged = external or torch.cuda.Event()
@@ -275,7 +275,7 @@ class GraphBank:
                     # One segment as large as the forward's peak, freed at once: every later
                     # allocation of every capture is split from it. Without it the pool keeps
                     # a segment per size the first forward allocated (x, qkv, fc1 out, ...),
-                    # since a block never spans segments: well above the peak (HISTORY.md).
+                    # since a block never spans segments: well above the peak (benchmarks/HISTORY.md).
                     torch.empty(arena, dtype=torch.uint8, device=self.device)
                 if self.copies_metadata_in_graph:
                     meta, pinned, _ = self._meta_copy[bucket]

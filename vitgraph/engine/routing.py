@@ -4,7 +4,7 @@ dense bucket, or the packed one), and which packed buckets the next larger one b
 Both graphs of a budget run the same GEMMs over the same padded rows; they differ in
 attention. The dense bucket attends over every row of the bucket (padding keys masked),
 at a speed set by how its query tiles fill the GPU's waves. The packed bucket's ragged
-attention computes only the frame's rows, but runs slower per row (HISTORY.md). Which wins
+attention computes only the frame's rows, but runs slower per row (benchmarks/HISTORY.md). Which wins
 depends on the bucket size and on how much of it the frame fills, so it is measured once, at
 capture:
 

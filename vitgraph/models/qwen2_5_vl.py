@@ -378,7 +378,7 @@ class Qwen25VisionTower(ReferenceTower):
         return kernels.add_rmsnorm(x, y, norm.weight, norm.eps, y_bias, tuning=self.tuning.norms)
 
     def proj_fused(self, out, attn):
-        # K split at small rows: it measured faster for Qwen2.5-VL-7B (HISTORY.md)
+        # K split at small rows: it measured faster for Qwen2.5-VL-7B (benchmarks/HISTORY.md)
         return linear_split_k(out, attn.proj.weight, attn.proj.bias, self.tuning.gemm)
 
     def mlp_in(self, h, block) -> torch.Tensor:

@@ -234,7 +234,7 @@ class FusedForward:
                 x.addmm_(out.reshape(rows, -1), attn.proj.weight.t())
                 # out goes back before h is allocated, so h takes out's block and not the
                 # start of qkv's: there it would split the space fc1's output needs next, and
-                # the graphs' pool would grow a segment of that size, well above the peak (HISTORY.md).
+                # the graphs' pool would grow a segment of that size, well above the peak (benchmarks/HISTORY.md).
                 del out
                 h = kernels.add_layernorm(x, None, block.norm2.weight, block.norm2.bias, block.norm2.eps,
                                           offset=offsets[2 * i], tuning=norms)

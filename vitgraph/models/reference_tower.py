@@ -137,7 +137,7 @@ class ReferenceTower(TowerBase, nn.Module):
 
     def proj_fused(self, out: torch.Tensor, attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention's output projection: ``(y, y_bias)`` for :meth:`add_norm`."""
-        # No split K here: it made Qwen3-VL-8B slower (HISTORY.md).
+        # No split K here: it made Qwen3-VL-8B slower (benchmarks/HISTORY.md).
         return F.linear(out, attn.proj.weight, attn.proj.bias), None
 
     def mlp_in(self, h: torch.Tensor, block: nn.Module) -> torch.Tensor:

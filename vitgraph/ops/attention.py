@@ -171,7 +171,7 @@ def fa4_prefers_short_tile(max_seqlen: int, heads: int, tuning: AttentionTuning)
     """Whether a batch whose segments hold at most ``max_seqlen`` tokens attends with the short
     tile rather than the long one: never above ``short_seqlen``; below, where one frame of
     ``max_seqlen`` tokens (what a bucket's single-frame steps hold) takes no more tile-rows of
-    time with it (where the short tile needs more waves it replays slower: HISTORY.md)."""
+    time with it (where the short tile needs more waves it replays slower: benchmarks/HISTORY.md)."""
     if not tuning.choose_tiles or max_seqlen > tuning.short_seqlen:
         return False
     return (_wave_cost(max_seqlen, heads, tuning, tuning.short_tile)
@@ -181,7 +181,7 @@ def fa4_prefers_short_tile(max_seqlen: int, heads: int, tuning: AttentionTuning)
 def fa4_prefers_tiny_tile(max_seqlen: int, heads: int, tuning: AttentionTuning) -> bool:
     """Whether a small batch whose segments hold at most ``max_seqlen`` tokens attends with the
     tiny tile rather than the short one: only where one such frame takes strictly less time by
-    the same wave count (on a tie the larger tile is the faster one: HISTORY.md)."""
+    the same wave count (on a tie the larger tile is the faster one: benchmarks/HISTORY.md)."""
     if tuning.tiny_tile is None or not fa4_prefers_short_tile(max_seqlen, heads, tuning):
         return False
     return (_wave_cost(max_seqlen, heads, tuning, tuning.tiny_tile)

@@ -1,7 +1,7 @@
 """cuDNN's fused attention over packed segments (ragged offsets + padding mask), through
 the optional ``nvidia-cudnn-frontend`` package.
 
-At head_dim 80 it beats FA2 varlen for packed buckets (HISTORY.md,
+At head_dim 80 it beats FA2 varlen for packed buckets (benchmarks/HISTORY.md,
 ``benchmarks/attention_graphs.py``). A cuDNN graph is slow to build, so one is
 built per fixed layout ``(segments, max_seqlen)`` and kept: the engine uses it only for
 graph buckets, whose layout never changes; exact-shape eager calls keep FA2 varlen.

@@ -50,7 +50,7 @@ class Tile(NamedTuple):
     cluster_n: int
 
 
-TILE = Tile(128, 160, True, 1, 2)  # the tile measured fastest for fc1 (1280 -> 5120) on Hopper (HISTORY.md)
+TILE = Tile(128, 160, True, 1, 2)  # the tile measured fastest for fc1 (1280 -> 5120) on Hopper (benchmarks/HISTORY.md)
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class GemmTuning:
 
 
 # Rows, bands and tiles measured on Hopper for Qwen2-VL's tower (K = 1280; fc1 N = 5120, qkv N = 3840),
-# each kept only where it beat the A/A noise end to end; the timings are in HISTORY.md.
+# each kept only where it beat the A/A noise end to end; the timings are in benchmarks/HISTORY.md.
 _MEASURED = dict(fc1_min_rows=512, qkv_min_rows=2048, rope_min_rows=576, small_rows=(256, 256),
                  rope_small_rows=(512, 512),
                  fc1_tiles=((Tile(128, 128, True, 1, 2), 7.39),),
@@ -107,7 +107,7 @@ def gemm_tuning(backend: str, arch: int | None, sm_count: int | None, embed: int
     capability major ``arch`` with ``sm_count`` SMs (None, None: not a GPU).
 
     Split K (proj and fc2, N = ``embed``) while their 128x128 output tiles fill at most 0.55 of
-    the SMs (896 rows at 1280 wide on 132 SMs), where splitting measured faster (HISTORY.md).
+    the SMs (896 rows at 1280 wide on 132 SMs), where splitting measured faster (benchmarks/HISTORY.md).
     quack's row thresholds: where a 128-row tile grid fills one wave (fc1, qkv + rotary)
     or three (plain qkv), except on the measured tower, which keeps its measured rows and bands."""
     hopper = arch in QUACK_ARCHS and sm_count is not None

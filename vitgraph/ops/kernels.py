@@ -59,12 +59,12 @@ class NormTuning:
     # Hopper and later: let the kernel after it launch once every program has started
     # (griddepcontrol.launch_dependents): quack's GEMMs after it (launched with programmatic
     # dependent launch) overlap their launch and prologue with it. Up to this many rows (above,
-    # it measured slower: HISTORY.md); 0: never.
+    # it measured slower: benchmarks/HISTORY.md); 0: never.
     launch_dependents_max_rows: int = 0
     one_row_max_rows: int = 512  # one row per program, 8 warps, up to here: fills more SMs
     # From wide_min_rows rows of widths in wide_widths: (rows per program, warps) = wide_layout
     # (else the width rule, about 8k elements a program). 2 rows and 2 warps measured faster at
-    # 1280 wide (HISTORY.md): kept for rows of the same power-of-two block, which a program's
+    # 1280 wide (benchmarks/HISTORY.md): kept for rows of the same power-of-two block, which a program's
     # registers hold the same way.
     wide_min_rows: int = 2049
     wide_layout: tuple[int, int] | None = (2, 2)
@@ -376,7 +376,7 @@ def add_rmsnorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, e
 def prefix_sums(x: torch.Tensor) -> torch.Tensor:
     """fp32 running sums down the rows of ``x [R, N]`` (contiguous): ``torch.cumsum(x, 0,
     dtype=torch.float32)`` up to fp32 rounding, in one short kernel. torch's scan walks each
-    column's rows in sequence, slow even for ``[64, 1280]`` (HISTORY.md); here each program loads
+    column's rows in sequence, slow even for ``[64, 1280]`` (benchmarks/HISTORY.md); here each program loads
     all rows of a column block at once and scans them in registers."""
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous [R, N] tensor, got {tuple(x.shape)}")
