@@ -37,8 +37,8 @@ def worker_main(spec_json: str) -> None:
         # The tuning as the encoder derives it: from the device and the widths (which a
         # one-block tower shares), with the encoder's changes by name.
         options = EngineOptions(**spec["options"])
-        attention, tuning = configure_tower(tower, options, derive_tuning(tower.config, device, options.tuning, tower=tower),
-                                            device, dtype)
+        tuning = derive_tuning(tower.config, device, options.tuning, tower=tower)  # as the encoder's
+        attention, tuning = configure_tower(tower, options, tuning, device, dtype)
         index, count = spec["share"]
         every = [j for j in kernel_jobs(tower, buckets_for(tower, options, attention, device, tuning))
                  if _persists(j.op)]

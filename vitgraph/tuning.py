@@ -106,11 +106,11 @@ def tuning_for(config, arch: int | None, sm_count: int | None, overrides: Mappin
     tuning = Tuning(gemm=gemm_tuning("cublas", arch, sm_count, config.embed_dim, mlp_width(config)),
                     norms=norm_tuning(arch), attention=attention_tuning(arch, sm_count, config.head_dim))
     overrides = overrides or {}
-    apply_overrides(tuning, overrides)  # unknown names and bad values first
+    tuning = apply_overrides(tuning, overrides)  # unknown names and bad values first
     if reads is not None:
-        _refuse_unread(overrides, reads, owner)
+        _refuse_unread(overrides, reads, owner)  # so resetting the unread settings undoes no override
         tuning = _unread_to_defaults(tuning, reads)
-    return apply_overrides(tuning, overrides)
+    return tuning
 
 
 KERNEL_GROUPS = ("gemm", "norms", "attention")  # what a tower reads; the other groups the engine reads
