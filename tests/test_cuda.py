@@ -490,6 +490,15 @@ def test_qkv_rope_epilogue_against_gemm_plus_triton_rotary():
             assert torch.equal(other, got), tile
         v = slice(2 * heads * head_dim, None)  # v is not rotated
         assert rel_err(got[:real, v].float(), ref[:real, v].float()) <= 1e-2
+        # A real row with an inf: its v comes out 0 where not finite (FlashAttention 4 weighs a
+        # tile's values past a segment's end 0), every other row as it was.
+        poisoned = x.clone()
+        poisoned[real // 2, 7] = float("inf")
+        hit = linear_qkv_rope(poisoned, weight, bias, freq_h, freq_w, pos_h, pos_w, quack)
+        assert not torch.isfinite(F.linear(poisoned[real // 2], weight)[v]).all()
+        assert torch.isfinite(hit[real // 2, v]).all() and not torch.isfinite(hit[real // 2, :v.start]).all()
+        others = torch.arange(rows, device="cuda") != real // 2
+        assert torch.equal(hit[others], got[others])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = linear_qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, quack)

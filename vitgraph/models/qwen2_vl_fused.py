@@ -169,95 +169,94 @@ class FusedForward:
         """The same math with three Triton kernels per half-block (see :mod:`vitgraph.ops.kernels`).
 
         The residual stream ``x`` is updated in place; each add is fused with the LayerNorm
-        that follows it, the last one with the merger's. One padded segment (a dense bucket)
-        attends through cuDNN with a masking lane; packed buckets through cuDNN's ragged
-        attention when the backend is ``cudnn``; anything else through ``attend`` (with the
-        padding rows zeroed by the rotary kernel for ``fa4``). With the ``quack`` GEMM backend,
-        where the tower's :class:`~vitgraph.ops.gemm.GemmTuning` says (``rope_min_rows`` and
-        its bands) outside dense buckets, qkv's GEMM applies the rotary and zeroes the padding
-        rows in its epilogue (:mod:`vitgraph.ops.gemm_rope`) and the rotary kernel is skipped.
-        At small row counts proj and fc2 split K (in two, fc2 in four at ``split_k_long_rows``
-        rows; :func:`vitgraph.ops.gemm.split_k_count`) and the
-        add+LayerNorm after each sums the partial products. Above those (``bias_free``:
-        :func:`vitgraph.ops.gemm.bias_free_stream`) proj and fc2 add their products into the stream
-        themselves (cuBLAS, ``addmm_``) and their biases stay out of it: each LayerNorm adds the
-        fp32 sum of the biases so far to the rows it normalizes.
+        that follows it, the last one with the merger's. Which kernels qkv, attention, proj and
+        fc2 take is :meth:`fused_paths`' (a padded one-segment layout: cuDNN with a masking lane;
+        the ``cudnn`` backend's packed layouts: its ragged attention; quack's GEMM: the rotary in
+        qkv's epilogue; proj and fc2 split K at small row counts and add into the stream above).
         ``blocks``: a prefix of the tower's blocks to run instead of all (see :meth:`warm_up`).
         """
-        cfg, blocks = self.config, self.blocks if blocks is None else blocks
-        rows, gemm, norms = pixels.shape[0], self.tuning.gemm, self.tuning.norms
+        blocks = self.blocks if blocks is None else blocks
         paths = self.fused_paths(batch)
-        lane, rope_epilogue, ragged_layout, zero_padding, bias_free = paths
         # The rotary inputs first: they live through the forward while their temporaries
         # do not, so the holes those leave sit at the start of the graphs' memory pool
         # rather than between the big activations.
-        if rope_epilogue:
-            freq_h, freq_w = self.rope_columns()
-            pos_h, pos_w = self.rope_rows(batch)
-            cos = sin = None
-        else:
-            cos, sin = self.rotary(batch.positions)
-        if bias_free:  # the biases the stream would hold after each proj and fc2, summed in fp32
-            offsets = kernels.prefix_sums(self.stream_biases())  # all blocks': one kernel variant
+        rotary = self._rotary_inputs(batch, paths)
+        # The biases the stream would hold after each proj and fc2, summed in fp32 (all blocks': one kernel variant).
+        offsets = kernels.prefix_sums(self.stream_biases()) if paths.bias_free else None
         x = self.patch_embed(pixels)
         ragged = None
-        if ragged_layout:
-            ragged = cudnn_attention.ragged_metadata(batch.cu_seqlens, cfg.num_heads, cfg.head_dim)
-        norm = blocks[0].norm1
-        h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps, tuning=norms)
+        if paths.ragged:
+            ragged = cudnn_attention.ragged_metadata(batch.cu_seqlens, self.config.num_heads, self.config.head_dim)
+        h = self._add_norm(x, None, blocks[0].norm1, None)
         # Each intermediate is dropped as soon as it is dead: a name held until the next block
         # would keep a second copy alive (qkv, the fc1 output) and double the activation peak,
-        # in eager runs and in the graphs' pool alike.
+        # in eager runs and in the graphs' pool alike. A product goes back before the LayerNorm
+        # after it allocates h, so h takes its block and not the start of qkv's: there it would
+        # split the space fc1's output needs next and grow the pool (benchmarks/HISTORY.md).
         for i, block in enumerate(blocks):
-            attn, mlp = block.attn, block.mlp
-            if rope_epilogue:
-                qkv = linear_qkv_rope(h, attn.qkv.weight, attn.qkv.bias, freq_h, freq_w, pos_h, pos_w, gemm)
-            else:
-                qkv = linear_qkv(h, attn.qkv.weight, attn.qkv.bias, gemm)
+            qkv = self._qkv(h, block.attn, rotary, paths)
             del h
-            q, k, v = self._rotate(qkv, cos, sin, batch, paths)
-            if lane is not None:
-                out = dense_masked(q, k, v, cfg.head_dim ** -0.5)
-            elif ragged is not None:  # reads q, k, v out of qkv itself
-                finite_values_(v)  # its tiles past a segment's end weigh the next one's values 0
-                out = cudnn_attention.ragged_attention(qkv.view(rows, 3, cfg.num_heads, -1), ragged,
-                                                       batch.max_seqlen)
-            else:
-                finite = zero_padding  # the rotary kernel zeroed v's non-finite values too
-                if rope_epilogue and attn.backend == "fa4" and not batch.dense:  # the GEMM's epilogue did not
-                    finite_values_(v)
-                    finite = True
-                out = attend(attn.backend, q, k, v, batch, padding_zeroed=zero_padding or rope_epilogue,
-                             tuning=self.tuning.attention, values_finite=finite)
-            del q, k, v, qkv
-            if bias_free:
-                x.addmm_(out.reshape(rows, -1), attn.proj.weight.t())
-                # out goes back before h is allocated, so h takes out's block and not the
-                # start of qkv's: there it would split the space fc1's output needs next, and
-                # the graphs' pool would grow a segment of that size, well above the peak (benchmarks/HISTORY.md).
-                del out
-                h = kernels.add_layernorm(x, None, block.norm2.weight, block.norm2.bias, block.norm2.eps,
-                                          offset=offsets[2 * i], tuning=norms)
-            else:
-                y, y_bias = linear_split_k(out.reshape(rows, -1), attn.proj.weight, attn.proj.bias, gemm)
-                del out
-                h = kernels.add_layernorm(x, y, block.norm2.weight, block.norm2.bias, block.norm2.eps, y_bias,
-                                          tuning=norms)
-                del y
-            if block.act_name == "quick_gelu":
-                f = linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, gemm)
-            else:
-                f = ACTIVATIONS[block.act_name](F.linear(h, mlp.fc1.weight, mlp.fc1.bias))
+            out = self._attend_fused(qkv, block.attn, batch, rotary, paths, ragged)
+            del qkv
+            product = self._into_stream(x, out, block.attn.proj, paths)
+            del out
+            h = self._add_norm(x, product, block.norm2, offsets, 2 * i)
+            del product
+            f = self._fc1(h, block)
             del h
+            product = self._into_stream(x, f, block.mlp.fc2, paths)
+            del f
             norm = blocks[i + 1].norm1 if i + 1 < len(blocks) else self.merger.ln_q
-            if bias_free:
-                x.addmm_(f, mlp.fc2.weight.t())
-                del f  # as out above
-                h = kernels.add_layernorm(x, None, norm.weight, norm.bias, norm.eps, offset=offsets[2 * i + 1],
-                                          tuning=norms)
-            else:
-                z, z_bias = linear_split_k(f, mlp.fc2.weight, mlp.fc2.bias, gemm)
-                del f
-                h = kernels.add_layernorm(x, z, norm.weight, norm.bias, norm.eps, z_bias, tuning=norms)
-                del z
+            h = self._add_norm(x, product, norm, offsets, 2 * i + 1)
+            del product
         return self.merger.mlp(h.view(-1, self.merger.merged_dim))
+
+    def _rotary_inputs(self, batch: VisionBatch, paths: FusedPaths) -> tuple:
+        """qkv's epilogue's ``(freq_h, freq_w, pos_h, pos_w)``, or the rotary kernel's ``(cos, sin)``."""
+        if paths.rope_epilogue:
+            return (*self.rope_columns(), *self.rope_rows(batch))
+        return self.rotary(batch.positions)
+
+    def _qkv(self, h: torch.Tensor, attn: nn.Module, rotary: tuple, paths: FusedPaths) -> torch.Tensor:
+        if paths.rope_epilogue:
+            return linear_qkv_rope(h, attn.qkv.weight, attn.qkv.bias, *rotary, self.tuning.gemm)
+        return linear_qkv(h, attn.qkv.weight, attn.qkv.bias, self.tuning.gemm)
+
+    def _attend_fused(self, qkv: torch.Tensor, attn: nn.Module, batch: VisionBatch, rotary: tuple,
+                      paths: FusedPaths, ragged) -> torch.Tensor:
+        """Attention over ``qkv``, rotated first unless its GEMM did."""
+        cfg = self.config
+        q, k, v = self._rotate(qkv, *((None, None) if paths.rope_epilogue else rotary), batch, paths)
+        if paths.lane is not None:
+            return dense_masked(q, k, v, cfg.head_dim ** -0.5)
+        if ragged is not None:  # reads q, k, v out of qkv itself
+            finite_values_(v)  # its tiles past a segment's end weigh the next one's values 0
+            return cudnn_attention.ragged_attention(qkv.view(qkv.shape[0], 3, cfg.num_heads, -1), ragged,
+                                                    batch.max_seqlen)
+        # The rotary kernel (zero_padding) or qkv's epilogue zeroed v's padding rows and non-finite values.
+        zeroed = paths.zero_padding or paths.rope_epilogue
+        return attend(attn.backend, q, k, v, batch, padding_zeroed=zeroed, tuning=self.tuning.attention,
+                      values_finite=zeroed)
+
+    def _into_stream(self, x: torch.Tensor, y: torch.Tensor, linear: nn.Linear, paths: FusedPaths):
+        """proj's or fc2's product of ``y``: added into ``x`` in place (cuBLAS, ``addmm_``; None
+        returned) where the stream is bias-free, else its split-K partials and bias."""
+        if paths.bias_free:
+            x.addmm_(y.reshape(x.shape[0], -1), linear.weight.t())
+            return None
+        return linear_split_k(y.reshape(x.shape[0], -1), linear.weight, linear.bias, self.tuning.gemm)
+
+    def _add_norm(self, x: torch.Tensor, product, norm: nn.Module, offsets: torch.Tensor | None,
+                  index: int = 0) -> torch.Tensor:
+        """``x += product`` (if any, see :meth:`_into_stream`), then ``norm(x)``; ``offsets``: the
+        bias-free stream's summed biases, row ``index`` of them added."""
+        y, y_bias = (None, None) if product is None else product
+        offset = None if offsets is None else offsets[index]
+        return kernels.add_layernorm(x, y, norm.weight, norm.bias, norm.eps, y_bias, offset=offset,
+                                     tuning=self.tuning.norms)
+
+    def _fc1(self, h: torch.Tensor, block: nn.Module) -> torch.Tensor:
+        mlp = block.mlp
+        if block.act_name == "quick_gelu":
+            return linear_quick_gelu(h, mlp.fc1.weight, mlp.fc1.bias, self.tuning.gemm)
+        return ACTIVATIONS[block.act_name](F.linear(h, mlp.fc1.weight, mlp.fc1.bias))

@@ -14,7 +14,8 @@ each position, 0 where it does not apply: :meth:`Qwen2VisionTower.rope_columns`)
 ``pos_h * freq_h + pos_w * freq_w`` is the same single fp32 product the reference takes. The
 angle is reduced to ``[-pi, pi]`` and its cosine and sine taken with the hardware
 approximations (absolute error about 1e-6, far below bf16's step). v's columns have zero
-frequencies and pass through unrotated.
+frequencies and pass through unrotated, their non-finite values zeroed (what the fused
+forward's FlashAttention 4 path needs to keep items apart).
 """
 
 import functools
@@ -82,9 +83,15 @@ def _gemm_rope_class():
                 rotated = freq_h[a] + freq_w[a] > 0.0  # v's columns: cos 1, sin 0 exactly
                 cos = Float32(cutlass.select_(rotated, Float32(cute.math.cos(reduced, fastmath=True)), 1.0))
                 sin = Float32(cutlass.select_(rotated, Float32(cute.math.sin(reduced, fastmath=True)), 0.0))
+                # v's columns keep their finite values only (x - x is 0 only for finite x):
+                # FlashAttention 4 weighs values past a segment's end 0, and 0 * NaN is NaN.
+                y0 = Float32(cutlass.select_(rotated, x0 * cos - x1 * sin,
+                                             cutlass.select_(x0 - x0 == 0.0, x0, Float32(0.0))))
+                y1 = Float32(cutlass.select_(rotated, x1 * cos + x0 * sin,
+                                             cutlass.select_(x1 - x1 == 0.0, x1, Float32(0.0))))
                 keep = pos_h[a] >= 0.0  # padding rows may hold NaN: select, never multiply
-                tRS_rD[a] = Float32(cutlass.select_(keep, x0 * cos - x1 * sin, 0.0))
-                tRS_rD[b] = Float32(cutlass.select_(keep, x1 * cos + x0 * sin, 0.0))
+                tRS_rD[a] = Float32(cutlass.select_(keep, y0, 0.0))
+                tRS_rD[b] = Float32(cutlass.select_(keep, y1, 0.0))
             return None
 
     class GemmRopeSm90(RopeEpilogue, GemmSm90):
