@@ -9,6 +9,7 @@ from helpers import TINY_FAMILIES, pixels_for
 from vitgraph import GraphedVisionEncoder
 from vitgraph.models import family_for
 from vitgraph.ops.attention import BACKENDS, available_backends
+from vitgraph.ops.gemm import quack_available
 
 # helpers.TINY_FAMILIES' CPU-size towers: Qwen2.5 with windows of 4 x 4 patches between
 # full-attention blocks, Qwen3 with a deepstack merger, Qwen3.5 with none.
@@ -113,21 +114,30 @@ CUDA_BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(b not in _CUDA_HERE,
                  for b in BACKENDS]
 
 
+# quack's GEMMs at every row count: qkv's rotary epilogue (it zeroes v's non-finite values itself).
+QUACK_EVERYWHERE = {"gemm.fc1_min_rows": 0, "gemm.qkv_min_rows": 0, "gemm.rope_min_rows": 0}
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("fuse", [True, False, "quack"])
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_non_finite_item_leaves_the_others_bitwise_unchanged_on_cuda(family, backend, fuse):
-    """Every backend, in bf16, fused and reference forward: the padded layout eager (packed and,
-    for one item alone, a one-slot layout), then replayed from graphs (dense and packed buckets,
-    the cudnn backend's ragged attention and the dense variants)."""
-    if fuse and family != "qwen2_vl":
+    """Every backend, in bf16, fused and reference forward (and Qwen2-VL's fused one with quack's
+    GEMMs at every size): the padded layout eager (packed and, for one item alone, a one-slot
+    layout), then replayed from graphs (dense and packed buckets, the cudnn backend's ragged
+    attention and the dense variants)."""
+    tuning = {"buckets.dense_max_tokens": 1024, "routing.faster_buckets": False}
+    if fuse == "quack":
+        if family != "qwen2_vl" or not quack_available("cuda"):
+            pytest.skip("quack's GEMMs: Qwen2-VL's fused forward on a Hopper GPU with quack-kernels")
+        fuse, tuning = True, {**tuning, **QUACK_EVERYWHERE}
+    elif fuse and family != "qwen2_vl":
         fuse = None  # the others have one forward
-    kwargs = dict(budgets=[64, 256, 1024], max_items=8,
-                  tuning={"buckets.dense_max_tokens": 1024, "routing.faster_buckets": False})
+    kwargs = dict(budgets=[64, 256, 1024], max_items=8, tuning=tuning)
     enc = encoder(family, backend, "cuda", torch.bfloat16, mode="graph", fuse=fuse, **kwargs)
     pixels = pixels_for(enc, GRIDS, 7, "cuda", torch.bfloat16)
-    label = f"{family}/{backend}/fuse={fuse}"
+    label = f"{family}/{backend}/fuse={fuse}/gemm={enc.tuning.gemm.backend}"
     assert_isolated(lambda p: padded_forward(enc.tower, p, GRIDS), enc, pixels, GRIDS, f"{label} padded")
     assert_isolated(lambda p: enc.encode(p, GRIDS).clone(), enc, pixels, GRIDS, f"{label} graph")
     one = GRIDS[:1] + GRIDS[2:3]  # small items alone in a step: dense buckets where there are
