@@ -136,6 +136,8 @@ def test_a_non_finite_item_leaves_the_others_bitwise_unchanged_on_cuda(family, b
         fuse = None  # the others have one forward
     kwargs = dict(budgets=[64, 256, 1024], max_items=8, tuning=tuning)
     enc = encoder(family, backend, "cuda", torch.bfloat16, mode="graph", fuse=fuse, **kwargs)
+    if tuning.get("gemm.rope_min_rows") == 0:
+        assert enc.tuning.gemm.backend == "quack"
     pixels = pixels_for(enc, GRIDS, 7, "cuda", torch.bfloat16)
     label = f"{family}/{backend}/fuse={fuse}/gemm={enc.tuning.gemm.backend}"
     assert_isolated(lambda p: padded_forward(enc.tower, p, GRIDS), enc, pixels, GRIDS, f"{label} padded")

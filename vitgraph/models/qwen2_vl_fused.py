@@ -25,7 +25,7 @@ class FusedPaths(NamedTuple):
     """Which kernels the fused forward takes for a batch (see ``Qwen2VisionTower.fused_paths``)."""
 
     lane: int | None  # head-dim lanes of dense masked cuDNN attention (a padded one-segment layout)
-    rope_epilogue: bool  # qkv's quack GEMM rotates q and k and zeroes padding rows
+    rope_epilogue: bool  # qkv's quack GEMM rotates q and k, zeroes padding rows and v's non-finite values
     ragged: bool  # cuDNN ragged attention (the cudnn backend's packed layouts)
     zero_padding: bool  # the rotary kernel zeroes padding rows (FlashAttention 4 reads them)
     # proj's and fc2's biases kept out of the residual stream, added by each LayerNorm (vitgraph.ops.gemm)
@@ -190,9 +190,9 @@ class FusedForward:
         h = self._add_norm(x, None, blocks[0].norm1, None)
         # Each intermediate is dropped as soon as it is dead: a name held until the next block
         # would keep a second copy alive (qkv, the fc1 output) and double the activation peak,
-        # in eager runs and in the graphs' pool alike. A product goes back before the LayerNorm
-        # after it allocates h, so h takes its block and not the start of qkv's: there it would
-        # split the space fc1's output needs next and grow the pool (benchmarks/HISTORY.md).
+        # in eager runs and in the graphs' pool alike. out (and fc1's output) goes back before the
+        # LayerNorm after it allocates h, so h takes its block and not the start of qkv's: there it
+        # would split the space fc1's output needs next and grow the pool (benchmarks/HISTORY.md).
         for i, block in enumerate(blocks):
             qkv = self._qkv(h, block.attn, rotary, paths)
             del h

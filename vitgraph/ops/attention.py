@@ -332,7 +332,8 @@ def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batc
            values_finite: bool = False) -> torch.Tensor:
     """Non-causal attention inside each segment of ``batch.cu_seqlens``. ``padding_zeroed``: the
     caller has zeroed the padding rows of ``v`` (FlashAttention 4 reads them, weighted 0);
-    ``values_finite``: and every non-finite value of ``v`` (the rotary kernel's ``zero_padding``).
+    ``values_finite``: and every non-finite value of ``v`` (the rotary kernel's ``zero_padding``,
+    qkv's rope epilogue).
     ``tuning``: the tower's (FlashAttention 4's tiles)."""
     if backend == "fa4":
         if not batch.dense and not values_finite:  # FA4 weighs the next segment's values 0: finite only

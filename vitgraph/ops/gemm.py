@@ -286,7 +286,8 @@ def rope_in_gemm(rows: int, weight: torch.Tensor, tuning: GemmTuning) -> bool:
 def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, freq_h: torch.Tensor,
                     freq_w: torch.Tensor, pos_h: torch.Tensor, pos_w: torch.Tensor,
                     tuning: GemmTuning) -> torch.Tensor:
-    """qkv with q and k rotated and padding rows (``pos_h < 0``) zeroed, one quack GEMM; see
+    """qkv with q and k rotated, padding rows (``pos_h < 0``) and v's non-finite values zeroed, one
+    quack GEMM; see
     :func:`vitgraph.ops.gemm_rope.qkv_rope`. Call it only where :func:`rope_in_gemm` holds."""
     from .gemm_rope import qkv_rope
 

@@ -128,7 +128,8 @@ def _compiler():
 
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, freq_h: torch.Tensor, freq_w: torch.Tensor,
              pos_h: torch.Tensor, pos_w: torch.Tensor, config) -> torch.Tensor:
-    """``x @ weight.T + bias`` with q and k rotated and padding rows zeroed, one kernel.
+    """``x @ weight.T + bias`` with q and k rotated, padding rows and v's non-finite values zeroed,
+    one kernel.
 
     ``weight [N, K]``/``bias [N]``: qkv with each rotated pair of columns side by side;
     ``freq_h``/``freq_w``: fp32 ``[N]`` per-column frequencies; ``pos_h``/``pos_w``: fp32
