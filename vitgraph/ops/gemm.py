@@ -287,8 +287,8 @@ def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, f
                     freq_w: torch.Tensor, pos_h: torch.Tensor, pos_w: torch.Tensor,
                     tuning: GemmTuning) -> torch.Tensor:
     """qkv with q and k rotated, padding rows (``pos_h < 0``) and v's non-finite values zeroed, one
-    quack GEMM; see
-    :func:`vitgraph.ops.gemm_rope.qkv_rope`. Call it only where :func:`rope_in_gemm` holds."""
+    quack GEMM; see :func:`vitgraph.ops.gemm_rope.qkv_rope`. Call it only where :func:`rope_in_gemm`
+    holds."""
     from .gemm_rope import qkv_rope
 
     return qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w,
