@@ -59,7 +59,15 @@ def test_every_call_together_equals_the_same_call_alone(alone):
 def test_graphs_survive_a_process_wide_cublas_workspace_clear():
     """torch.compile's CUDA-graph trees call torch._C._cuda_clearCublasWorkspaces around every
     recording. The graphs' cuBLAS workspaces must not be among what that frees: memory handed
-    out afterwards (filled with a sentinel here) stays untouched by replays, and replays stay exact."""
+    out afterwards (filled with a sentinel here) stays untouched by replays, and replays stay exact.
+    Every stream of torch's pool has a workspace outside any graph pool first (torch.cuda.Stream()
+    hands its 32 out again and again): the bank's capture stream must be none of them."""
+    x = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+    for _ in range(40):
+        with torch.cuda.stream(torch.cuda.Stream()):
+            torch.mm(x, x)
+            torch.addmm(x[0], x, x)  # cuBLASLt's workspace too
+    torch.cuda.synchronize()
     enc = encoder("a")
     calls = [[(1, 16, 16)], [(1, 32, 32)], [(1, 64, 64)], [(2, 16, 28), (1, 8, 12)]]
     inputs = [pixels_for(grids, i) for i, grids in enumerate(calls)]

@@ -21,11 +21,15 @@ CUDA-graph trees call around every recording); a workspace outside the pool woul
 handed to other tensors while the graphs still write to it. So warm-ups run on the
 caller's stream, and the bank's capture stream is used by captures alone: its workspaces
 are allocated inside the pool (first by a small primer graph, before the arena), where
-freeing them returns them to memory only this bank's captures draw from.
+freeing them returns them to memory only this bank's captures draw from. That stream is
+created for the bank (:func:`own_stream`), not taken from torch's pool of streams, which
+hands the same few out again: a pooled stream would come with the workspace a caller or
+an earlier bank left on it, outside this pool (and shared with whoever uses it).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -44,6 +48,18 @@ logger = logging.getLogger(__name__)
 
 ARENA_ALIGN = 2 << 20  # the caching allocator rounds large segments to 2 MiB
 ARENA_MARGIN = 16  # the pool's first segment is the forward's peak plus 1/16
+
+
+def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
+    """A CUDA stream no one else holds, created through the CUDA runtime. Never destroyed: cuBLAS
+    keys its workspaces by stream address, and a later stream at the same address would inherit
+    this one's, inside this bank's pool."""
+    handle = ctypes.c_uint64(0)
+    with torch.cuda.device(device):
+        error = torch.cuda.cudart().cudaStreamCreate(ctypes.addressof(handle))
+    if int(error) != 0 or not handle.value:
+        raise RuntimeError(f"cudaStreamCreate failed on {device}: error {int(error)}")
+    return torch.cuda.ExternalStream(handle.value, device=device)
 
 
 def _round_up(n: int, align: int) -> int:
@@ -124,7 +140,7 @@ class GraphBank:
                            for b, n in sizes.items()}
         # Used by captures alone, so that the workspaces cuBLAS keeps for it live in the pool
         # (see the module doc). Warm-ups run on the caller's stream.
-        self._capture_stream = torch.cuda.Stream(device)
+        self._capture_stream = own_stream(device)
         self._primer: tuple | None = None  # (graph, its tensors): owns the pool before any bucket
         self.workspace_bytes = 0  # the pool's bytes that hold library workspaces, not activations
 
