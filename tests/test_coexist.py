@@ -56,6 +56,35 @@ def test_every_call_together_equals_the_same_call_alone(alone):
     assert not differ, differ[:10]
 
 
+def test_each_bank_captures_on_a_non_blocking_stream_of_its_own():
+    """Not one of torch's pooled streams (they come with whatever workspace their last user left)
+    and not one another's; non-blocking, as torch's own (a capture on a blocking stream would
+    make any use of the legacy stream invalid)."""
+    import ctypes
+
+    from vitgraph.engine.streams import CU_STREAM_NON_BLOCKING, _driver, own_stream
+
+    pooled = {torch.cuda.Stream().cuda_stream for _ in range(64)} | {torch.cuda.Stream(priority=-1).cuda_stream
+                                                                      for _ in range(64)}
+    own = [own_stream(torch.device("cuda")) for _ in range(3)]
+    handles = {s.cuda_stream for s in own}
+    assert len(handles) == 3 and not handles & pooled
+    driver = _driver()
+    driver.cuStreamGetFlags.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint)]
+    for stream in own:
+        flags = ctypes.c_uint(0)
+        assert driver.cuStreamGetFlags(ctypes.c_void_p(stream.cuda_stream), ctypes.byref(flags)) == 0
+        assert flags.value & CU_STREAM_NON_BLOCKING
+    x = torch.ones(64, 64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=own[0]):
+        y = x @ x
+    x.fill_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(y, 256.0))
+
+
 def test_graphs_survive_a_process_wide_cublas_workspace_clear():
     """torch.compile's CUDA-graph trees call torch._C._cuda_clearCublasWorkspaces around every
     recording. The graphs' cuBLAS workspaces must not be among what that frees: memory handed

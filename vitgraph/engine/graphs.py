@@ -22,14 +22,13 @@ handed to other tensors while the graphs still write to it. So warm-ups run on t
 caller's stream, and the bank's capture stream is used by captures alone: its workspaces
 are allocated inside the pool (first by a small primer graph, before the arena), where
 freeing them returns them to memory only this bank's captures draw from. That stream is
-created for the bank (:func:`own_stream`), not taken from torch's pool of streams, which
-hands the same few out again: a pooled stream would come with the workspace a caller or
-an earlier bank left on it, outside this pool (and shared with whoever uses it).
+created for the bank (:func:`vitgraph.engine.streams.own_stream`), not taken from torch's
+pool of streams, which hands the same few out again: a pooled stream may come with the
+workspace a caller or an earlier bank left on it, outside this pool.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
@@ -42,24 +41,13 @@ from tqdm.auto import tqdm
 
 from .contract import BatchLayout, VisionTower
 from .planner import Bucket
+from .streams import own_stream
 
 logger = logging.getLogger(__name__)
 
 
 ARENA_ALIGN = 2 << 20  # the caching allocator rounds large segments to 2 MiB
 ARENA_MARGIN = 16  # the pool's first segment is the forward's peak plus 1/16
-
-
-def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
-    """A CUDA stream no one else holds, created through the CUDA runtime. Never destroyed: cuBLAS
-    keys its workspaces by stream address, and a later stream at the same address would inherit
-    this one's, inside this bank's pool."""
-    handle = ctypes.c_uint64(0)
-    with torch.cuda.device(device):
-        error = torch.cuda.cudart().cudaStreamCreate(ctypes.addressof(handle))
-    if int(error) != 0 or not handle.value:
-        raise RuntimeError(f"cudaStreamCreate failed on {device}: error {int(error)}")
-    return torch.cuda.ExternalStream(handle.value, device=device)
 
 
 def _round_up(n: int, align: int) -> int:
