@@ -86,6 +86,33 @@ def _hf_processor(proc):
                image_mean=list(proc.image_mean), image_std=list(proc.image_std)), transformers
 
 
+def test_qwen3_vl_clips_match_transformers_video_processor_on_the_gpu():
+    """Qwen3-VL's video processor sizes a clip by its pixels over all frames: a clip past the
+    limit is shrunk frame by frame as transformers' torchvision video processor shrinks it; rows
+    equal to 1e-5 after normalisation, grids identical."""
+    from dataclasses import replace
+
+    pytest.importorskip("torchvision")
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    from vitgraph.models import QWEN3_VL_VIDEO_PROCESSOR
+
+    video = replace(QWEN3_VL_VIDEO_PROCESSOR, max_pixels=2_000_000)
+    hf = Qwen3VLVideoProcessor(size={"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels},
+                               patch_size=16, temporal_patch_size=2, merge_size=2,
+                               image_mean=list(video.image_mean), image_std=list(video.image_std))
+    for frames, (h, w) in ((8, (720, 1280)), (5, (360, 640))):
+        clip = np.stack([photo(h, w, i) for i in range(frames)])
+        ref = hf(videos=[clip], do_sample_frames=False, device="cuda", return_tensors="pt")
+        rows, grid = image_rows(videos=[list(clip)], processor=QWEN3_VL_PROCESSOR, video_processor=video,
+                                device=torch.device("cuda"), preprocess="device")
+        assert torch.equal(grid, ref["video_grid_thw"].long().cpu()), (grid, ref["video_grid_thw"])
+        ours = normalize_rows(rows, *statistics(video, "cuda"), torch.float32)
+        diff = (ours - ref["pixel_values_videos"].to("cuda", torch.float32)).abs().max().item()
+        print(f"\n{frames} frames of {h}x{w}: grid {grid.tolist()}, max |diff| {diff:.3e}")
+        assert diff <= 1e-5
+
+
 @pytest.mark.parametrize("proc", [QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR], ids=["qwen2", "qwen3"])
 @pytest.mark.parametrize("content", ["photo", "noise"])
 def test_device_processor_matches_transformers_torchvision_on_the_gpu(proc, content):

@@ -1,6 +1,7 @@
 """Preprocessing parity with transformers' Qwen2VLImageProcessorPil, and the video path."""
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -126,3 +127,56 @@ def test_qwen3_vl_video_pairs_frames_into_16_pixel_patches():
     frames = [_image(64, 96, i) for i in range(3)]
     pixels, grid = preprocess_video(frames, processor=q3, min_pixels=32 * 32)  # no upscaling: 64 x 96 stays
     assert grid.tolist() == [[2, 4, 6]] and pixels.shape == (2 * 4 * 6, 1536)
+
+
+def _transformers_qwen3_video_smart_resize():
+    """transformers' own Qwen3-VL video ``smart_resize``, read from its module's source: the module
+    needs torchvision to import, which CPU machines may lack; the function needs only math."""
+    import ast
+    import importlib.util
+    import math
+
+    spec = importlib.util.find_spec("transformers.models.qwen3_vl.video_processing_qwen3_vl")
+    tree = ast.parse(open(spec.origin).read())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "smart_resize")
+    namespace = {"math": math}
+    exec(compile(ast.Module([node], []), spec.origin, "exec"), namespace)
+    return namespace["smart_resize"]
+
+
+def test_qwen3_vl_clips_are_sized_as_transformers_sizes_them():
+    """The clip's pixels (frames x height x width) within the video processor's limits, as
+    transformers' Qwen3-VL video processor computes each frame's size."""
+    from vitgraph.preprocess import clip_smart_resize
+
+    reference = _transformers_qwen3_video_smart_resize()
+    rng = np.random.default_rng(0)
+    cases = [(16, 1080, 1920, 4096, 25165824), (64, 1080, 1920, 4096, 25165824), (5, 720, 1280, 4096, 2_000_000),
+             (2, 20, 900, 4096, 25165824), (3, 40, 60, 200_000, 25165824), (8, 31, 33, 4096, 25165824)]
+    cases += [(int(rng.integers(2, 200)), int(rng.integers(32, 3000)), int(rng.integers(32, 3000)),
+               int(rng.integers(1, 100_000)), int(rng.integers(100_000, 60_000_000))) for _ in range(300)]
+    for frames, h, w, low, high in cases:
+        want = reference(frames, h, w, temporal_factor=2, factor=32, min_pixels=low, max_pixels=high)
+        assert clip_smart_resize(frames, h, w, 32, 2, low, high) == tuple(want), (frames, h, w, low, high)
+
+
+def test_qwen3_vl_video_processor_bounds_the_whole_clip():
+    """A 16-frame 1080p clip under Qwen3-VL's video processor: every frame is shrunk so that the
+    clip fits the processor's pixels (per frame it would fit as it is), on both preprocessing paths."""
+    from vitgraph.images import image_rows
+    from vitgraph.models import QWEN3_VL_VIDEO_PROCESSOR as video
+    from vitgraph.preprocess import QWEN3_VL_PROCESSOR, clip_smart_resize
+
+    frames = [_image(1080, 1920, i) for i in range(16)]
+    h, w = clip_smart_resize(16, 1080, 1920, 32, 2, video.min_pixels, video.max_pixels)
+    assert h * w < 1080 * 1920 * 0.8  # shrunk: 16 frames of 1080p hold 33M pixels, the limit is 25M
+    _, grid = preprocess_video(frames, processor=video, normalize=False)
+    assert grid.tolist() == [[8, h // 16, w // 16]]
+    for path in ("pil", "device"):
+        rows, got = image_rows(videos=[frames], processor=QWEN3_VL_PROCESSOR, video_processor=video, device="cpu",
+                               preprocess=path)
+        assert got.tolist() == [[8, h // 16, w // 16]] and rows.shape[0] == 8 * (h // 16) * (w // 16), path
+    # An image keeps its own per-image sizing; a per-frame processor sizes each frame alone.
+    _, image_grid = preprocess_images([frames[0]], processor=QWEN3_VL_PROCESSOR)
+    _, per_frame = preprocess_video(frames, processor=replace(video, clip_pixels=False), normalize=False)
+    assert per_frame.tolist() == [[8, 1088 // 16, 1920 // 16]] and image_grid.tolist() == [[1, 1088 // 16, 1920 // 16]]

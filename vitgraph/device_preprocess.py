@@ -74,13 +74,13 @@ def clip_rows_into(frames: Sequence, size: tuple[int, int], proc: ProcessorConfi
 
 def rows_of(clips: Sequence[tuple[str, Sequence, tuple[int, int]]], proc: ProcessorConfig, device: torch.device
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clips, each ``(name, frames, (min_pixels, max_pixels))`` (uint8 frames of one size; an
-    image is a clip of one frame) -> ``(rows [N, C*T*P*P] uint8 on device, grid_thw [k, 3]
-    int64)``, written into one buffer."""
+    """Clips, each ``(name, frames, (min_pixels, max_pixels, whether they bound the whole clip))``
+    (uint8 frames of one size; an image is a clip of one frame) -> ``(rows [N, C*T*P*P] uint8 on
+    device, grid_thw [k, 3] int64)``, written into one buffer."""
     plans = []
-    for name, frames, (low, high) in clips:
+    for name, frames, (low, high, per_clip) in clips:
         h, w = frame_size(frames[0])
-        size = named_resize(name, h, w, proc, low, high)
+        size = named_resize(name, h, w, proc, low, high, len(frames) if per_clip else None)
         t = 1 if len(frames) == 1 else -(-len(frames) // proc.temporal_patch_size)
         plans.append((frames, size, t * (size[0] // proc.patch_size) * (size[1] // proc.patch_size)))
     rows = torch.empty(sum(n for _, _, n in plans), proc.row_width, dtype=torch.uint8, device=device)

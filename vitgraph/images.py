@@ -37,10 +37,11 @@ def check_choices(preprocess: str, decode: str) -> None:
         raise ValueError(f"decode must be one of {DECODE}, got {decode!r}")
 
 
-def _items(images, videos, image_limits, video_limits) -> list[tuple[str, object, tuple[int, int]]]:
+def _items(images, videos, image_limits, video_limits) -> list[tuple[str, object, tuple[int, int, bool]]]:
     """``(name, image, pixel limits)`` for each image and ``(name, _Clip(frames), limits)`` for
-    each clip, images first (a list among the images is not a clip: it is refused by name)."""
-    items: list[tuple[str, object, tuple[int, int]]] = []
+    each clip, images first (a list among the images is not a clip: it is refused by name);
+    limits are ``(min_pixels, max_pixels, whether they bound a whole clip)``."""
+    items: list[tuple[str, object, tuple[int, int, bool]]] = []
     if images is not None:
         check_list(images, "images", _IMAGE_FORMS)
         items += [(f"images[{i}]", image, image_limits) for i, image in enumerate(images)]
@@ -76,16 +77,18 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
                max_image_pixels: int = decoding.MAX_IMAGE_PIXELS) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows [N, C*T*P*P] uint8, grid_thw [k, 3] int64)`` of the images, then the clips: on
     ``device`` for ``preprocess="device"``, on the host for ``"pil"``. Images are sized by
-    ``processor``'s pixel limits, clips by ``video_processor``'s (default: the same), both by
-    ``min_pixels`` / ``max_pixels`` where given. ``executor``: the thread pool that decodes (and,
+    ``processor``'s pixel limits, clips by ``video_processor``'s (default: the same; a whole
+    clip's pixels where it has ``clip_pixels``, as Qwen3-VL's), both by ``min_pixels`` /
+    ``max_pixels`` where given. ``executor``: the thread pool that decodes (and,
     for ``"pil"``, preprocesses) several items at once. ``max_image_pixels``: the most pixels an
     encoded image may declare (refused from its header, before decoding; each decoding thread
     holds at most that many RGB pixels, about 3 bytes each)."""
     decoding.check_image_ceiling(max_image_pixels)
     check_choices(preprocess, decode)
     device = torch.device(device)
-    limits = pixel_limits(processor, min_pixels, max_pixels)
-    video_limits = pixel_limits(video_processor or processor, min_pixels, max_pixels)
+    video = video_processor or processor
+    limits = (*pixel_limits(processor, min_pixels, max_pixels), False)
+    video_limits = (*pixel_limits(video, min_pixels, max_pixels), video.clip_pixels)
     if preprocess == "auto":
         preprocess = "device" if device.type == "cuda" else "pil"
     if decode == "gpu" and (device.type != "cuda" or preprocess != "device"):
@@ -95,9 +98,9 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
         return _empty(processor, device if preprocess == "device" else "cpu")
     if preprocess == "pil":
         def host(item):
-            name, value, (low, high) = item
+            name, value, (low, high, _) = item
             if isinstance(value, _Clip):
-                return video_rows_pil(value, name, processor, low, high, max_image_pixels)
+                return video_rows_pil(value, name, video, low, high, max_image_pixels)
             return image_rows_pil(value, name, processor, low, high, max_image_pixels)
 
         parts = _map(executor, host, items)

@@ -40,6 +40,9 @@ class ProcessorConfig:
     max_pixels: int = MAX_PIXELS
     image_mean: tuple[float, float, float] = IMAGE_MEAN
     image_std: tuple[float, float, float] = IMAGE_STD
+    # Videos: min_pixels / max_pixels bound a whole clip (frames x height x width), as Qwen3-VL's
+    # video processor reads them, not each frame.
+    clip_pixels: bool = False
 
     def __post_init__(self) -> None:
         for name, ceiling in (("patch_size", 64), ("temporal_patch_size", 16), ("merge_size", 8)):
@@ -47,6 +50,8 @@ class ProcessorConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= ceiling:
                 raise ValueError(f"{name} must be an int in [1, {ceiling}], got {value!r}")
         check_pixel_limits(self.min_pixels, self.max_pixels)
+        if not isinstance(self.clip_pixels, bool):
+            raise TypeError(f"clip_pixels must be a bool, got {self.clip_pixels!r}")
         for name in ("image_mean", "image_std"):
             value = getattr(self, name)
             if (not isinstance(value, tuple) or len(value) != 3
@@ -142,9 +147,40 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = MI
     return h_bar, w_bar
 
 
-def named_resize(name: str, height: int, width: int, proc: ProcessorConfig, low: int, high: int) -> tuple[int, int]:
-    """:func:`smart_resize` with the item's name in its errors."""
+def clip_smart_resize(frames: int, height: int, width: int, factor: int, temporal: int, min_pixels: int,
+                      max_pixels: int) -> tuple[int, int]:
+    """Each frame's size for a clip whose pixels (``frames`` x height x width) the limits bound:
+    transformers' Qwen3-VL video ``smart_resize``, step for step. A clip shorter than the temporal
+    patch (which transformers refuses) counts as the frames it is padded to."""
+    check_pixel_limits(min_pixels, max_pixels)
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image must not be empty, got height={height}, width={width}")
+    frames = max(frames, temporal)
+    if height < factor or width < factor:  # scaled up first, aspect kept
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"image aspect ratio must be at most 200, got {max(height, width) / min(height, width):.1f}")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def named_resize(name: str, height: int, width: int, proc: ProcessorConfig, low: int, high: int,
+                 clip_frames: int | None = None) -> tuple[int, int]:
+    """:func:`smart_resize` with the item's name in its errors; with ``clip_frames`` (a clip
+    whose processor has ``clip_pixels``), :func:`clip_smart_resize` for that many frames."""
     try:
+        if clip_frames is not None:
+            return clip_smart_resize(clip_frames, height, width, proc.factor, proc.temporal_patch_size, low, high)
         return smart_resize(height, width, proc.factor, low, high)
     except ValueError as err:
         raise ValueError(f"{name}: {err}") from None
@@ -222,7 +258,8 @@ def video_rows_pil(frames: Sequence, name: str, proc: ProcessorConfig, low: int,
         raise ValueError(f"{name} must have at least one frame")
     if any((p.height, p.width) != (pils[0].height, pils[0].width) for p in pils):
         raise ValueError(f"all frames of {name} must have the same size")
-    size = named_resize(name, pils[0].height, pils[0].width, proc, low, high)
+    clip_frames = len(pils) if proc.clip_pixels else None
+    size = named_resize(name, pils[0].height, pils[0].width, proc, low, high, clip_frames)
     arrays = [resized_uint8(p, size) for p in pils]
     arrays += [arrays[-1]] * (-len(arrays) % proc.temporal_patch_size)
     return patchify(np.stack(arrays), proc)
@@ -248,7 +285,7 @@ def preprocess_video(frames: Sequence, *, min_pixels: int | None = None, max_pix
                      name: str = "video", processor: ProcessorConfig = QWEN2_VL_PROCESSOR, normalize: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """A clip (a list of frames) -> ``(pixels, grid_thw [1, 3])``. Every frame is resized to the
-    first frame's ``smart_resize`` size; the count is padded to a multiple of the temporal patch
+    first frame's ``smart_resize`` size (the clip's, where the processor has ``clip_pixels``); the count is padded to a multiple of the temporal patch
     by repeating the last frame; ``t = frames / temporal_patch_size``. ``name`` names the clip in
     errors; ``normalize`` as in :func:`preprocess_images`."""
     low, high = pixel_limits(processor, min_pixels, max_pixels)

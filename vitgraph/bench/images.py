@@ -159,7 +159,7 @@ def build(systems: list[str], enc, low: int, high: int) -> dict[str, Staged]:
             else:
                 decode = lambda b: load_pixels(b, "image")  # noqa: E731
             stages = [("decode", decode), ("copy", lambda p: upload(p, device)[0]),
-                      ("preprocess", lambda p: rows_of([("image", [p], (low, high))], enc.processor, device)),
+                      ("preprocess", lambda p: rows_of([("image", [p], (low, high, False))], enc.processor, device)),
                       ("encode", lambda item: enc.encode(*item))]
         else:
             raise ValueError(f"unknown system {name!r}; known: {SYSTEMS}")
