@@ -70,12 +70,14 @@ def test_each_bank_captures_on_a_non_blocking_stream_of_its_own():
     handles = {s.cuda_stream for s in own}
     assert len(handles) == 3 and not handles & pooled
     driver = _driver()
-    driver.cuStreamGetFlags.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint)]
+    assert driver is not None, "libcuda.so.1 did not load"
     for stream in own:
         flags = ctypes.c_uint(0)
         assert driver.cuStreamGetFlags(ctypes.c_void_p(stream.cuda_stream), ctypes.byref(flags)) == 0
         assert flags.value & CU_STREAM_NON_BLOCKING
     x = torch.ones(64, 64, device="cuda")
+    x @ x  # cuBLAS's handle is made outside the capture
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=own[0]):
         y = x @ x
@@ -98,6 +100,7 @@ def test_graphs_survive_a_process_wide_cublas_workspace_clear():
             torch.addmm(x[0], x, x)  # cuBLASLt's workspace too
     torch.cuda.synchronize()
     enc = encoder("a")
+    assert isinstance(enc.bank._capture_stream, torch.cuda.ExternalStream)  # not a pooled one
     calls = [[(1, 16, 16)], [(1, 32, 32)], [(1, 64, 64)], [(2, 16, 28), (1, 8, 12)]]
     inputs = [pixels_for(grids, i) for i, grids in enumerate(calls)]
     before = [enc.encode(x, grids).clone() for x, grids in zip(inputs, calls)]

@@ -121,12 +121,15 @@ def test_the_checkpoints_processor_files_override_the_defaults(tmp_path):
     assert encoder.video_processor.image_mean == (0.25, 0.5, 0.75)
     frame = Image.new("RGB", (128, 128), "gray")
     as_image, as_video = encoder.encode_images([frame], [[frame, frame]])
-    # The image stays 128 x 128 (8 x 8 patches); the clip's frames go down to 64 x 64 (4 x 4).
-    assert as_image.shape == (8 * 8 // 4, 32) and as_video.shape == (4 * 4 // 4, 32)
+    # The image stays 128 x 128 (8 x 8 patches); the clip's two frames go down to 32 x 32 (2 x 2):
+    # its 4096 pixels bound both frames, as transformers' Qwen3-VL video processor reads them.
+    assert as_image.shape == (8 * 8 // 4, 32) and as_video.shape == (2 * 2 // 4, 32)
     from vitgraph.preprocess import preprocess_video
 
     pixels, grid = preprocess_video([frame, frame], processor=encoder.video_processor)
-    assert grid.tolist() == [[1, 4, 4]] and torch.equal(as_video, encoder.encode(pixels, grid))
+    alone = encoder.encode_images(videos=[[frame, frame]])[0]  # one call's rows: the same GEMM shapes
+    assert grid.tolist() == [[1, 2, 2]] and torch.equal(alone, encoder.encode(pixels, grid))
+    torch.testing.assert_close(as_video, alone, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("raw, field", [({"patch_size": 0}, "patch_size"), ({"image_std": [1, 0, 1]}, "image_std"),

@@ -72,7 +72,7 @@ def clip_rows_into(frames: Sequence, size: tuple[int, int], proc: ProcessorConfi
     return patchify_into(resize(stacked, size), proc, out)
 
 
-def rows_of(clips: Sequence[tuple[str, Sequence, tuple[int, int]]], proc: ProcessorConfig, device: torch.device
+def rows_of(clips: Sequence[tuple[str, Sequence, tuple[int, int, bool]]], proc: ProcessorConfig, device: torch.device
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clips, each ``(name, frames, (min_pixels, max_pixels, whether they bound the whole clip))``
     (uint8 frames of one size; an image is a clip of one frame) -> ``(rows [N, C*T*P*P] uint8 on

@@ -285,7 +285,8 @@ def preprocess_video(frames: Sequence, *, min_pixels: int | None = None, max_pix
                      name: str = "video", processor: ProcessorConfig = QWEN2_VL_PROCESSOR, normalize: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """A clip (a list of frames) -> ``(pixels, grid_thw [1, 3])``. Every frame is resized to the
-    first frame's ``smart_resize`` size (the clip's, where the processor has ``clip_pixels``); the count is padded to a multiple of the temporal patch
+    first frame's ``smart_resize`` size (the whole clip's where the processor has ``clip_pixels``,
+    as ``vitgraph.models.QWEN3_VL_VIDEO_PROCESSOR``); the count is padded to a multiple of the temporal patch
     by repeating the last frame; ``t = frames / temporal_patch_size``. ``name`` names the clip in
     errors; ``normalize`` as in :func:`preprocess_images`."""
     low, high = pixel_limits(processor, min_pixels, max_pixels)

@@ -223,6 +223,8 @@ class GraphBank:
         if not self.graphs:  # a fresh pool for the next try: the first capture reserves the arena in it
             self._primer = None
             self.workspace_bytes = 0
+            # and a fresh stream: cuBLAS would hand the old one its workspace, in the pool let go
+            self._capture_stream = own_stream(self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 

@@ -5,7 +5,8 @@ workspace per (handle, stream): a pooled stream may come with the workspace a ca
 earlier bank left on it, outside the bank's pool. So the bank creates its stream through the
 CUDA driver, non-blocking like torch's own (a capture on a blocking stream makes any use of the
 legacy stream invalid), and never destroys it: a later stream at the same address would inherit
-its workspace. Without the driver library, a pooled stream, with a warning.
+its workspace. A stream (and, until a process-wide clear, its workspace of about 33 MiB) stays
+behind for each bank. Without the driver library, a pooled stream, with a warning.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def _driver() -> ctypes.CDLL | None:
     driver.cuStreamCreate.restype = ctypes.c_int
     driver.cuCtxGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
     driver.cuCtxGetDevice.restype = ctypes.c_int
+    driver.cuStreamGetFlags.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint)]
+    driver.cuStreamGetFlags.restype = ctypes.c_int
     return driver
 
 
