@@ -585,3 +585,28 @@ def test_the_checkpoints_preprocessor_config_is_followed_and_checked(tmp_path, h
     (tmp_path / "elsewhere.json").write_text("{}")
     with pytest.raises(ValueError, match="outside the checkpoint folder"):
         GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+
+
+@pytest.mark.parametrize("name, value", [("do_resize", False), ("do_rescale", False), ("rescale_factor", 1 / 127.5),
+                                         ("do_normalize", False), ("do_convert_rgb", False), ("resample", 2),
+                                         ("cap_pixels_per_frame", True), ("do_normalize", "yes")])
+def test_a_processor_setting_vitgraph_does_not_implement_is_refused_by_name(tmp_path, hf_model, name, value):
+    """transformers would make other rows from such a file; vitgraph refuses it rather than
+    serve its own. The values transformers' processors take by default load."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from vitgraph.preprocess import FIXED_SETTINGS
+
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
+    for file in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        (ckpt / file).write_text(json.dumps({name: value}))
+        with pytest.raises(ValueError, match=f"{name} = {value!r} is not supported") as err:
+            GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+        assert file in str(err.value)
+        (ckpt / file).unlink()
+    hf = Qwen2VLImageProcessorPil()
+    defaults = {k: v for k, v in FIXED_SETTINGS.items() if k != "cap_pixels_per_frame"}
+    assert {k: getattr(hf, k) for k in defaults} == pytest.approx(defaults)
+    (ckpt / "preprocessor_config.json").write_text(json.dumps({**FIXED_SETTINGS, "rescale_factor": 0.00392156862745098,
+                                                               "cap_pixels_per_frame": None}))
+    assert GraphedVisionEncoder.from_pretrained(ckpt, device="cpu").processor.min_pixels > 0

@@ -94,7 +94,25 @@ class ProcessorConfig:
         for name in ("image_mean", "image_std"):
             if name in raw:
                 values[name] = tuple(raw[name]) if isinstance(raw[name], list) else raw[name]
+        _check_fixed_settings(raw)
         return replace(base or cls(), **values)
+
+
+# Settings a processor file may hold that vitgraph's preprocessing implements one way only (the
+# processors' defaults); a file that asks for another way is refused, not served another's rows.
+FIXED_SETTINGS = {"do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                  "do_convert_rgb": True, "resample": 3, "cap_pixels_per_frame": False}  # resample 3: bicubic
+
+
+def _check_fixed_settings(raw: dict[str, Any]) -> None:
+    for name, value in FIXED_SETTINGS.items():
+        got = raw.get(name)
+        if got is None:
+            continue
+        same = (isinstance(got, (int, float)) and not isinstance(got, bool) and math.isclose(got, value, rel_tol=1e-9)
+                if name == "rescale_factor" else type(got) is type(value) and got == value)
+        if not same:
+            raise ValueError(f"{name} = {got!r} is not supported: vitgraph's preprocessing takes {name} = {value!r}")
 
 
 def check_pixel_limits(min_pixels, max_pixels) -> None:
