@@ -102,8 +102,8 @@ def test_qwen3_vl_clips_match_transformers_video_processor_on_the_gpu():
                                patch_size=16, temporal_patch_size=2, merge_size=2,
                                image_mean=list(video.image_mean), image_std=list(video.image_std))
     # Newer transformers can cap each frame's pixels too (off by default, a warning when unset).
-    cap = {"cap_pixels_per_frame": False} if "cap_pixels_per_frame" in getattr(
-        Qwen3VLVideoProcessor.valid_kwargs, "__annotations__", {}) else {}
+    options = getattr(getattr(Qwen3VLVideoProcessor, "valid_kwargs", None), "__annotations__", {})
+    cap = {"cap_pixels_per_frame": False} if "cap_pixels_per_frame" in options else {}
     for frames, (h, w) in ((8, (720, 1280)), (5, (360, 640)), (2, (32, 40))):  # shrunk, kept, grown
         clip = np.stack([photo(h, w, i) for i in range(frames)])
         ref = hf(videos=[clip], do_sample_frames=False, device="cuda", return_tensors="pt", **cap)
