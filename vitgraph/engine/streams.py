@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-log = logging.getLogger("vitgraph")
+logger = logging.getLogger(__name__)
 
 CU_STREAM_NON_BLOCKING = 0x1
 CUDA_SUCCESS = 0
@@ -50,6 +50,6 @@ def own_stream(device: torch.device) -> torch.cuda.Stream:
                     and driver.cuStreamCreate(ctypes.byref(handle), CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS
                     and handle.value):
                 return torch.cuda.ExternalStream(handle.value, device=index)
-    log.warning("vitgraph: no stream of its own from the CUDA driver on cuda:%d; capturing on one of torch's "
+    logger.warning("no stream of its own from the CUDA driver on cuda:%d; capturing on one of torch's "
                 "pooled streams, whose cuBLAS workspace a process-wide clear could free", index)
     return torch.cuda.Stream(index)
