@@ -148,21 +148,8 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = MI
     check_pixel_limits(min_pixels, max_pixels)
     if isinstance(factor, bool) or not isinstance(factor, int) or factor <= 0:
         raise ValueError(f"factor must be a positive int, got {factor!r}")
-    if height <= 0 or width <= 0:
-        raise ValueError(f"image must not be empty, got height={height}, width={width}")
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"image aspect ratio must be at most 200, got {max(height, width) / min(height, width):.1f}")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    _check_not_empty(height, width)
+    return _fit(height, width, factor, min_pixels, max_pixels)
 
 
 def clip_smart_resize(frames: int, height: int, width: int, factor: int, temporal: int, min_pixels: int,
@@ -171,12 +158,22 @@ def clip_smart_resize(frames: int, height: int, width: int, factor: int, tempora
     transformers' Qwen3-VL video ``smart_resize``, step for step. A clip shorter than the temporal
     patch (which transformers refuses) counts as the frames it is padded to."""
     check_pixel_limits(min_pixels, max_pixels)
-    if height <= 0 or width <= 0:
-        raise ValueError(f"image must not be empty, got height={height}, width={width}")
-    frames = max(frames, temporal)
+    _check_not_empty(height, width)
     if height < factor or width < factor:  # scaled up first, aspect kept
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
+    return _fit(height, width, factor, min_pixels, max_pixels, max(frames, temporal), temporal)
+
+
+def _check_not_empty(height: int, width: int) -> None:
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image must not be empty, got height={height}, width={width}")
+
+
+def _fit(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int = 1,
+         temporal: int = 1) -> tuple[int, int]:
+    """The sides, multiples of ``factor``, that bring ``frames`` frames (counted in whole
+    temporal patches) within the limits: transformers' arithmetic, for images and clips alike."""
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"image aspect ratio must be at most 200, got {max(height, width) / min(height, width):.1f}")
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
