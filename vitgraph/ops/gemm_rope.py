@@ -80,9 +80,9 @@ def _gemm_rope_class():
                 angle = pos_h[a] * freq_h[a] + pos_w[a] * freq_w[a]
                 turns = Float32(cute.math.floor(angle * inv_two_pi + 0.5))
                 reduced = (angle - turns * TWO_PI_HI) - turns * TWO_PI_LO
-                rotated = freq_h[a] + freq_w[a] > 0.0  # v's columns: cos 1, sin 0 exactly
-                cos = Float32(cutlass.select_(rotated, Float32(cute.math.cos(reduced, fastmath=True)), 1.0))
-                sin = Float32(cutlass.select_(rotated, Float32(cute.math.sin(reduced, fastmath=True)), 0.0))
+                rotated = freq_h[a] + freq_w[a] > 0.0  # q's and k's columns; v's have no frequency
+                cos = Float32(cute.math.cos(reduced, fastmath=True))
+                sin = Float32(cute.math.sin(reduced, fastmath=True))
                 # v's columns keep their finite values only (x - x is 0 only for finite x):
                 # FlashAttention 4 weighs values past a segment's end 0, and 0 * NaN is NaN.
                 y0 = Float32(cutlass.select_(rotated, x0 * cos - x1 * sin,
