@@ -48,6 +48,31 @@ def test_input_kinds_agree():
     assert torch.equal(preprocess_images([rgba])[0], a[0])
 
 
+def _transparent_images():
+    """RGBA, LA, a P image with a transparent index, and PNG bytes of the RGBA: alpha from 0 to 255."""
+    import io
+    rng = np.random.default_rng(7)
+    rgba = Image.fromarray(rng.integers(0, 256, size=(70, 90, 4), dtype=np.uint8), "RGBA")
+    la = rgba.convert("LA")
+    palette = Image.fromarray(rng.integers(0, 8, size=(70, 90), dtype=np.uint8), "P")
+    palette.putpalette(list(range(0, 256, 10))[:24])
+    palette.info["transparency"] = 3
+    png = io.BytesIO()
+    rgba.save(png, format="PNG")
+    return [rgba, la, palette], png.getvalue()
+
+
+def test_transparency_composited_onto_white_as_transformers(hf_processor):
+    """transformers blends transparent pixels onto white before RGB; dropping alpha would give black."""
+    images, png = _transparent_images()
+    ref = hf_processor()(images=images, return_tensors="pt")
+    pixels, grid = preprocess_images(images)
+    assert torch.equal(grid, ref["image_grid_thw"].long())
+    assert (pixels - ref["pixel_values"].float()).abs().max().item() <= 1e-5
+    from_bytes, _ = preprocess_images([png])
+    assert torch.equal(from_bytes, pixels[: len(from_bytes)])
+
+
 def test_smart_resize_rules():
     assert smart_resize(224, 224) == (224, 224)
     assert smart_resize(10, 10) == (56, 56)  # scaled up to min_pixels

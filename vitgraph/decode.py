@@ -25,6 +25,10 @@ MAX_IMAGE_PIXELS = 1 << 27
 MAX_IMAGE_PIXELS_CEILING = 2 * Image.MAX_IMAGE_PIXELS  # the most a caller may raise it to: PIL opens no more
 
 
+# Whatever a PIL plugin raises for a broken file.
+_BROKEN_FILE = (OSError, ValueError, SyntaxError, TypeError, EOFError, NotImplementedError, Image.DecompressionBombError)
+
+
 def check_image_ceiling(max_image_pixels) -> None:
     """``max_image_pixels``: an int in [1, :data:`MAX_IMAGE_PIXELS_CEILING`]."""
     if (isinstance(max_image_pixels, bool) or not isinstance(max_image_pixels, int)
@@ -81,10 +85,17 @@ def decode_pil(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # checked above
-            return ImageOps.exif_transpose(image).convert("RGB")
-    except (OSError, ValueError, SyntaxError, TypeError, EOFError, NotImplementedError,
-            Image.DecompressionBombError) as err:  # whatever a PIL plugin raises for a broken file
+            return as_rgb(ImageOps.exif_transpose(image))
+    except _BROKEN_FILE as err:
         raise ValueError(f"{name}: cannot be decoded ({err})") from None
+
+
+def as_rgb(image: Image.Image) -> Image.Image:
+    """RGB as transformers' ``convert_to_rgb`` makes it: transparency composited onto white."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def to_rgb_pil(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
@@ -96,8 +107,8 @@ def to_rgb_pil(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Ima
         if item.width == 0 or item.height == 0:
             raise ValueError(f"{name} is empty ({item.width}x{item.height})")
         try:  # decoding happens here for a lazily opened file
-            return item.convert("RGB")
-        except (OSError, ValueError, Image.DecompressionBombError) as err:
+            return as_rgb(item)
+        except _BROKEN_FILE as err:
             raise ValueError(f"{name} ({item.mode} image) cannot be decoded as RGB: {err}") from None
     array = as_pixels(item, name)
     if isinstance(array, torch.Tensor):
