@@ -269,3 +269,20 @@ def test_a_small_file_that_inflates_is_bounded_by_max_image_pixels(encoders):
     for bad in (0, True, 2.5, 1 << 29):
         with pytest.raises(ValueError, match="max_image_pixels must be an int"):
             enc.encode_images([photo(32, 32, 0)], max_image_pixels=bad)
+
+
+@pytest.mark.parametrize("preprocess", ["pil", "device"])
+def test_one_lazily_opened_image_listed_many_times_is_safe_across_threads(tmp_path, preprocess):
+    """A PIL image loads in place and is not thread-safe while it does: the same opened file
+    listed eight times, decoded by eight threads, gives eight equal items."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = tmp_path / "photo.png"
+    path.write_bytes(encoded(photo(600, 800, 11)))
+    want, _ = image_rows([photo(600, 800, 11)], processor=QWEN2_VL_PROCESSOR, device="cpu", preprocess=preprocess)
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(3):
+            rows, grids = image_rows([Image.open(path)] * 8, processor=QWEN2_VL_PROCESSOR, device="cpu",
+                                     preprocess=preprocess, executor=pool)
+            assert len(grids) == 8
+            assert all(torch.equal(part, want) for part in rows.split(len(want)))

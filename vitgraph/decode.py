@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import warnings
 from typing import Union
 
@@ -25,6 +26,8 @@ MAX_IMAGE_PIXELS = 1 << 27
 MAX_IMAGE_PIXELS_CEILING = 2 * Image.MAX_IMAGE_PIXELS  # the most a caller may raise it to: PIL opens no more
 
 
+# A PIL image is not thread-safe while it loads, and one may come twice in a call (or in two calls).
+_PIL_LOCKS = [threading.Lock() for _ in range(64)]
 # Whatever a PIL plugin raises for a broken file.
 _BROKEN_FILE = (OSError, ValueError, SyntaxError, TypeError, EOFError, NotImplementedError, Image.DecompressionBombError)
 
@@ -106,8 +109,9 @@ def to_rgb_pil(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Ima
     if isinstance(item, Image.Image):
         if item.width == 0 or item.height == 0:
             raise ValueError(f"{name} is empty ({item.width}x{item.height})")
-        try:  # decoding happens here for a lazily opened file
-            return as_rgb(item)
+        try:  # decoding happens here for a lazily opened file: one thread at a time per image
+            with _PIL_LOCKS[(id(item) >> 4) % len(_PIL_LOCKS)]:
+                return as_rgb(item)
         except _BROKEN_FILE as err:
             raise ValueError(f"{name} ({item.mode} image) cannot be decoded as RGB: {err}") from None
     array = as_pixels(item, name)
