@@ -551,6 +551,42 @@ def test_a_processor_size_or_std_transformers_would_refuse_or_fp16_cannot_hold_i
     assert GraphedVisionEncoder.from_pretrained(ckpt, device="cpu").processor.image_std == (1 / 65000,) * 3
 
 
+SIZE_FORMS = [
+    {}, {"min_pixels": 5000}, {"max_pixels": 500000}, {"size": {"shortest_edge": 5000, "longest_edge": 600000}},
+    # the form transformers 4.45-4.48 saved: size's own min/max keys, replaced by the top-level ones
+    {"size": {"min_pixels": 3136, "max_pixels": 1003520}, "min_pixels": 3136, "max_pixels": 1003520},
+    {"size": {"shortest_edge": 3136}, "max_pixels": 500000}, {"size": {"longest_edge": 500000}, "min_pixels": 5000},
+    {"size": {"shortest_edge": 5000, "longest_edge": 600000}, "max_pixels": 400000, "min_pixels": None},
+    # refused by both
+    {"size": {"min_pixels": 3136, "max_pixels": 1003520}}, {"size": {"shortest_edge": 5000}},
+    {"size": {"shortest_edge": 5000, "longest_edge": 600000, "height": 3}}, {"size": {"height": 224, "width": 224}},
+]
+
+
+@pytest.mark.parametrize("raw", SIZE_FORMS)
+def test_size_and_pixel_keys_are_read_as_transformers_reads_them(raw):
+    """transformers' Qwen2-VL processor on the same file is the oracle: the same pixel bounds, or both refuse."""
+    import copy
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from vitgraph.preprocess import ProcessorConfig
+
+    image = Image.new("RGB", (1280, 720))
+    # transformers' class defaults stand in for the file's missing size (vitgraph's are the Hub's)
+    default = Qwen2VLImageProcessorPil.size
+    base = ProcessorConfig(min_pixels=default["shortest_edge"], max_pixels=default["longest_edge"])
+    try:
+        hf = Qwen2VLImageProcessorPil(**copy.deepcopy(raw))
+        hf(images=[image])  # transformers checks size's edges at its first call
+    except ValueError:
+        with pytest.raises(ValueError, match="size"):
+            ProcessorConfig.from_dict(raw, base=base)
+        return
+    ours = ProcessorConfig.from_dict(raw, base=base)
+    assert (ours.min_pixels, ours.max_pixels) == (hf.size.shortest_edge, hf.size.longest_edge)
+
+
 def test_a_model_type_without_a_family_is_named(tmp_path, hf_model):
     ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
     config = json.loads((ckpt / "config.json").read_text())

@@ -82,20 +82,36 @@ class ProcessorConfig:
         ``size.shortest_edge`` / ``size.longest_edge`` are pixel counts, as transformers reads them."""
         if not isinstance(raw, dict):
             raise ValueError(f"a preprocessor config must be a JSON object, got {type(raw).__name__}")
-        values: dict[str, Any] = {}
-        size = raw.get("size")
-        if size is not None:  # as transformers: both pixel counts, or no size at all
-            if not isinstance(size, dict) or not {"shortest_edge", "longest_edge"} <= size.keys():
-                raise ValueError(f"size must be an object with 'shortest_edge' and 'longest_edge', got {size!r}")
-            values["min_pixels"], values["max_pixels"] = size["shortest_edge"], size["longest_edge"]
-        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
+        base = base or cls()
+        values: dict[str, Any] = dict(zip(("min_pixels", "max_pixels"), _pixel_bounds(raw, base)))
+        for name in ("patch_size", "temporal_patch_size", "merge_size"):
             if name in raw and raw[name] is not None:
                 values[name] = raw[name]
         for name in ("image_mean", "image_std"):
             if name in raw:
                 values[name] = tuple(raw[name]) if isinstance(raw[name], list) else raw[name]
         _check_fixed_settings(raw)
-        return replace(base or cls(), **values)
+        return replace(base, **values)
+
+
+def _pixel_bounds(raw: dict[str, Any], base: ProcessorConfig) -> tuple[Any, Any]:
+    """``(min_pixels, max_pixels)`` as transformers' Qwen2-VL processor reads a file: ``size``
+    (``shortest_edge`` / ``longest_edge``, pixel counts), each edge replaced by a top-level
+    ``min_pixels`` / ``max_pixels`` that is set, and both edges then required."""
+    size = raw.get("size")
+    if size is None:
+        size = {"shortest_edge": base.min_pixels, "longest_edge": base.max_pixels}
+    if not isinstance(size, dict):
+        raise ValueError(f"size must be an object with 'shortest_edge' and 'longest_edge', got {size!r}")
+    size = dict(size)
+    for edge, name in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+        if raw.get(name) is not None:  # the older top-level form wins, and replaces size's own copy
+            size[edge] = raw[name]
+            size.pop(name, None)
+    if size.keys() != {"shortest_edge", "longest_edge"}:
+        raise ValueError(f"size must hold 'shortest_edge' and 'longest_edge' (pixel counts) and nothing else once "
+                         f"min_pixels / max_pixels are applied, got {size!r}")
+    return size["shortest_edge"], size["longest_edge"]
 
 
 # Settings a processor file may hold that vitgraph's preprocessing implements one way only (the
