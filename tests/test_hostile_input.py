@@ -537,6 +537,8 @@ def test_a_processor_that_disagrees_with_the_tower_is_refused_at_load(tmp_path, 
     ({"size": {"shortest_edge": 3136}}, "size"), ({"size": {"longest_edge": 3136}}, "size"),
     ({"size": {"height": 224, "width": 224}}, "size"), ({"size": 224}, "size"),
     ({"image_std": [1e-6, 0.5, 0.5]}, "image_std"),  # a pixel of 1 normalises past fp16's range
+    ({"image_mean": [10 ** 400, 0.5, 0.5]}, "image_mean"), ({"image_std": [0.5, 0.5, 10 ** 400]}, "image_std"),
+    ({"rescale_factor": 10 ** 400}, "rescale_factor"),  # ints no float holds
     ({"image_mean": [0.5] * 3, "image_std": [7e-6] * 3}, "65504"),
 ])
 def test_a_processor_size_or_std_transformers_would_refuse_or_fp16_cannot_hold_is_refused(tmp_path, hf_model, raw,

@@ -55,7 +55,7 @@ class ProcessorConfig:
         for name in ("image_mean", "image_std"):
             value = getattr(self, name)
             if (not isinstance(value, tuple) or len(value) != 3
-                    or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in value)
+                    or not all(_finite_number(v) for v in value)
                     or (name == "image_std" and any(v <= 0 for v in value))):
                 raise ValueError(f"{name} must be three finite numbers{' > 0' if name == 'image_std' else ''}, "
                                  f"got {value!r}")
@@ -125,10 +125,20 @@ def _check_fixed_settings(raw: dict[str, Any]) -> None:
         got = raw.get(name)
         if got is None:
             continue
-        same = (isinstance(got, (int, float)) and not isinstance(got, bool) and math.isclose(got, value, rel_tol=1e-9)
+        same = (_finite_number(got) and math.isclose(got, value, rel_tol=1e-9)
                 if name == "rescale_factor" else type(got) is type(value) and got == value)
         if not same:
             raise ValueError(f"{name} = {got!r} is not supported: vitgraph's preprocessing takes {name} = {value!r}")
+
+
+def _finite_number(value) -> bool:
+    """A finite int or float (not a bool); an int too large for a float is not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_pixel_limits(min_pixels, max_pixels) -> None:
