@@ -286,3 +286,22 @@ def test_one_lazily_opened_image_listed_many_times_is_safe_across_threads(tmp_pa
                                      preprocess=preprocess, executor=pool)
             assert len(grids) == 8
             assert all(torch.equal(part, want) for part in rows.split(len(want)))
+
+
+@pytest.mark.parametrize("preprocess", ["pil", "device"])
+def test_a_call_checks_only_the_limits_of_the_kinds_it_holds(preprocess):
+    """Qwen3-VL's video minimum (4096) is below its image minimum (65536): a max_pixels between
+    them serves a videos-only call, and is refused (by name) for images."""
+    from vitgraph.models import QWEN3_VL_VIDEO_PROCESSOR
+    from vitgraph.preprocess import clip_smart_resize
+
+    frames = [photo(64, 64, 3)] * 4
+    kw = dict(processor=QWEN3_VL_PROCESSOR, video_processor=QWEN3_VL_VIDEO_PROCESSOR, device="cpu",
+              preprocess=preprocess, max_pixels=20000)
+    _, grids = image_rows(videos=[frames], **kw)
+    h, w = clip_smart_resize(4, 64, 64, 32, 2, 4096, 20000)
+    assert grids.tolist() == [[2, h // 16, w // 16]]
+    with pytest.raises(ValueError, match="min_pixels"):
+        image_rows([frames[0]], videos=[frames], **kw)
+    with pytest.raises(TypeError, match="max_pixels"):  # the arguments themselves, with nothing to size
+        image_rows([], processor=QWEN3_VL_PROCESSOR, device="cpu", max_pixels="20000")

@@ -22,7 +22,8 @@ import torch
 
 from . import decode as decoding
 from .device_preprocess import frame_size, rows_of
-from .preprocess import ProcessorConfig, check_list, image_rows_pil, pixel_limits, video_rows_pil
+from .preprocess import (PIXELS_CEILING, ProcessorConfig, check_list, check_pixel_limits, image_rows_pil, pixel_limits,
+                         video_rows_pil)
 
 PREPROCESS = ("auto", "device", "pil")
 DECODE = ("host", "gpu")
@@ -37,7 +38,7 @@ def check_choices(preprocess: str, decode: str) -> None:
         raise ValueError(f"decode must be one of {DECODE}, got {decode!r}")
 
 
-def _items(images, videos, image_limits, video_limits) -> list[tuple[str, object, tuple[int, int, bool]]]:
+def _items(images, videos, image_limits: tuple | None, video_limits: tuple | None) -> list[tuple[str, object, tuple[int, int, bool]]]:
     """``(name, image, pixel limits)`` for each image and ``(name, _Clip(frames), limits)`` for
     each clip, images first (a list among the images is not a clip: it is refused by name);
     limits are ``(min_pixels, max_pixels, whether they bound a whole clip)``."""
@@ -53,6 +54,10 @@ def _items(images, videos, image_limits, video_limits) -> list[tuple[str, object
                 raise ValueError(f"videos[{i}] must have at least one frame")
             items.append((f"videos[{i}]", _Clip(frames), video_limits))
     return items
+
+
+def _given(items) -> bool:
+    return isinstance(items, (list, tuple)) and len(items) > 0
 
 
 class _Clip(list):
@@ -87,8 +92,10 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
     check_choices(preprocess, decode)
     device = torch.device(device)
     video = video_processor or processor
-    limits = (*pixel_limits(processor, min_pixels, max_pixels), False)
-    video_limits = (*pixel_limits(video, min_pixels, max_pixels), video.clip_pixels)
+    check_pixel_limits(1 if min_pixels is None else min_pixels, PIXELS_CEILING if max_pixels is None else max_pixels)
+    # Each kind's limits are its processor's where not given; only a kind present is checked.
+    limits = (*pixel_limits(processor, min_pixels, max_pixels), False) if _given(images) else None
+    video_limits = (*pixel_limits(video, min_pixels, max_pixels), video.clip_pixels) if _given(videos) else None
     if preprocess == "auto":
         preprocess = "device" if device.type == "cuda" else "pil"
     if decode == "gpu" and (device.type != "cuda" or preprocess != "device"):
