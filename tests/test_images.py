@@ -243,6 +243,7 @@ def test_hostile_forms_get_named_errors_and_odd_buffers_work(encoders, tmp_path)
         ([good, str(tmp_path / "a\0b.png")], ValueError, r"images\[1\]: .*cannot be read"),
         ([good, np.zeros((1, 300, 3), np.uint8)], ValueError, r"images\[1\]: image aspect ratio"),
         ([[good, good]], TypeError, r"images\[0\] must be a PIL image"),  # a list is not an image (nor a clip)
+        ([torch.from_numpy(good).permute(2, 0, 1).to_sparse()], ValueError, r"images\[0\] tensor must be dense"),
     ]
     os.mkfifo(tmp_path / "fifo")
     cases.append(([str(tmp_path / "fifo")], ValueError, r"images\[0\]: .*fifo: is not a regular file"))

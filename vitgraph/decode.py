@@ -129,6 +129,8 @@ def as_pixels(item, name: str) -> Pixels:
             raise TypeError(f"{name} tensor must be uint8 (0-255), got {item.dtype}")
         if item.device.type == "meta":
             raise ValueError(f"{name} tensor is on the meta device and holds no data")
+        if item.layout != torch.strided:
+            raise ValueError(f"{name} tensor must be dense (strided), got layout {item.layout}")
         if item.shape[1] == 0 or item.shape[2] == 0:
             raise ValueError(f"{name} is empty ({item.shape[2]}x{item.shape[1]})")
         return item
