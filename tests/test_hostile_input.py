@@ -625,6 +625,20 @@ def test_the_checkpoints_preprocessor_config_is_followed_and_checked(tmp_path, h
         GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
 
 
+def test_qwen2_vl_reads_a_nested_processor_config_first_and_its_video_file_as_its_image_file(tmp_path, hf_model):
+    """transformers' order (processor_config.json's nested processor, then the per-kind file);
+    Qwen2-VL's video processor, unlike Qwen3-VL's, lets a top-level max_pixels replace size's edge."""
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
+    (ckpt / "preprocessor_config.json").write_text(json.dumps({"max_pixels": 56 * 56 * 16}))
+    (ckpt / "processor_config.json").write_text(json.dumps({"image_processor": {"max_pixels": 56 * 56 * 4}}))
+    enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert enc.processor.max_pixels == enc.video_processor.max_pixels == 56 * 56 * 4
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 3136, "longest_edge": 56 * 56 * 16}, "max_pixels": 56 * 56 * 9}))
+    enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert (enc.processor.max_pixels, enc.video_processor.max_pixels) == (56 * 56 * 4, 56 * 56 * 9)
+
+
 @pytest.mark.parametrize("name, value", [("do_resize", False), ("do_rescale", False), ("rescale_factor", 1 / 127.5),
                                          ("do_normalize", False), ("do_convert_rgb", False), ("resample", 2),
                                          ("cap_pixels_per_frame", True), ("do_normalize", "yes")])

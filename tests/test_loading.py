@@ -92,7 +92,7 @@ def test_hub_offline_opens_only_vision_shards(tmp_path, hf_model, monkeypatch):
     enc = GraphedVisionEncoder.from_pretrained("Qwen/Tiny-VL", device="cpu", cache_dir=tmp_path / "cache")
     # The preprocessor configs are asked for too (small, optional: absent from this cache).
     assert sorted(requested) == sorted(["config.json", "preprocessor_config.json", "video_preprocessor_config.json",
-                                        "model.safetensors.index.json",
+                                        "processor_config.json", "model.safetensors.index.json",
                                         "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"])
     assert lm_shard not in requested
     _assert_matches(enc, hf_model)

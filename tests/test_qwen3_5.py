@@ -132,6 +132,38 @@ def test_the_checkpoints_processor_files_override_the_defaults(tmp_path):
     torch.testing.assert_close(as_video, alone, rtol=1e-5, atol=1e-5)
 
 
+def _limits(encoder):
+    return [(p.min_pixels, p.max_pixels) for p in (encoder.processor, encoder.video_processor)]
+
+
+def test_processor_files_are_found_and_read_as_transformers_finds_and_reads_them(tmp_path):
+    """transformers (video_processing_utils, image_processing_base): a processor nested in
+    processor_config.json first; for videos then video_preprocessor_config.json, then
+    preprocessor_config.json. Qwen3-VL's video processor takes ``size`` alone (its kwargs have no
+    min_pixels / max_pixels); the image processor lets top-level ones replace size's edges."""
+    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
+    small, large = {"shortest_edge": 1024, "longest_edge": 64 * 64}, {"shortest_edge": 1024, "longest_edge": 128 * 128}
+    (ckpt / "preprocessor_config.json").write_text(json.dumps({"size": large, "max_pixels": 96 * 96}))
+    # No video file: the image file serves videos too, its size only.
+    assert _limits(GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")) == [(1024, 96 * 96), (1024, 128 * 128)]
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"size": small, "max_pixels": 96 * 96}))
+    encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert _limits(encoder) == [(1024, 96 * 96), (1024, 64 * 64)] and encoder.video_processor.clip_pixels
+    # transformers 5's nested file comes first, for each processor it holds.
+    (ckpt / "processor_config.json").write_text(json.dumps(
+        {"image_processor": {"size": small}, "video_processor": {"size": large}, "processor_class": "Qwen3VLProcessor"}))
+    assert _limits(GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")) == [(1024, 64 * 64), (1024, 128 * 128)]
+    (ckpt / "processor_config.json").write_text(json.dumps({"video_processor": {"size": large, "image_std": [2, 2, 2]}}))
+    encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert _limits(encoder) == [(1024, 96 * 96), (1024, 128 * 128)] and encoder.video_processor.image_std == (2, 2, 2)
+    (ckpt / "processor_config.json").write_text(json.dumps({"video_processor": {"size": {"longest_edge": 4096}}}))
+    with pytest.raises(ValueError, match=r"processor_config.json \(video_processor\): size"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    (ckpt / "processor_config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="processor_config.json: a processor config must be a JSON object"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+
+
 @pytest.mark.parametrize("raw, field", [({"patch_size": 0}, "patch_size"), ({"image_std": [1, 0, 1]}, "image_std"),
                                         ({"size": {"shortest_edge": 1024, "longest_edge": -1}}, "max_pixels"),
                                         ({"size": {"longest_edge": 4096}}, "shortest_edge"),

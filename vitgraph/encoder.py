@@ -112,11 +112,11 @@ class GraphedVisionEncoder(ImageInput):
             raise
         self._early_workers = _early_workers
         self.config = tower.config  # the family's config: its shape
-        # How encode_images turns images into rows: the checkpoint's preprocessor_config.json
-        # (from_pretrained), else the family's defaults.
+        # How encode_images turns images into rows: the checkpoint's processor files
+        # (from_pretrained; vitgraph.processor_files), else the family's defaults.
         self.processor = _processor or family_of(tower.config).processor
-        # And videos: the checkpoint's video_preprocessor_config.json, else the family's video
-        # defaults, else the image processor.
+        # And videos: the checkpoint's video processor, else the family's video defaults, else
+        # the image processor.
         self.video_processor = _video_processor or family_of(tower.config).video_processor or self.processor
         check_same_rows(self.processor, self.video_processor)
         # uint8 rows are normalised on the device with these (vitgraph.ops.normalize); a clip's

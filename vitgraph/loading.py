@@ -28,6 +28,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PROCESSOR_FILE = "preprocessor_config.json"
 VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
+PROCESSORS_FILE = "processor_config.json"  # transformers 5 saves each processor nested in it
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names; anything else is refused, not cast
 
@@ -39,11 +40,12 @@ class CheckpointFiles:
     processor: Path | None = None  # preprocessor_config.json, where the checkpoint has one
     video_processor: Path | None = None  # video_preprocessor_config.json, where the checkpoint has one
     index: Path | None = None  # model.safetensors.index.json, where the checkpoint has one
+    processors: Path | None = None  # processor_config.json, where the checkpoint has one
 
     def paths(self) -> list[Path]:
         """Every file a load reads."""
-        return [p for p in (self.config, self.processor, self.video_processor, self.index, *self.shards)
-                if p is not None]
+        return [p for p in (self.config, self.processor, self.video_processor, self.processors, self.index,
+                            *self.shards) if p is not None]
 
 
 def _vision_name(key: str) -> str | None:
@@ -126,6 +128,11 @@ def _is_file(path: Path) -> bool:
     return True
 
 
+def _optional_file(directory: Path, name: str) -> Path | None:
+    path = directory / name
+    return _inside_checkpoint(path, directory) if _is_file(path) else None
+
+
 def find_local(directory: Path) -> CheckpointFiles:
     """The files of a local checkpoint. Every path is checked to lie inside ``directory``
     after symlinks are resolved (:func:`_inside_checkpoint`): nothing outside it is opened."""
@@ -133,9 +140,8 @@ def find_local(directory: Path) -> CheckpointFiles:
     if not _is_file(config):
         raise ValueError(f"checkpoint directory {directory} has no config.json")
     config = _inside_checkpoint(config, directory)
-    processor, video = directory / PROCESSOR_FILE, directory / VIDEO_PROCESSOR_FILE
-    processor = _inside_checkpoint(processor, directory) if _is_file(processor) else None
-    video = _inside_checkpoint(video, directory) if _is_file(video) else None
+    processor, video, processors = (_optional_file(directory, name)
+                                    for name in (PROCESSOR_FILE, VIDEO_PROCESSOR_FILE, PROCESSORS_FILE))
     index = directory / INDEX_FILE
     if _is_file(index):
         index = _inside_checkpoint(index, directory)
@@ -145,11 +151,11 @@ def find_local(directory: Path) -> CheckpointFiles:
             if not _is_file(shard):
                 raise ValueError(f"{index} names shard {name}, which is missing from {directory}")
             shards[_inside_checkpoint(shard, directory)] = keys
-        return CheckpointFiles(config, shards, processor, video, index)
+        return CheckpointFiles(config, shards, processor, video, index, processors)
     single = directory / SINGLE_FILE
     if _is_file(single):
         single = _inside_checkpoint(single, directory)
-        return CheckpointFiles(config, {single: _keys_in_file(single)}, processor, video)
+        return CheckpointFiles(config, {single: _keys_in_file(single)}, processor, video, processors=processors)
     raise ValueError(f"checkpoint directory {directory} has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
@@ -208,14 +214,16 @@ def find_on_hub(repo_id: str, *, revision: str | None, cache_dir: str | Path | N
             raise ValueError(f"model {repo_id}: the Hugging Face Hub has no {filename} in it") from None
 
     config = fetch("config.json")
-    processor, video = fetch(PROCESSOR_FILE, True), fetch(VIDEO_PROCESSOR_FILE, True)  # else the family's defaults
+    # else the family's defaults
+    processor, video, processors = (fetch(name, True) for name in (PROCESSOR_FILE, VIDEO_PROCESSOR_FILE,
+                                                                    PROCESSORS_FILE))
     index = fetch(INDEX_FILE, True)
     if index is None:
         single = fetch(SINGLE_FILE)
-        return CheckpointFiles(config, {single: _keys_in_file(single)}, processor, video)
+        return CheckpointFiles(config, {single: _keys_in_file(single)}, processor, video, processors=processors)
     shards = {fetch(name): keys for name, keys in _shards_from_index(index).items()}
     logger.info("%s: downloaded %d vision shard(s) of the checkpoint", repo_id, len(shards))
-    return CheckpointFiles(config, shards, processor, video, index)
+    return CheckpointFiles(config, shards, processor, video, index, processors)
 
 
 def find_checkpoint(source: str | os.PathLike, *, revision: str | None = None, cache_dir=None,

@@ -78,8 +78,8 @@ class ProcessorConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], base: "ProcessorConfig | None" = None) -> "ProcessorConfig":
-        """A ``preprocessor_config.json`` object over ``base`` (a family's defaults); its
-        ``size.shortest_edge`` / ``size.longest_edge`` are pixel counts, as transformers reads them."""
+        """A processor file's object over ``base`` (a family's defaults); its ``size.shortest_edge`` /
+        ``size.longest_edge`` are pixel counts, as transformers reads them (:func:`_pixel_bounds`)."""
         if not isinstance(raw, dict):
             raise ValueError(f"a preprocessor config must be a JSON object, got {type(raw).__name__}")
         base = base or cls()
@@ -95,19 +95,26 @@ class ProcessorConfig:
 
 
 def _pixel_bounds(raw: dict[str, Any], base: ProcessorConfig) -> tuple[Any, Any]:
-    """``(min_pixels, max_pixels)`` as transformers' Qwen2-VL processor reads a file: ``size``
+    """``(min_pixels, max_pixels)`` as transformers' Qwen2-VL processors read a file: ``size``
     (``shortest_edge`` / ``longest_edge``, pixel counts), each edge replaced by a top-level
-    ``min_pixels`` / ``max_pixels`` that is set, and both edges then required."""
+    ``min_pixels`` / ``max_pixels`` that is set, and both edges then required. Qwen3-VL's video
+    processor (a ``clip_pixels`` base) takes no top-level keys: ``size`` alone."""
     size = raw.get("size")
     if size is None:
         size = {"shortest_edge": base.min_pixels, "longest_edge": base.max_pixels}
     if not isinstance(size, dict):
         raise ValueError(f"size must be an object with 'shortest_edge' and 'longest_edge', got {size!r}")
     size = dict(size)
+    if base.clip_pixels:  # Qwen3-VL's video processor, the one bounding whole clips, reads size alone
+        return _edges(size)
     for edge, name in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
         if raw.get(name) is not None:  # the older top-level form wins, and replaces size's own copy
             size[edge] = raw[name]
             size.pop(name, None)
+    return _edges(size)
+
+
+def _edges(size: dict[str, Any]) -> tuple[Any, Any]:
     if size.keys() != {"shortest_edge", "longest_edge"}:
         raise ValueError(f"size must hold 'shortest_edge' and 'longest_edge' (pixel counts) and nothing else once "
                          f"min_pixels / max_pixels are applied, got {size!r}")

@@ -1,10 +1,14 @@
-"""A checkpoint's preprocessing files (``preprocessor_config.json``,
-``video_preprocessor_config.json``) over its family's defaults, checked against its tower."""
+"""A checkpoint's preprocessing files over its family's defaults, checked against its tower.
+
+Read as transformers reads them: a processor nested in ``processor_config.json`` (as
+transformers 5 saves it) first; else ``preprocessor_config.json`` for images, and
+``video_preprocessor_config.json``, then ``preprocessor_config.json``, for videos."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from .loading import CheckpointFiles
 from .models import family_of
@@ -18,31 +22,52 @@ SHARED_FIELDS = {"patch_size": "patch_size", "temporal_patch_size": "temporal_pa
 
 
 def read_processor(files: CheckpointFiles, config) -> ProcessorConfig:
-    """The checkpoint's preprocessing: its ``preprocessor_config.json`` over the family's
-    defaults, with the fields the tower defines too taken from the tower; a file that sets one
-    of those to another value than ``config.json`` is refused, naming both files."""
-    return _processor_file(files.processor, family_of(config).processor, files.config, config)
+    """The checkpoint's image preprocessing over the family's defaults, with the fields the tower
+    defines too taken from the tower; a file that sets one of those to another value than
+    ``config.json`` is refused, naming both files."""
+    source = _nested(files.processors, "image_processor") or _whole(files.processor)
+    return _processor(source, family_of(config).processor, files.config, config)
 
 
 def read_video_processor(files: CheckpointFiles, config, image: ProcessorConfig) -> ProcessorConfig:
-    """The checkpoint's video preprocessing: its ``video_preprocessor_config.json`` over the
-    family's video defaults, or over ``image`` (its image preprocessing) where the family has
-    none; checked against the tower as :func:`read_processor`."""
-    return _processor_file(files.video_processor, family_of(config).video_processor or image, files.config, config)
+    """The checkpoint's video preprocessing over the family's video defaults, or over ``image``
+    (its image preprocessing) where the family has none; checked as :func:`read_processor`."""
+    family = family_of(config)
+    if family.video_processor is None:  # the video processor is the image one's (Qwen2-VL, Qwen2.5-VL)
+        source = _nested(files.processors, "video_processor") or _whole(files.video_processor)
+        return _processor(source, image, files.config, config)
+    source = (_nested(files.processors, "video_processor") or _whole(files.video_processor)
+              or _whole(files.processor))
+    return _processor(source, family.video_processor, files.config, config)
 
 
-def _processor_file(path: Path | None, defaults: ProcessorConfig, config_path: Path, config) -> ProcessorConfig:
+def _nested(path: Path | None, key: str) -> tuple[str, Any] | None:
+    """``(name, value)`` of ``key`` in ``processor_config.json``, where it is there."""
+    if path is None:
+        return None
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a processor config must be a JSON object, got {type(raw).__name__}")
+    return (f"{path} ({key})", raw[key]) if key in raw else None
+
+
+def _whole(path: Path | None) -> tuple[str, Any] | None:
+    return None if path is None else (str(path), read_json(path))
+
+
+def _processor(source: tuple[str, Any] | None, defaults: ProcessorConfig, config_path: Path,
+               config) -> ProcessorConfig:
     tower = {name: getattr(config, field) for name, field in SHARED_FIELDS.items()}
     base = replace(defaults, **tower)
-    if path is None:
+    if source is None:
         return base
-    raw = read_json(path)
+    name, raw = source
     try:
         processor = ProcessorConfig.from_dict(raw, base=base)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{path}: {err}") from None
-    for name, field in SHARED_FIELDS.items():
-        if getattr(processor, name) != tower[name]:
-            raise ValueError(f"{path} sets {name} = {getattr(processor, name)!r} but {config_path} "
-                             f"sets the tower's {field} = {tower[name]!r}; they must agree")
+        raise ValueError(f"{name}: {err}") from None
+    for field_name, field in SHARED_FIELDS.items():
+        if getattr(processor, field_name) != tower[field_name]:
+            raise ValueError(f"{name} sets {field_name} = {getattr(processor, field_name)!r} but {config_path} "
+                             f"sets the tower's {field} = {tower[field_name]!r}; they must agree")
     return processor
