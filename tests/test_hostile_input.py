@@ -641,7 +641,7 @@ def test_qwen2_vl_reads_a_nested_processor_config_first_and_its_video_file_as_it
 
 @pytest.mark.parametrize("name, value", [("do_resize", False), ("do_rescale", False), ("rescale_factor", 1 / 127.5),
                                          ("do_normalize", False), ("do_convert_rgb", False), ("resample", 2),
-                                         ("cap_pixels_per_frame", True), ("do_normalize", "yes")])
+                                         ("do_normalize", "yes")])
 def test_a_processor_setting_vitgraph_does_not_implement_is_refused_by_name(tmp_path, hf_model, name, value):
     """transformers would make other rows from such a file; vitgraph refuses it rather than
     serve its own. The values transformers' processors take by default load."""
@@ -657,8 +657,7 @@ def test_a_processor_setting_vitgraph_does_not_implement_is_refused_by_name(tmp_
         assert file in str(err.value)
         (ckpt / file).unlink()
     hf = Qwen2VLImageProcessorPil()
-    defaults = {k: v for k, v in FIXED_SETTINGS.items() if k != "cap_pixels_per_frame"}
-    assert {k: getattr(hf, k) for k in defaults} == pytest.approx(defaults)
+    assert {k: getattr(hf, k) for k in FIXED_SETTINGS} == pytest.approx(FIXED_SETTINGS)
     (ckpt / "preprocessor_config.json").write_text(json.dumps({**FIXED_SETTINGS, "rescale_factor": 0.00392156862745098,
                                                                "cap_pixels_per_frame": None}))
     assert GraphedVisionEncoder.from_pretrained(ckpt, device="cpu").processor.min_pixels > 0

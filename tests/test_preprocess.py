@@ -205,3 +205,71 @@ def test_qwen3_vl_video_processor_bounds_the_whole_clip():
     _, image_grid = preprocess_images([frames[0]], processor=QWEN3_VL_PROCESSOR)
     _, per_frame = preprocess_video(frames, processor=replace(video, clip_pixels=False), normalize=False)
     assert per_frame.tolist() == [[8, 1088 // 16, 1920 // 16]] and image_grid.tolist() == [[1, 1088 // 16, 1920 // 16]]
+
+
+def _transformers_frame_cap(module: str):
+    """The ``if cap_pixels_per_frame:`` block of transformers' video processor ``resize`` in
+    ``module``, read from its source (the module needs torchvision to import), as a function of
+    the clip's frames, its size limits and the processor's token budget -> the max_pixels it sets."""
+    import ast
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.find_spec(f"transformers.models.{module}")
+    tree = ast.parse(open(spec.origin).read())
+    resize = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "resize"]
+    blocks = [n for f in resize for n in ast.walk(f) if isinstance(n, ast.If) and isinstance(n.test, ast.Name)
+              and n.test.id == "cap_pixels_per_frame"]
+    if not blocks:  # transformers means to drop the flag once capping is its default
+        pytest.skip(f"this transformers' {module} resizes without a cap_pixels_per_frame block")
+    assert len(blocks) == 1, f"{module}: {len(blocks)} cap_pixels_per_frame blocks in resize"
+    code = compile(ast.Module(blocks[0].body, []), spec.origin, "exec")
+
+    def cap(frames, low, high, factor, temporal, max_video_tokens):
+        namespace = {"max_pixels": high, "size": SimpleNamespace(shortest_edge=low, longest_edge=high),
+                     "videos": SimpleNamespace(shape=(1, frames, 3, 64, 64)), "num_frames": frames,
+                     "self": SimpleNamespace(max_video_tokens=max_video_tokens), "max_video_tokens": None,
+                     "factor": factor, "temporal_factor": temporal}
+        exec(code, namespace)
+        return namespace["max_pixels"]
+    return cap
+
+
+@pytest.mark.parametrize("module, clip_pixels", [("qwen2_vl.video_processing_qwen2_vl", False),
+                                                 ("qwen3_vl.video_processing_qwen3_vl", True)])
+def test_cap_pixels_per_frame_caps_as_transformers_video_processors_do(module, clip_pixels):
+    from vitgraph.preprocess import ProcessorConfig, clip_max_pixels
+
+    reference = _transformers_frame_cap(module)
+    rng = np.random.default_rng(1)
+    for patch, tokens in [(14, 128000), (16, 768)] + [(int(rng.choice([14, 16])), int(rng.integers(1, 200_000)))
+                                                      for _ in range(40)]:
+        proc = ProcessorConfig(patch_size=patch, min_pixels=1, max_pixels=1 << 28, clip_pixels=clip_pixels,
+                               cap_pixels_per_frame=True, max_video_tokens=tokens)
+        for frames, low, high in [(1, 4096, 25165824), (2, 3136, 12845056), (768, 4096, 25165824)] + [
+                (int(rng.integers(1, 400)), int(rng.integers(1, 70_000)), int(rng.integers(70_000, 30_000_000)))
+                for _ in range(25)]:
+            want = reference(frames, low, high, proc.factor, proc.temporal_patch_size, tokens)
+            assert clip_max_pixels(proc, frames, low, high) == want, (frames, low, high, patch, tokens)
+            assert clip_max_pixels(replace(proc, cap_pixels_per_frame=False), frames, low, high) == high
+
+
+@pytest.mark.parametrize("path", ["pil", "device"])
+def test_a_capped_video_processor_sizes_every_clip_by_its_frame_count(path):
+    """Qwen3-VL's video processor with cap_pixels_per_frame: 8 frames of 1080p (16.6M pixels, in
+    the 25M limit as they are) get 768 tokens' worth of pixels each, on both preprocessing paths
+    and in preprocess_video; two frames of 640x480 (300 tokens each) stay as they are."""
+    from vitgraph.images import image_rows
+    from vitgraph.models import QWEN3_VL_VIDEO_PROCESSOR
+    from vitgraph.preprocess import QWEN3_VL_PROCESSOR, clip_max_pixels, clip_smart_resize
+
+    video = replace(QWEN3_VL_VIDEO_PROCESSOR, cap_pixels_per_frame=True)
+    frames, short = [_image(1080, 1920, 0)] * 8, [_image(480, 640, 1)] * 2
+    high = clip_max_pixels(video, 8, video.min_pixels, video.max_pixels)
+    assert high == 768 * 32 * 32 * 8 < video.max_pixels
+    h, w = clip_smart_resize(8, 1080, 1920, 32, 2, video.min_pixels, high)
+    _, grid = image_rows(videos=[frames, short], processor=QWEN3_VL_PROCESSOR, video_processor=video,
+                         device="cpu", preprocess=path)
+    assert grid.tolist()[0] == [4, h // 16, w // 16] and (h // 32) * (w // 32) <= 768
+    assert grid.tolist()[1] == [1, 480 // 16, 640 // 16]
+    assert preprocess_video(frames, processor=video, normalize=False)[1].tolist() == grid.tolist()[:1]

@@ -164,6 +164,20 @@ def test_processor_files_are_found_and_read_as_transformers_finds_and_reads_them
         GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
 
 
+def test_a_video_processor_that_caps_pixels_per_frame_loads_and_is_followed(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
+    video = ckpt / "video_preprocessor_config.json"
+    video.write_text(json.dumps({"cap_pixels_per_frame": True, "max_video_tokens": 4}))
+    encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert encoder.video_processor.cap_pixels_per_frame and encoder.video_processor.max_video_tokens == 4
+    frame = Image.new("RGB", (256, 256), "gray")  # 64 tokens a frame uncapped; 4 capped (2 x 2 merged patches)
+    assert encoder.encode_images(videos=[[frame, frame]])[0].shape == (4, 32)
+    for raw, field in (({"cap_pixels_per_frame": "yes"}, "cap_pixels_per_frame"), ({"max_video_tokens": 0}, "max_video_tokens")):
+        video.write_text(json.dumps(raw))
+        with pytest.raises(ValueError, match=field):
+            GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+
+
 @pytest.mark.parametrize("raw, field", [({"patch_size": 0}, "patch_size"), ({"image_std": [1, 0, 1]}, "image_std"),
                                         ({"size": {"shortest_edge": 1024, "longest_edge": -1}}, "max_pixels"),
                                         ({"size": {"longest_edge": 4096}}, "shortest_edge"),

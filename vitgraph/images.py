@@ -22,8 +22,8 @@ import torch
 
 from . import decode as decoding
 from .device_preprocess import frame_size, rows_of
-from .preprocess import (PIXELS_CEILING, ProcessorConfig, check_list, check_pixel_limits, image_rows_pil, pixel_limits,
-                         video_rows_pil)
+from .preprocess import (PIXELS_CEILING, ProcessorConfig, check_list, check_pixel_limits, clip_max_pixels,
+                         image_rows_pil, pixel_limits, video_rows_pil)
 
 PREPROCESS = ("auto", "device", "pil")
 DECODE = ("host", "gpu")
@@ -38,10 +38,12 @@ def check_choices(preprocess: str, decode: str) -> None:
         raise ValueError(f"decode must be one of {DECODE}, got {decode!r}")
 
 
-def _items(images, videos, image_limits: tuple | None, video_limits: tuple | None) -> list[tuple[str, object, tuple[int, int, bool]]]:
+def _items(images, videos, image_limits: tuple | None, video_limits: tuple | None, video: ProcessorConfig
+           ) -> list[tuple[str, object, tuple[int, int, bool]]]:
     """``(name, image, pixel limits)`` for each image and ``(name, _Clip(frames), limits)`` for
     each clip, images first (a list among the images is not a clip: it is refused by name);
-    limits are ``(min_pixels, max_pixels, whether they bound a whole clip)``."""
+    limits are ``(min_pixels, max_pixels, whether they bound a whole clip)``, a clip's
+    ``max_pixels`` capped by its frame count where ``video`` asks (:func:`clip_max_pixels`)."""
     items: list[tuple[str, object, tuple[int, int, bool]]] = []
     if images is not None:
         check_list(images, "images", _IMAGE_FORMS)
@@ -52,7 +54,8 @@ def _items(images, videos, image_limits: tuple | None, video_limits: tuple | Non
             check_list(frames, f"videos[{i}]", "frames")
             if not frames:
                 raise ValueError(f"videos[{i}] must have at least one frame")
-            items.append((f"videos[{i}]", _Clip(frames), video_limits))
+            low, high, whole = video_limits
+            items.append((f"videos[{i}]", _Clip(frames), (low, clip_max_pixels(video, len(frames), low, high), whole)))
     return items
 
 
@@ -100,7 +103,7 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
         preprocess = "device" if device.type == "cuda" else "pil"
     if decode == "gpu" and (device.type != "cuda" or preprocess != "device"):
         raise ValueError(f"decode='gpu' needs preprocess='device' on a CUDA device, got {preprocess!r} on {device}")
-    items = _items(images, videos, limits, video_limits)
+    items = _items(images, videos, limits, video_limits, video)
     if not items:
         return _empty(processor, device if preprocess == "device" else "cpu")
     if preprocess == "pil":

@@ -43,6 +43,10 @@ class ProcessorConfig:
     # Videos: min_pixels / max_pixels bound a whole clip (frames x height x width), as Qwen3-VL's
     # video processor reads them, not each frame.
     clip_pixels: bool = False
+    # Videos: transformers' opt-in cap on each frame's share of a clip's pixels (its videos'
+    # cap_pixels_per_frame and max_video_tokens; 128000 is Qwen2-VL's default, 768 Qwen3-VL's).
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 128000
 
     def __post_init__(self) -> None:
         for name, ceiling in (("patch_size", 64), ("temporal_patch_size", 16), ("merge_size", 8)):
@@ -50,8 +54,12 @@ class ProcessorConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= ceiling:
                 raise ValueError(f"{name} must be an int in [1, {ceiling}], got {value!r}")
         check_pixel_limits(self.min_pixels, self.max_pixels)
-        if not isinstance(self.clip_pixels, bool):
-            raise TypeError(f"clip_pixels must be a bool, got {self.clip_pixels!r}")
+        for name in ("clip_pixels", "cap_pixels_per_frame"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.max_video_tokens, bool) or not isinstance(self.max_video_tokens, int) or not (
+                0 < self.max_video_tokens <= PIXELS_CEILING):
+            raise ValueError(f"max_video_tokens must be an int in [1, {PIXELS_CEILING}], got {self.max_video_tokens!r}")
         for name in ("image_mean", "image_std"):
             value = getattr(self, name)
             if (not isinstance(value, tuple) or len(value) != 3
@@ -84,7 +92,7 @@ class ProcessorConfig:
             raise ValueError(f"a preprocessor config must be a JSON object, got {type(raw).__name__}")
         base = base or cls()
         values: dict[str, Any] = dict(zip(("min_pixels", "max_pixels"), _pixel_bounds(raw, base)))
-        for name in ("patch_size", "temporal_patch_size", "merge_size"):
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "cap_pixels_per_frame", "max_video_tokens"):
             if name in raw and raw[name] is not None:
                 values[name] = raw[name]
         for name in ("image_mean", "image_std"):
@@ -124,7 +132,7 @@ def _edges(size: dict[str, Any]) -> tuple[Any, Any]:
 # Settings a processor file may hold that vitgraph's preprocessing implements one way only (the
 # processors' defaults); a file that asks for another way is refused, not served another's rows.
 FIXED_SETTINGS = {"do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-                  "do_convert_rgb": True, "resample": 3, "cap_pixels_per_frame": False}  # resample 3: bicubic
+                  "do_convert_rgb": True, "resample": 3}  # resample 3: bicubic
 
 
 def _check_fixed_settings(raw: dict[str, Any]) -> None:
@@ -220,6 +228,20 @@ def _fit(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def clip_max_pixels(proc: ProcessorConfig, frames: int, min_pixels: int, max_pixels: int) -> int:
+    """A clip's ``max_pixels`` under ``proc``'s ``cap_pixels_per_frame`` (else ``max_pixels``), as
+    transformers' video processors compute it from the clip's frames (before temporal padding):
+    Qwen2-VL's bounds each frame by an even share of 90% of ``max_video_tokens`` tokens per
+    temporal patch; Qwen3-VL's (``clip_pixels``) bounds the clip by ``max_video_tokens`` tokens
+    per frame or an even share of ``max_pixels``. Both floor a frame at 1.05 ``min_pixels``."""
+    if not proc.cap_pixels_per_frame:
+        return max_pixels
+    floor, tokens = int(min_pixels * 1.05), proc.max_video_tokens * proc.factor * proc.factor
+    if proc.clip_pixels:
+        return max(min(tokens, max_pixels // frames), floor) * frames
+    return max(min(max_pixels, int(tokens * 0.9) * proc.temporal_patch_size // frames), floor)
 
 
 def named_resize(name: str, height: int, width: int, proc: ProcessorConfig, low: int, high: int,
@@ -338,5 +360,6 @@ def preprocess_video(frames: Sequence, *, min_pixels: int | None = None, max_pix
     by repeating the last frame; ``t = frames / temporal_patch_size``. ``name`` names the clip in
     errors; ``normalize`` as in :func:`preprocess_images`."""
     low, high = pixel_limits(processor, min_pixels, max_pixels)
-    rows, grid = video_rows_pil(frames, name, processor, low, high)
+    check_list(frames, name, "frames")
+    rows, grid = video_rows_pil(frames, name, processor, low, clip_max_pixels(processor, max(len(frames), 1), low, high))
     return _rows(rows, processor, normalize), torch.tensor([grid], dtype=torch.long)

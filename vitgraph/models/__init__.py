@@ -33,7 +33,8 @@ class Family:
 # Qwen3-VL's (and Qwen3.5's, Qwen3.6's) published video_preprocessor_config.json: size
 # {shortest_edge: 4096, longest_edge: 25165824}, patch 16, temporal 2, merge 2, mean/std 0.5;
 # its video processor reads the size as a whole clip's pixels.
-QWEN3_VL_VIDEO_PROCESSOR = replace(QWEN3_VL_PROCESSOR, min_pixels=4096, max_pixels=25165824, clip_pixels=True)
+QWEN3_VL_VIDEO_PROCESSOR = replace(QWEN3_VL_PROCESSOR, min_pixels=4096, max_pixels=25165824, clip_pixels=True,
+                                   max_video_tokens=768)
 
 _HF = "transformers.models."
 FAMILIES = (Family("qwen2_vl", ("qwen2_vl",), VisionConfig, Qwen2VisionTower, expected_shapes,
