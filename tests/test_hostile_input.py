@@ -625,18 +625,23 @@ def test_the_checkpoints_preprocessor_config_is_followed_and_checked(tmp_path, h
         GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
 
 
-def test_qwen2_vl_reads_a_nested_processor_config_first_and_its_video_file_as_its_image_file(tmp_path, hf_model):
-    """transformers' order (processor_config.json's nested processor, then the per-kind file);
-    Qwen2-VL's video processor, unlike Qwen3-VL's, lets a top-level max_pixels replace size's edge."""
+def test_qwen2_vl_reads_its_processor_files_in_transformers_order(tmp_path, hf_model):
+    """transformers' order (video_processing_utils): processor_config.json's nested processor,
+    then the per-kind file, and for videos preprocessor_config.json last (the file, not the
+    nested image processor). Qwen2-VL's video processor, unlike Qwen3-VL's, lets a top-level
+    max_pixels replace size's edge. A file naming Qwen3-VL's whole-clip processor is refused."""
     ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
     (ckpt / "preprocessor_config.json").write_text(json.dumps({"max_pixels": 56 * 56 * 16}))
     (ckpt / "processor_config.json").write_text(json.dumps({"image_processor": {"max_pixels": 56 * 56 * 4}}))
     enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
-    assert enc.processor.max_pixels == enc.video_processor.max_pixels == 56 * 56 * 4
+    assert (enc.processor.max_pixels, enc.video_processor.max_pixels) == (56 * 56 * 4, 56 * 56 * 16)
     (ckpt / "video_preprocessor_config.json").write_text(json.dumps(
         {"size": {"shortest_edge": 3136, "longest_edge": 56 * 56 * 16}, "max_pixels": 56 * 56 * 9}))
     enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
     assert (enc.processor.max_pixels, enc.video_processor.max_pixels) == (56 * 56 * 4, 56 * 56 * 9)
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"video_processor_type": "Qwen3VLVideoProcessor"}))
+    with pytest.raises(ValueError, match="video_preprocessor_config.json: transformers would read .* Qwen3VLVideoProcessor"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
 
 
 @pytest.mark.parametrize("name, value", [("do_resize", False), ("do_rescale", False), ("rescale_factor", 1 / 127.5),

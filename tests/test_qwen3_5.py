@@ -143,9 +143,17 @@ def test_processor_files_are_found_and_read_as_transformers_finds_and_reads_them
     min_pixels / max_pixels); the image processor lets top-level ones replace size's edges."""
     ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
     small, large = {"shortest_edge": 1024, "longest_edge": 64 * 64}, {"shortest_edge": 1024, "longest_edge": 128 * 128}
-    (ckpt / "preprocessor_config.json").write_text(json.dumps({"size": large, "max_pixels": 96 * 96}))
-    # No video file: the image file serves videos too, its size only.
+    # No video file: the image file serves videos too, its size only; the released checkpoints'
+    # image class has no video twin, so transformers takes the model's (Qwen3VLVideoProcessor).
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(
+        {"size": large, "max_pixels": 96 * 96, "image_processor_type": "Qwen2VLImageProcessorFast"}))
     assert _limits(GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")) == [(1024, 96 * 96), (1024, 128 * 128)]
+    # The slow class has one (Qwen2VLVideoProcessor, per frame): refused, not read another way.
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(
+        {"size": large, "max_pixels": 96 * 96, "image_processor_type": "Qwen2VLImageProcessor"}))
+    with pytest.raises(ValueError, match="preprocessor_config.json: transformers would read .* Qwen2VLVideoProcessor"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    (ckpt / "preprocessor_config.json").write_text(json.dumps({"size": large, "max_pixels": 96 * 96}))
     (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"size": small, "max_pixels": 96 * 96}))
     encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
     assert _limits(encoder) == [(1024, 96 * 96), (1024, 64 * 64)] and encoder.video_processor.clip_pixels

@@ -161,7 +161,7 @@ class GraphedVisionEncoder(ImageInput):
         config = read_config(files)
         check_reads(engine.tuning, family_of(config).tower)  # before the weights load
         processor = read_processor(files, config)
-        video_processor = read_video_processor(files, config, processor)
+        video_processor = read_video_processor(files, config)
         # Cold kernel caches: the workers need only the shapes, so they compile while the
         # weights load (seconds for a 2B tower's shards).
         early = _start_early(config, device, dtype, engine) if uses_graphs(engine, device) else None

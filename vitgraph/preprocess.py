@@ -239,7 +239,8 @@ def clip_max_pixels(proc: ProcessorConfig, frames: int, min_pixels: int, max_pix
     if not proc.cap_pixels_per_frame:
         return max_pixels
     floor, tokens = int(min_pixels * 1.05), proc.max_video_tokens * proc.factor * proc.factor
-    if proc.clip_pixels:
+    if proc.clip_pixels:  # a clip shorter than the temporal patch counts as padded, as clip_smart_resize
+        frames = max(frames, proc.temporal_patch_size)
         return max(min(tokens, max_pixels // frames), floor) * frames
     return max(min(max_pixels, int(tokens * 0.9) * proc.temporal_patch_size // frames), floor)
 

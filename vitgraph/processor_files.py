@@ -29,16 +29,33 @@ def read_processor(files: CheckpointFiles, config) -> ProcessorConfig:
     return _processor(source, family_of(config).processor, files.config, config)
 
 
-def read_video_processor(files: CheckpointFiles, config, image: ProcessorConfig) -> ProcessorConfig:
-    """The checkpoint's video preprocessing over the family's video defaults, or over ``image``
-    (its image preprocessing) where the family has none; checked as :func:`read_processor`."""
+def read_video_processor(files: CheckpointFiles, config) -> ProcessorConfig:
+    """The checkpoint's video preprocessing over the family's video defaults (its image ones
+    where it has none: Qwen2-VL, Qwen2.5-VL); checked as :func:`read_processor`. A file that
+    names the other kind of Qwen video processor (per frame or per clip) is refused."""
     family = family_of(config)
-    if family.video_processor is None:  # the video processor is the image one's (Qwen2-VL, Qwen2.5-VL)
-        source = _nested(files.processors, "video_processor") or _whole(files.video_processor)
-        return _processor(source, image, files.config, config)
+    defaults = family.video_processor or family.processor
     source = (_nested(files.processors, "video_processor") or _whole(files.video_processor)
               or _whole(files.processor))
-    return _processor(source, family.video_processor, files.config, config)
+    if source is not None and isinstance(source[1], dict):
+        _check_video_class(source, defaults)
+    return _processor(source, defaults, files.config, config)
+
+
+# transformers' Qwen video processors, and whether each bounds a whole clip's pixels.
+VIDEO_CLASSES = {"Qwen2VLVideoProcessor": False, "Qwen3VLVideoProcessor": True}
+
+
+def _check_video_class(source: tuple[str, dict], defaults: ProcessorConfig) -> None:
+    """transformers reads videos with the class a file names (``video_processor_type``, else its
+    ``image_processor_type`` with Image -> Video where such a class exists; else the model's)."""
+    name, raw = source
+    named = raw.get("video_processor_type") or str(raw.get("image_processor_type") or "").replace(
+        "ImageProcessor", "VideoProcessor")
+    if named in VIDEO_CLASSES and VIDEO_CLASSES[named] != defaults.clip_pixels:
+        raise ValueError(f"{name}: transformers would read this checkpoint's videos with {named}, which sizes "
+                         f"{'whole clips' if VIDEO_CLASSES[named] else 'each frame'}; vitgraph reads this family's "
+                         f"videos the other way. Add a video_preprocessor_config.json for the family's processor")
 
 
 def _nested(path: Path | None, key: str) -> tuple[str, Any] | None:
