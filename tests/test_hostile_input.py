@@ -644,6 +644,26 @@ def test_qwen2_vl_reads_its_processor_files_in_transformers_order(tmp_path, hf_m
         GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
 
 
+def test_a_processor_saved_by_transformers_makes_the_rows_transformers_makes_from_it(tmp_path, hf_model):
+    """transformers' own save_pretrained writes the file; its processor loaded back from the same
+    folder is the oracle for grids and rows; Qwen2-VL's videos read the same file."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56 * 2, max_pixels=56 * 56 * 30, image_mean=[0.4, 0.5, 0.6],
+                             image_std=[0.2, 0.3, 0.4]).save_pretrained(ckpt)
+    hf = Qwen2VLImageProcessorPil.from_pretrained(ckpt)
+    enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    rng = np.random.default_rng(3)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in
+              [(480, 640), (40, 50), (1080, 1920), (300, 301)]]
+    ref = hf(images=images, return_tensors="pt")
+    rows, grid = preprocess_images(images, processor=enc.processor)
+    assert torch.equal(grid, ref["image_grid_thw"].long())
+    assert (rows - ref["pixel_values"].float()).abs().max().item() <= 1e-5
+    assert enc.video_processor == enc.processor
+
+
 @pytest.mark.parametrize("name, value", [("do_resize", False), ("do_rescale", False), ("rescale_factor", 1 / 127.5),
                                          ("do_normalize", False), ("do_convert_rgb", False), ("resample", 2),
                                          ("do_normalize", "yes")])
