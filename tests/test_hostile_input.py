@@ -628,13 +628,19 @@ def test_the_checkpoints_preprocessor_config_is_followed_and_checked(tmp_path, h
 def test_qwen2_vl_reads_its_processor_files_in_transformers_order(tmp_path, hf_model):
     """transformers' order (video_processing_utils): processor_config.json's nested processor,
     then the per-kind file, and for videos preprocessor_config.json last (the file, not the
-    nested image processor). Qwen2-VL's video processor, unlike Qwen3-VL's, lets a top-level
-    max_pixels replace size's edge. A file naming Qwen3-VL's whole-clip processor is refused."""
+    nested image processor), each over its transformers class's defaults. Qwen2-VL's video
+    processor, unlike Qwen3-VL's, lets a top-level max_pixels replace size's edge. A file naming
+    Qwen3-VL's whole-clip processor is refused."""
     ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
     (ckpt / "preprocessor_config.json").write_text(json.dumps({"max_pixels": 56 * 56 * 16}))
     (ckpt / "processor_config.json").write_text(json.dumps({"image_processor": {"max_pixels": 56 * 56 * 4}}))
+    # Qwen2VLVideoProcessor's own minimum (100352) is above this file's maximum: refused, named
+    with pytest.raises(ValueError, match=r"preprocessor_config.json: min_pixels \(100352\) must not exceed"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    (ckpt / "preprocessor_config.json").write_text(json.dumps({"max_pixels": 56 * 56 * 16, "min_pixels": 3136}))
     enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
-    assert (enc.processor.max_pixels, enc.video_processor.max_pixels) == (56 * 56 * 4, 56 * 56 * 16)
+    assert [(p.min_pixels, p.max_pixels) for p in (enc.processor, enc.video_processor)] == [
+        (3136, 56 * 56 * 4), (3136, 56 * 56 * 16)]
     (ckpt / "video_preprocessor_config.json").write_text(json.dumps(
         {"size": {"shortest_edge": 3136, "longest_edge": 56 * 56 * 16}, "max_pixels": 56 * 56 * 9}))
     enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")

@@ -276,3 +276,39 @@ def test_a_capped_video_processor_sizes_every_clip_by_its_frame_count(path):
     assert grid.tolist()[0] == [4, h // 16, w // 16] and (h // 32) * (w // 32) <= 768
     assert grid.tolist()[1] == [1, 480 // 16, 640 // 16]
     assert preprocess_video(frames, processor=video, normalize=False)[1].tolist() == grid.tolist()[:1]
+
+
+def _class_defaults(module: str, cls: str) -> dict:
+    """The class-level settings of a transformers processor class, read from its module's source
+    (the video modules need torchvision to import); names resolve in transformers.image_utils."""
+    import ast
+    import importlib.util
+
+    import transformers.image_utils as image_utils
+
+    spec = importlib.util.find_spec(f"transformers.models.{module}")
+    node = next(n for n in ast.parse(open(spec.origin).read()).body if isinstance(n, ast.ClassDef) and n.name == cls)
+    values = {}
+    for item in node.body:
+        if isinstance(item, ast.Assign) and len(item.targets) == 1 and isinstance(item.targets[0], ast.Name):
+            try:
+                values[item.targets[0].id] = eval(compile(ast.Expression(item.value), spec.origin, "eval"),
+                                                  vars(image_utils))
+            except NameError:  # e.g. the resampling enum: not a field vitgraph holds
+                pass
+    return values
+
+
+@pytest.mark.parametrize("module, cls", [("qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil"),
+                                         ("qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor"),
+                                         ("qwen3_vl.video_processing_qwen3_vl", "Qwen3VLVideoProcessor")])
+def test_what_a_processor_file_leaves_out_takes_the_transformers_class_default(module, cls):
+    from vitgraph.processor_files import IMAGE_CLASS, VIDEO_CLASSES
+
+    ours = VIDEO_CLASSES.get(cls, IMAGE_CLASS)
+    want = _class_defaults(module, cls)
+    assert (ours.min_pixels, ours.max_pixels) == (want["size"]["shortest_edge"], want["size"]["longest_edge"])
+    assert ours.image_mean == pytest.approx(tuple(want["image_mean"]))
+    assert ours.image_std == pytest.approx(tuple(want["image_std"]))
+    assert ours.max_video_tokens == want.get("max_video_tokens", ours.max_video_tokens)
+    assert ours.clip_pixels == (cls == "Qwen3VLVideoProcessor")

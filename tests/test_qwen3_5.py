@@ -116,7 +116,8 @@ def test_the_checkpoints_processor_files_override_the_defaults(tmp_path):
          "merge_size": 2, "image_mean": [0.25, 0.5, 0.75], "image_std": [0.5, 0.5, 0.5]}))
     encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
     assert (encoder.processor.min_pixels, encoder.processor.max_pixels) == (1024, 16384)
-    assert encoder.processor.image_mean == (0.5, 0.5, 0.5)  # the family's, under the file's sizes
+    # The file leaves image_mean out: Qwen2VLImageProcessor's own default (OpenAI CLIP's), as transformers
+    assert encoder.processor.image_mean == (0.48145466, 0.4578275, 0.40821073)
     assert (encoder.video_processor.min_pixels, encoder.video_processor.max_pixels) == (1024, 4096)
     assert encoder.video_processor.image_mean == (0.25, 0.5, 0.75)
     frame = Image.new("RGB", (128, 128), "gray")
@@ -175,7 +176,8 @@ def test_processor_files_are_found_and_read_as_transformers_finds_and_reads_them
 def test_a_video_processor_that_caps_pixels_per_frame_loads_and_is_followed(tmp_path):
     ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
     video = ckpt / "video_preprocessor_config.json"
-    video.write_text(json.dumps({"cap_pixels_per_frame": True, "max_video_tokens": 4}))
+    video.write_text(json.dumps({"cap_pixels_per_frame": True, "max_video_tokens": 4,
+                                 "size": {"shortest_edge": 4096, "longest_edge": 25165824}}))
     encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
     assert encoder.video_processor.cap_pixels_per_frame and encoder.video_processor.max_video_tokens == 4
     frame = Image.new("RGB", (256, 256), "gray")  # 64 tokens a frame uncapped; 4 capped (2 x 2 merged patches)

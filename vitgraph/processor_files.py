@@ -1,8 +1,10 @@
-"""A checkpoint's preprocessing files over its family's defaults, checked against its tower.
+"""A checkpoint's preprocessing files, checked against its tower.
 
-Read as transformers reads them: a processor nested in ``processor_config.json`` (as
-transformers 5 saves it) first; else ``preprocessor_config.json`` for images, and
-``video_preprocessor_config.json``, then ``preprocessor_config.json``, for videos."""
+Found and read as transformers finds and reads them: a processor nested in
+``processor_config.json`` (as transformers 5 saves it) first; else ``preprocessor_config.json``
+for images, and ``video_preprocessor_config.json``, then ``preprocessor_config.json``, for
+videos. What a file leaves out takes the default of the transformers class that reads it; a
+checkpoint without a file gets the family's published settings."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ def read_processor(files: CheckpointFiles, config) -> ProcessorConfig:
     defines too taken from the tower; a file that sets one of those to another value than
     ``config.json`` is refused, naming both files."""
     source = _nested(files.processors, "image_processor") or _whole(files.processor)
-    return _processor(source, family_of(config).processor, files.config, config)
+    defaults = family_of(config).processor if source is None else IMAGE_CLASS
+    return _processor(source, defaults, files.config, config)
 
 
 def read_video_processor(files: CheckpointFiles, config) -> ProcessorConfig:
@@ -34,28 +37,38 @@ def read_video_processor(files: CheckpointFiles, config) -> ProcessorConfig:
     where it has none: Qwen2-VL, Qwen2.5-VL); checked as :func:`read_processor`. A file that
     names the other kind of Qwen video processor (per frame or per clip) is refused."""
     family = family_of(config)
-    defaults = family.video_processor or family.processor
+    published = family.video_processor or family.processor
     source = (_nested(files.processors, "video_processor") or _whole(files.video_processor)
               or _whole(files.processor))
-    if source is not None and isinstance(source[1], dict):
-        _check_video_class(source, defaults)
-    return _processor(source, defaults, files.config, config)
+    if source is None:
+        return _processor(None, published, files.config, config)
+    kind = next(name for name, cls in VIDEO_CLASSES.items() if cls.clip_pixels == published.clip_pixels)
+    if isinstance(source[1], dict):
+        _check_video_class(source, kind)
+    return _processor(source, VIDEO_CLASSES[kind], files.config, config)
 
 
-# transformers' Qwen video processors, and whether each bounds a whole clip's pixels.
-VIDEO_CLASSES = {"Qwen2VLVideoProcessor": False, "Qwen3VLVideoProcessor": True}
+# The defaults of the transformers classes that read the files (patch sizes come from the tower):
+# Qwen2VLImageProcessor for every family's images, and the two Qwen video processors.
+IMAGE_CLASS = ProcessorConfig(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+VIDEO_CLASSES = {
+    "Qwen2VLVideoProcessor": ProcessorConfig(min_pixels=128 * 28 * 28, max_pixels=28 * 28 * 768),
+    "Qwen3VLVideoProcessor": ProcessorConfig(min_pixels=128 * 32 * 32, max_pixels=32 * 32 * 768,
+                                             image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+                                             clip_pixels=True, max_video_tokens=768),
+}
 
 
-def _check_video_class(source: tuple[str, dict], defaults: ProcessorConfig) -> None:
+def _check_video_class(source: tuple[str, dict], kind: str) -> None:
     """transformers reads videos with the class a file names (``video_processor_type``, else its
     ``image_processor_type`` with Image -> Video where such a class exists; else the model's)."""
     name, raw = source
     named = raw.get("video_processor_type") or str(raw.get("image_processor_type") or "").replace(
         "ImageProcessor", "VideoProcessor")
-    if named in VIDEO_CLASSES and VIDEO_CLASSES[named] != defaults.clip_pixels:
+    if named in VIDEO_CLASSES and named != kind:
         raise ValueError(f"{name}: transformers would read this checkpoint's videos with {named}, which sizes "
-                         f"{'whole clips' if VIDEO_CLASSES[named] else 'each frame'}; vitgraph reads this family's "
-                         f"videos the other way. Add a video_preprocessor_config.json for the family's processor")
+                         f"{'whole clips' if VIDEO_CLASSES[named].clip_pixels else 'each frame'}; vitgraph reads "
+                         f"this family's videos with {kind}. Add a video_preprocessor_config.json for {kind}")
 
 
 def _nested(path: Path | None, key: str) -> tuple[str, Any] | None:
