@@ -116,6 +116,39 @@ def test_qwen3_vl_clips_match_transformers_video_processor_on_the_gpu():
         assert diff <= 1e-5
 
 
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl"])
+def test_capped_clips_match_transformers_video_processors_on_the_gpu(kind):
+    """cap_pixels_per_frame with a small max_video_tokens: each clip's frames shrunk as
+    transformers' own video processor (Qwen2-VL's per frame, Qwen3-VL's per clip) shrinks them;
+    grids identical, rows equal to 1e-5. Skips where transformers has no such cap."""
+    import importlib
+    from dataclasses import replace
+
+    pytest.importorskip("torchvision")
+    from vitgraph.models import QWEN3_VL_VIDEO_PROCESSOR
+
+    name = "Qwen2VLVideoProcessor" if kind == "qwen2_vl" else "Qwen3VLVideoProcessor"
+    cls = getattr(importlib.import_module(f"transformers.models.{kind}.video_processing_{kind}"), name)
+    if "cap_pixels_per_frame" not in getattr(getattr(cls, "valid_kwargs", None), "__annotations__", {}):
+        pytest.skip(f"this transformers' {name} has no cap_pixels_per_frame")
+    image = QWEN2_VL_PROCESSOR if kind == "qwen2_vl" else QWEN3_VL_PROCESSOR
+    base = image if kind == "qwen2_vl" else QWEN3_VL_VIDEO_PROCESSOR
+    video = replace(base, min_pixels=4096, max_pixels=8_000_000, cap_pixels_per_frame=True, max_video_tokens=300)
+    hf = cls(size={"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels}, patch_size=video.patch_size,
+             temporal_patch_size=2, merge_size=2, image_mean=list(video.image_mean), image_std=list(video.image_std),
+             cap_pixels_per_frame=True, max_video_tokens=video.max_video_tokens)
+    for frames, (h, w) in ((8, (720, 1280)), (4, (480, 640)), (2, (64, 80))):
+        clip = np.stack([photo(h, w, i) for i in range(frames)])
+        ref = hf(videos=[clip], do_sample_frames=False, device="cuda", return_tensors="pt")
+        rows, grid = image_rows(videos=[list(clip)], processor=image, video_processor=video,
+                                device=torch.device("cuda"), preprocess="device")
+        assert torch.equal(grid, ref["video_grid_thw"].long().cpu()), (grid, ref["video_grid_thw"])
+        ours = normalize_rows(rows, *statistics(video, "cuda"), torch.float32)
+        diff = (ours - ref["pixel_values_videos"].to("cuda", torch.float32)).abs().max().item()
+        print(f"\n{name}, {frames} frames of {h}x{w}, capped: grid {grid.tolist()}, max |diff| {diff:.3e}")
+        assert diff <= 1e-5
+
+
 @pytest.mark.parametrize("proc", [QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR], ids=["qwen2", "qwen3"])
 @pytest.mark.parametrize("content", ["photo", "noise"])
 def test_device_processor_matches_transformers_torchvision_on_the_gpu(proc, content):
