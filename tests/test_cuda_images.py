@@ -137,7 +137,8 @@ def test_capped_clips_match_transformers_video_processors_on_the_gpu(kind):
     hf = cls(size={"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels}, patch_size=video.patch_size,
              temporal_patch_size=2, merge_size=2, image_mean=list(video.image_mean), image_std=list(video.image_std),
              cap_pixels_per_frame=True, max_video_tokens=video.max_video_tokens)
-    for frames, (h, w) in ((8, (720, 1280)), (4, (480, 640)), (2, (64, 80))):
+    # capped (8 and 3 frames: an odd count padded after sizing), at the cap, under it
+    for frames, (h, w) in ((8, (720, 1280)), (3, (720, 1280)), (4, (480, 640)), (2, (64, 80))):
         clip = np.stack([photo(h, w, i) for i in range(frames)])
         ref = hf(videos=[clip], do_sample_frames=False, device="cuda", return_tensors="pt")
         rows, grid = image_rows(videos=[list(clip)], processor=image, video_processor=video,
