@@ -73,7 +73,7 @@ def open_encoded(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -
         raise ValueError(f"{name}: declares too many pixels ({err}); the limit is {max_pixels}") from None
     except UnidentifiedImageError:  # its message names a BytesIO's address, which helps nobody
         raise ValueError(f"{name}: not a readable image (no image format recognises its {len(data)} bytes)") from None
-    except (OSError, ValueError, SyntaxError, TypeError, EOFError, NotImplementedError) as err:  # PIL's plugins
+    except _BROKEN_FILE as err:
         raise ValueError(f"{name}: not a readable image ({err})") from None
     width, height = image.size
     if width * height > max_pixels:

@@ -22,8 +22,8 @@ import torch
 
 from . import decode as decoding
 from .device_preprocess import frame_size, rows_of
-from .preprocess import (PIXELS_CEILING, ProcessorConfig, check_list, check_pixel_limits, clip_max_pixels,
-                         image_rows_pil, pixel_limits, video_rows_pil)
+from .preprocess import (ProcessorConfig, check_list, check_pixel_arguments, clip_max_pixels, image_rows_pil,
+                         pixel_limits, video_rows_pil)
 
 PREPROCESS = ("auto", "device", "pil")
 DECODE = ("host", "gpu")
@@ -95,7 +95,7 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
     check_choices(preprocess, decode)
     device = torch.device(device)
     video = video_processor or processor
-    check_pixel_limits(1 if min_pixels is None else min_pixels, PIXELS_CEILING if max_pixels is None else max_pixels)
+    check_pixel_arguments(min_pixels, max_pixels)
     # Each kind's limits are its processor's where not given; only a kind present is checked.
     limits = (*pixel_limits(processor, min_pixels, max_pixels), False) if _given(images) else None
     video_limits = (*pixel_limits(video, min_pixels, max_pixels), video.clip_pixels) if _given(videos) else None

@@ -305,6 +305,11 @@ def check_list(items, name: str, what: str) -> None:
         raise TypeError(f"{name} must be a list of {what}, got a {kind}; wrap a single one in a list")
 
 
+def check_pixel_arguments(min_pixels, max_pixels) -> None:
+    """A caller's ``min_pixels`` / ``max_pixels`` (None: the processor's), alone and together."""
+    check_pixel_limits(1 if min_pixels is None else min_pixels, PIXELS_CEILING if max_pixels is None else max_pixels)
+
+
 def pixel_limits(proc: ProcessorConfig, min_pixels, max_pixels) -> tuple[int, int]:
     """``(min_pixels, max_pixels)``: those given, else the processor's; checked."""
     limits = (proc.min_pixels if min_pixels is None else min_pixels, proc.max_pixels if max_pixels is None else max_pixels)

@@ -36,7 +36,7 @@ from safetensors.torch import save as save_safetensors
 from .decode import check_image_ceiling
 from .encoder import GraphedVisionEncoder
 from .options import engine_options as check_engine_options
-from .preprocess import check_pixel_limits, pixel_limits
+from .preprocess import check_pixel_arguments, pixel_limits
 from .validation import check_pixels, check_rows, normalize_grid
 
 # The most pixels an encoded image in a request may declare: refused from its header, before
@@ -278,8 +278,7 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
     ``min_pixels`` / ``max_pixels``: the sizes images are resized into (default: the
     checkpoint's processor's); a lower ``max_pixels`` bounds an image request's tokens.
     ``max_image_pixels``: the most pixels an uploaded image may declare (checked before decoding)."""
-    if min_pixels is not None or max_pixels is not None:  # refused here, not in a replica's start-up
-        check_pixel_limits(min_pixels if min_pixels is not None else 1, max_pixels if max_pixels is not None else 1 << 28)
+    check_pixel_arguments(min_pixels, max_pixels)  # refused here, not in a replica's start-up
     check_image_ceiling(max_image_pixels)
     check_engine_options(engine_options)  # refused here, not in a replica's start-up
     if num_gpus is None:
