@@ -86,6 +86,26 @@ def _hf_processor(proc):
                image_mean=list(proc.image_mean), image_std=list(proc.image_std)), transformers
 
 
+def _has_cap(cls) -> bool:
+    """Whether transformers' video processor class can cap each frame's pixels."""
+    return "cap_pixels_per_frame" in getattr(getattr(cls, "valid_kwargs", None), "__annotations__", {})
+
+
+def _assert_clips_match(hf, image, video, clips, label: str, **call) -> None:
+    """Each ``(frames, (h, w))`` clip through transformers' video processor ``hf`` and through
+    vitgraph's device path: grids identical, rows equal to 1e-5 after normalisation."""
+    for frames, (h, w) in clips:
+        clip = np.stack([photo(h, w, i) for i in range(frames)])
+        ref = hf(videos=[clip], do_sample_frames=False, device="cuda", return_tensors="pt", **call)
+        rows, grid = image_rows(videos=[list(clip)], processor=image, video_processor=video,
+                                device=torch.device("cuda"), preprocess="device")
+        assert torch.equal(grid, ref["video_grid_thw"].long().cpu()), (grid, ref["video_grid_thw"])
+        ours = normalize_rows(rows, *statistics(video, "cuda"), torch.float32)
+        diff = (ours - ref["pixel_values_videos"].to("cuda", torch.float32)).abs().max().item()
+        print(f"\n{label}, {frames} frames of {h}x{w}: grid {grid.tolist()}, max |diff| {diff:.3e}")
+        assert diff <= 1e-5
+
+
 def test_qwen3_vl_clips_match_transformers_video_processor_on_the_gpu():
     """Qwen3-VL's video processor sizes a clip by its pixels over all frames: a clip past the
     limit is shrunk frame by frame as transformers' torchvision video processor shrinks it; rows
@@ -102,18 +122,9 @@ def test_qwen3_vl_clips_match_transformers_video_processor_on_the_gpu():
                                patch_size=16, temporal_patch_size=2, merge_size=2,
                                image_mean=list(video.image_mean), image_std=list(video.image_std))
     # Newer transformers can cap each frame's pixels too (off by default, a warning when unset).
-    options = getattr(getattr(Qwen3VLVideoProcessor, "valid_kwargs", None), "__annotations__", {})
-    cap = {"cap_pixels_per_frame": False} if "cap_pixels_per_frame" in options else {}
-    for frames, (h, w) in ((8, (720, 1280)), (5, (360, 640)), (2, (32, 40))):  # shrunk, kept, grown
-        clip = np.stack([photo(h, w, i) for i in range(frames)])
-        ref = hf(videos=[clip], do_sample_frames=False, device="cuda", return_tensors="pt", **cap)
-        rows, grid = image_rows(videos=[list(clip)], processor=QWEN3_VL_PROCESSOR, video_processor=video,
-                                device=torch.device("cuda"), preprocess="device")
-        assert torch.equal(grid, ref["video_grid_thw"].long().cpu()), (grid, ref["video_grid_thw"])
-        ours = normalize_rows(rows, *statistics(video, "cuda"), torch.float32)
-        diff = (ours - ref["pixel_values_videos"].to("cuda", torch.float32)).abs().max().item()
-        print(f"\n{frames} frames of {h}x{w}: grid {grid.tolist()}, max |diff| {diff:.3e}")
-        assert diff <= 1e-5
+    cap = {"cap_pixels_per_frame": False} if _has_cap(Qwen3VLVideoProcessor) else {}
+    _assert_clips_match(hf, QWEN3_VL_PROCESSOR, video, ((8, (720, 1280)), (5, (360, 640)), (2, (32, 40))),
+                        "uncapped", **cap)  # shrunk, kept, grown
 
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl"])
@@ -129,7 +140,7 @@ def test_capped_clips_match_transformers_video_processors_on_the_gpu(kind):
 
     name = "Qwen2VLVideoProcessor" if kind == "qwen2_vl" else "Qwen3VLVideoProcessor"
     cls = getattr(importlib.import_module(f"transformers.models.{kind}.video_processing_{kind}"), name)
-    if "cap_pixels_per_frame" not in getattr(getattr(cls, "valid_kwargs", None), "__annotations__", {}):
+    if not _has_cap(cls):
         pytest.skip(f"this transformers' {name} has no cap_pixels_per_frame")
     image = QWEN2_VL_PROCESSOR if kind == "qwen2_vl" else QWEN3_VL_PROCESSOR
     base = image if kind == "qwen2_vl" else QWEN3_VL_VIDEO_PROCESSOR
@@ -138,16 +149,8 @@ def test_capped_clips_match_transformers_video_processors_on_the_gpu(kind):
              temporal_patch_size=2, merge_size=2, image_mean=list(video.image_mean), image_std=list(video.image_std),
              cap_pixels_per_frame=True, max_video_tokens=video.max_video_tokens)
     # capped (8 and 3 frames: an odd count padded after sizing), at the cap, under it
-    for frames, (h, w) in ((8, (720, 1280)), (3, (720, 1280)), (4, (480, 640)), (2, (64, 80))):
-        clip = np.stack([photo(h, w, i) for i in range(frames)])
-        ref = hf(videos=[clip], do_sample_frames=False, device="cuda", return_tensors="pt")
-        rows, grid = image_rows(videos=[list(clip)], processor=image, video_processor=video,
-                                device=torch.device("cuda"), preprocess="device")
-        assert torch.equal(grid, ref["video_grid_thw"].long().cpu()), (grid, ref["video_grid_thw"])
-        ours = normalize_rows(rows, *statistics(video, "cuda"), torch.float32)
-        diff = (ours - ref["pixel_values_videos"].to("cuda", torch.float32)).abs().max().item()
-        print(f"\n{name}, {frames} frames of {h}x{w}, capped: grid {grid.tolist()}, max |diff| {diff:.3e}")
-        assert diff <= 1e-5
+    _assert_clips_match(hf, image, video, ((8, (720, 1280)), (3, (720, 1280)), (4, (480, 640)), (2, (64, 80))),
+                        f"{name}, capped")
 
 
 @pytest.mark.parametrize("proc", [QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR], ids=["qwen2", "qwen3"])
