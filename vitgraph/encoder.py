@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 import time
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -13,6 +14,8 @@ from typing import Any, Mapping
 
 import torch
 
+from .coalesce import CoalescingFront, EncoderClosed, front_settings
+from .decode import MAX_IMAGE_PIXELS
 from .models import FAMILIES, PRESETS, family_for, family_of
 from .engine.contract import Precompiled, VisionTower
 from .engine.graphs import GraphBank
@@ -60,6 +63,9 @@ class _Counters:
     buckets: dict[str, BucketStats] = field(default_factory=dict)  # by bucket name
     eager: Counter = field(default_factory=Counter)
     calls: int = 0
+    plan_hits: int = 0
+    plan_misses: int = 0
+    plan_seconds: float = 0.0  # host time of the misses: planning and staging
 
 
 class GraphedVisionEncoder(ImageInput):
@@ -137,6 +143,8 @@ class GraphedVisionEncoder(ImageInput):
         self._precompile = PrecompileReport()
         self._precompile_seconds = 0.0
         self._counters = _Counters()
+        self._front: CoalescingFront | None = None  # made by the first submit
+        self._closed = False
         if self.use_graphs:
             layouts = {b: padded_batch(self.tower, b) for b in self.requested_buckets}  # empty: for capture
             self.bank = GraphBank(self.tower, layouts, self.device, self.dtype)
@@ -254,8 +262,9 @@ class GraphedVisionEncoder(ImageInput):
         grids = normalize_grid(grid_thw, self.config.spatial_merge_size)
         return copy.deepcopy(self._prepare(grids).plan)
 
-    def _prepare(self, grids) -> _Prepared:
-        """The plan for ``grids`` plus each graph step's staged metadata, cached per grid tuple."""
+    def _prepare(self, grids, cache: bool = True) -> _Prepared:
+        """The plan for ``grids`` plus each graph step's staged metadata, cached per grid tuple
+        (``cache``: also kept when made here)."""
         if not self.use_graphs:
             plan = plan_call(grids, [])
             for step in plan.steps:
@@ -264,8 +273,10 @@ class GraphedVisionEncoder(ImageInput):
         key = tuple(grids)
         with self._lock:
             prepared = self._prepared.get(key)
-        if prepared is not None:
-            return prepared
+            if prepared is not None:
+                self._counters.plan_hits += 1
+                return prepared
+        start = time.perf_counter()
         plans = self.tuning.plans
         eager_padding = None if self.attention in plans.packed_eager_slower else plans.eager_min_padding
         plan = plan_call(grids, self.buckets, self.options.exact_eager_above, self._packed_single_below,
@@ -273,7 +284,9 @@ class GraphedVisionEncoder(ImageInput):
         staged = [None if step.bucket is None else self._stage(step.bucket, step.grids) for step in plan.steps]
         prepared = _Prepared(plan, staged)
         with self._lock:
-            if key not in self._prepared:
+            self._counters.plan_misses += 1
+            self._counters.plan_seconds += time.perf_counter() - start
+            if cache and key not in self._prepared:
                 self._prepared[key] = prepared
                 self._prepared_bytes += prepared.nbytes
                 while len(self._prepared) > plans.cache_entries or self._prepared_bytes > plans.cache_bytes:
@@ -292,18 +305,24 @@ class GraphedVisionEncoder(ImageInput):
         check_pixels(pixels, self.tower.input_width)
         grids = normalize_grid(grid_thw, self.config.spatial_merge_size)
         tokens = check_rows(pixels, grids)
-        rows = tokens // self.tower.merge_unit
         if out is not None:
-            check_out(out, rows, self.tower.output_width, self.device, self.dtype)
+            check_out(out, tokens // self.tower.merge_unit, self.tower.output_width, self.device, self.dtype)
+        return self._encode_checked(pixels, grids, tokens, out)
+
+    @torch.inference_mode()
+    def _encode_checked(self, pixels: torch.Tensor, grids, tokens: int, out: torch.Tensor | None = None, *,
+                        cache_plan: bool = True) -> torch.Tensor:
+        """:meth:`encode` of input already checked. ``cache_plan``: keep the plan for these grids
+        (the front's merged calls rarely recur, and would evict the plans that do)."""
         with self._lock:
             self._counters.calls += 1
         if tokens == 0:
             return out if out is not None else self._new_output(0)
         if pixels.dtype == torch.uint8:  # 8x fewer bytes than fp32 rows to bring over
             pixels = self.normalized_rows(pixels)
-        result = out if out is not None else self._new_output(rows)
+        result = out if out is not None else self._new_output(tokens // self.tower.merge_unit)
         unit = self.tower.merge_unit
-        prepared = self._prepare(grids)
+        prepared = self._prepare(grids, cache=cache_plan)
         for step, staged in zip(prepared.plan.steps, prepared.staged):
             whole = step.tokens == tokens  # the whole call: no slice to make
             step_pixels = pixels if whole else pixels[step.token_offset:step.token_offset + step.tokens]
@@ -362,6 +381,63 @@ class GraphedVisionEncoder(ImageInput):
             stats.real_tokens += step.tokens
             stats.padded_tokens += step.padded_tokens
 
+    # -- the coalescing front (vitgraph.coalesce) ------------------------------------------
+
+    def submit(self, pixels: torch.Tensor, grid_thw) -> Future:
+        """:meth:`encode` as a ``concurrent.futures.Future``, returned at once: requests of
+        concurrent callers share replays. Each request's rows are its own (a view of its batch's
+        output, complete when the future resolves); they equal the same request made alone
+        within the distance two buckets give (bitwise in one bucket). A bad request fails its
+        future with the error ``encode`` raises."""
+        return self._coalescer().submit(pixels, grid_thw)
+
+    def submit_images(self, images=None, videos=None, *, min_pixels: int | None = None,
+                      max_pixels: int | None = None, preprocess: str = "auto", decode: str = "host",
+                      max_image_pixels: int = MAX_IMAGE_PIXELS) -> Future:
+        """:meth:`encode_images` as a future of its list of tensors; decoding and preprocessing
+        run in the front's threads, then the request joins shared replays as :meth:`submit`'s."""
+        kwargs = dict(min_pixels=min_pixels, max_pixels=max_pixels, preprocess=preprocess, decode=decode,
+                      max_image_pixels=max_image_pixels)
+        return self._coalescer().submit_images(images, videos, kwargs)
+
+    async def encode_async(self, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
+        """``await``-able :meth:`submit`."""
+        return await asyncio.wrap_future(self.submit(pixels, grid_thw))
+
+    async def encode_images_async(self, images=None, videos=None, **kwargs) -> list[torch.Tensor]:
+        """``await``-able :meth:`submit_images`."""
+        return await asyncio.wrap_future(self.submit_images(images, videos, **kwargs))
+
+    def _coalescer(self) -> CoalescingFront:
+        front = self._front
+        if front is None:
+            with self._lock:
+                if self._closed:
+                    raise EncoderClosed("the encoder is closed: it takes no more requests")
+                if self._front is None:
+                    self._front = CoalescingFront(self)
+                front = self._front
+        return front
+
+    def close(self, cancel_pending: bool = False) -> None:
+        """Stop the front: encode what was submitted (``cancel_pending``: fail what is not yet
+        dispatched with ``EncoderClosed``), then join its threads and the image threads.
+        ``submit`` refuses afterwards; ``encode`` and ``encode_images`` still work. Idempotent."""
+        with self._lock:
+            self._closed = True
+            front = self._front
+        if front is not None:
+            front.close(cancel_pending)
+        pool, self._host_pool = self._host_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> "GraphedVisionEncoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def stats(self) -> dict[str, Any]:
         """Replays and padding per bucket, eager fallbacks by reason, capture seconds (the kernel
         precompile included, whose report is under ``"precompile"``) and pool bytes (library
@@ -372,7 +448,10 @@ class GraphedVisionEncoder(ImageInput):
                          **vars(self._counters.buckets.get(b.name, BucketStats()))}
                 for b in self.buckets
             }
-            return {
+            plans = {"hits": self._counters.plan_hits, "misses": self._counters.plan_misses,
+                     "miss_ms": 1000 * self._counters.plan_seconds / max(self._counters.plan_misses, 1)}
+            front = self._front
+            result = {
                 "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""),
                 "attention": self.attention,
@@ -391,4 +470,7 @@ class GraphedVisionEncoder(ImageInput):
                 "pool_bytes": self.bank.pool_bytes if self.bank else 0,
                 # of which cuBLAS's workspaces for the capture stream (not activations)
                 "pool_workspace_bytes": self.bank.workspace_bytes if self.bank else 0,
+                "plans": plans,
             }
+        result["front"] = front.stats() if front is not None else {"requests": 0, **front_settings(self)}
+        return result

@@ -61,13 +61,19 @@ class ImageInput:
                                      preprocess=preprocess, decode=decode, max_image_pixels=max_image_pixels)
         if grid.shape[0] == 0:
             return []
-        first_clip = len(images) if images is not None else 0
-        if first_clip < grid.shape[0] and self._video_statistics is not None:  # clips normalised their own way
+        rows = self.item_rows(rows, grid, len(images) if images is not None else 0)
+        return self.per_item(self.encode(rows, grid), grid)
+
+    def item_rows(self, rows: torch.Tensor, grid: torch.Tensor, first_clip: int) -> torch.Tensor:
+        """:meth:`image_rows`' uint8 rows in the encoder's dtype on its device: the images'
+        normalised with the image processor's mean and std, the clips' (items from
+        ``first_clip`` on) with the video processor's where they differ."""
+        if first_clip < grid.shape[0] and self._video_statistics is not None:
             split = int(grid[:first_clip].prod(-1).sum())
             rows = rows.to(self.device, non_blocking=True)
-            rows = torch.cat([self.normalized_rows(rows[:split]),
+            return torch.cat([self.normalized_rows(rows[:split]),
                               normalize_rows(rows[split:], *self._video_statistics, self.dtype)])
-        return self.per_item(self.encode(rows, grid), grid)
+        return self.normalized_rows(rows)
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._host_pool is None:

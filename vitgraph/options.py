@@ -40,6 +40,9 @@ class EngineOptions:
     compile_workers: int | None = None
     pool_limit_bytes: int | None = None
     progress: bool = True
+    # submit()'s front: the longest a ready request waits for others to share its replay while
+    # the device is busy (an idle device takes it at once).
+    max_wait_ms: float = 2.0
     # The second tier: changes to the tuning derived from the device and the tower, by dotted
     # name ({"buckets.dense": False, "gemm.split_k_max_rows": 0}; see vitgraph.tuning).
     tuning: Mapping[str, Any] | None = None
@@ -58,6 +61,9 @@ class EngineOptions:
             raise ValueError(f"fuse must be True, False or None (auto), got {self.fuse!r}")
         if not isinstance(self.capture, bool):  # not "in (True, False)": 1 == True
             raise ValueError(f"capture must be True or False, got {self.capture!r}")
+        if (isinstance(self.max_wait_ms, bool) or not isinstance(self.max_wait_ms, (int, float))
+                or not 0 <= self.max_wait_ms <= 60_000):
+            raise ValueError(f"max_wait_ms must be a number of milliseconds in [0, 60000], got {self.max_wait_ms!r}")
         if self.tuning is not None:
             check_overrides(self.tuning)
         if self.budgets is not None and (isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence)
