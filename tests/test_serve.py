@@ -41,7 +41,7 @@ def app():
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": REQUEST_TIMEOUT_S})
-    handle = serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, batch_wait_timeout_s=0.25,
+    handle = serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, max_wait_ms=250,
                                  max_budget=BUDGET, max_pixels=MAX_PIXELS), name="vitgraph", route_prefix="/")
     yield f"http://127.0.0.1:{port}/encode", handle
     serve.shutdown()
@@ -78,11 +78,9 @@ def test_concurrent_requests_are_batched_by_patch_tokens_and_match_direct_encode
         out = load_safetensors(body)
         assert out["grid_thw"].tolist() == [list(x) for x in g]
         assert rel_err(out["embeddings"], direct.encode(pixels, g)) <= 1e-5
-    stats = handle.stats.remote().result()
-    sizes = [n for n, _ in stats["batches"]]
-    assert max(sizes) > 1, stats["batches"]  # concurrent requests shared encode calls
-    assert all(tokens <= BUDGET for _, tokens in stats["batches"])
-    assert sum(sizes) == len(payloads)
+    front = handle.stats.remote().result()["encoder"]["front"]
+    assert front["batches"] < front["requests"] and front["requests_per_batch"] > 1, front  # shared encode calls
+    assert front["max_tokens"] == BUDGET and front["failed"] == 0
 
 
 def test_bad_requests_get_400_and_the_good_ones_beside_them_succeed(app, direct):
@@ -110,7 +108,7 @@ def test_an_oversize_request_is_encoded_alone(app, direct):
     pixels, body = rows_payload([(1, 32, 24)], seed=7)  # 768 tokens > the 512-token budget
     status, answer = post(url, body, "application/octet-stream")
     assert status == 200 and rel_err(load_safetensors(answer)["embeddings"], direct.encode(pixels, [(1, 32, 24)])) <= 1e-5
-    assert handle.stats.remote().result()["encoded_alone"] >= 1
+    assert handle.stats.remote().result()["encoder"]["front"]["alone"] >= 1
 
 
 def test_images_as_json_and_json_answers(app, direct):
@@ -287,7 +285,7 @@ def test_two_replicas_share_the_requests(app, direct):
     from vitgraph.serve import build_app
 
     url, _ = app
-    serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, num_replicas=2, batch_wait_timeout_s=0.05,
+    serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, num_replicas=2, max_wait_ms=50,
                         max_budget=BUDGET), name="two", route_prefix="/two")
     two = url.replace("/encode", "/two/encode")
     payloads = [rows_payload([(1, 8, 8)], seed=200 + i) for i in range(24)]
@@ -452,7 +450,7 @@ def test_a_replica_killed_under_load(app, direct):
     from vitgraph.serve import build_app
 
     url, _ = app
-    serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, num_replicas=2, batch_wait_timeout_s=0.01,
+    serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, num_replicas=2, max_wait_ms=10,
                         max_budget=BUDGET), name="kill", route_prefix="/kill")
     target = url.replace("/encode", "/kill/encode")
     pixels, body = rows_payload([(1, 8, 8)], seed=300)

@@ -343,15 +343,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-serving", help="serving simulation (see vitgraph bench-serving --help)", add_help=False)
     sub.add_parser("bench-images", help="image bytes to embeddings, per stage and at saturation "
                    "(see vitgraph bench-images --help)", add_help=False)
+    sub.add_parser("bench-coalesce", help="concurrent callers: per call, the coalescing front, grouped by hand "
+                   "(see vitgraph bench-coalesce --help)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("bench", "bench-serving", "bench-images"):  # the benchmarks own their arguments
+    benches = {"bench": "latency", "bench-serving": "serving", "bench-images": "images", "bench-coalesce": "coalesce"}
+    if argv and argv[0] in benches:  # the benchmarks own their arguments
         import importlib
 
-        module = {"bench": "latency", "bench-serving": "serving", "bench-images": "images"}[argv[0]]
+        module = benches[argv[0]]
         _quiet_libraries(verbose=False)
         return _run(argv[0], lambda: importlib.import_module(f".bench.{module}", __package__).main(argv[1:]))
     args = build_parser().parse_args(argv)

@@ -65,6 +65,7 @@ class _Counters:
     cancelled: int = 0
     batches: int = 0
     batched_requests: int = 0
+    alone: int = 0  # requests larger than one replay, each sent alone
     waits_ms: deque = field(default_factory=lambda: deque(maxlen=100_000))
 
 
@@ -240,6 +241,7 @@ class CoalescingFront:
             batch.append(request)
             tokens, frames = tokens + request.tokens, frames + request.segments
             if request.alone:
+                self._counters.alone += 1
                 break
         return batch
 
@@ -351,7 +353,8 @@ class CoalescingFront:
         with self._cv:
             c = self._counters
             waits = np.asarray(c.waits_ms, dtype=np.float64)
-            return {"requests": c.requests, "batches": c.batches, "failed": c.failed, "cancelled": c.cancelled,
+            return {"requests": c.requests, "batches": c.batches, "alone": c.alone, "failed": c.failed,
+                    "cancelled": c.cancelled,
                     "requests_per_batch": c.batched_requests / c.batches if c.batches else 0.0,
                     "queue_wait_ms": {"p50": float(np.percentile(waits, 50)) if waits.size else 0.0,
                                       "p99": float(np.percentile(waits, 99)) if waits.size else 0.0},

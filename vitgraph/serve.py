@@ -1,5 +1,5 @@
-"""A Ray Serve deployment of the encoder (extra ``serve``): one replica per GPU, requests
-batched by patch tokens into single ``encode`` calls that fill the largest bucket.
+"""A Ray Serve deployment of the encoder (extra ``serve``): one replica per GPU, concurrent
+requests sharing replays through the encoder's coalescing front (:mod:`vitgraph.coalesce`).
 
     from vitgraph.serve import build_app
     from ray import serve
@@ -24,8 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import threading
-from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -42,7 +41,6 @@ from .validation import check_pixels, check_rows, normalize_grid
 # The most pixels an encoded image in a request may declare: refused from its header, before
 # decoding (a small file can inflate to its declared size: 2**26 RGB pixels are 200 MB).
 SERVE_MAX_IMAGE_PIXELS = 1 << 26
-DEFAULT_WAIT_S = 0.005  # how long a batch waits for more requests once its first arrives
 # Requests a replica holds at once. Ray's default (5) starves the GPU: a batch then holds at
 # most five requests and the next ones are only sent once it returns (benchmarks/HISTORY.md).
 DEFAULT_MAX_ONGOING = 64
@@ -55,10 +53,7 @@ class _Request:
     def __init__(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> None:
         self.pixels, self.grids = pixels, grids
         self.tokens = pixels.shape[0]
-
-
-def _tokens(requests: list[_Request]) -> int:
-    return sum(r.tokens for r in requests)
+        self.submitted: Future | None = None  # its embeddings, once handed to the encoder's front
 
 
 class BadRequest(ValueError):
@@ -70,8 +65,7 @@ class VisionEncoderDeployment:
     """Holds one encoder (graphs captured before the replica reports ready)."""
 
     def __init__(self, model: str | None = None, preset: str | None = None, device: str | None = None,
-                 dtype: str | None = None, batch_wait_timeout_s: float = DEFAULT_WAIT_S,
-                 engine_options: dict | None = None, min_pixels: int | None = None,
+                 dtype: str | None = None, engine_options: dict | None = None, min_pixels: int | None = None,
                  max_pixels: int | None = None, max_image_pixels: int = SERVE_MAX_IMAGE_PIXELS) -> None:
         options = dict(engine_options or {}, progress=False)
         if model:
@@ -80,18 +74,10 @@ class VisionEncoderDeployment:
             self.encoder = GraphedVisionEncoder.from_config(preset or ("qwen2-vl-2b" if torch.cuda.is_available()
                                                                        else "tiny"), device=device, dtype=dtype,
                                                             **options)
-        buckets = self.encoder.buckets or self.encoder.requested_buckets
-        # One batch fills the largest bucket at most; a larger request is encoded alone.
-        self.max_batch_tokens = max(b.tokens for b in buckets) if buckets else self.encoder.options.max_budget
-        self._batched.set_max_batch_size(self.max_batch_tokens)
-        self._batched.set_batch_wait_timeout_s(batch_wait_timeout_s)
-        self._lock = threading.Lock()
-        self._batches: deque = deque(maxlen=10_000)  # (requests, tokens) per batch
         try:  # which replica answered (a response header), and on which device
             self.replica = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside a Serve replica (constructed directly)
             self.replica = "local"
-        self._alone = 0
         # Images are resized into [min_pixels, max_pixels] (the processor's, unless given).
         self.pixel_limits = pixel_limits(self.encoder.processor, min_pixels, max_pixels)
         self.max_image_pixels = max_image_pixels
@@ -115,57 +101,36 @@ class VisionEncoderDeployment:
         dtype = torch.uint8 if pixels.dtype == torch.uint8 else enc.dtype
         return _Request(pixels.detach().to("cpu", dtype).contiguous(), [tuple(g) for g in grids])
 
-    # -- encoding ---------------------------------------------------------------------
+    # -- encoding: the encoder's front merges concurrent requests into shared replays -----------
 
-    def _encode_now(self, requests: list[_Request]) -> torch.Tensor:
-        """One encode call for ``requests``' rows, on the CPU after."""
-        enc = self.encoder
-        dtypes = {r.pixels.dtype for r in requests}
-        if len(requests) == 1 or (len(dtypes) == 1 and len({r.pixels.device for r in requests}) == 1):
-            pixels = torch.cat([r.pixels for r in requests]) if len(requests) > 1 else requests[0].pixels
-        else:  # uint8 rows beside float ones: each normalised (or cast) on the device, then joined
-            pixels = torch.cat([enc.normalized_rows(r.pixels) for r in requests])
-        return enc.encode(pixels.to(enc.device, non_blocking=True), [g for r in requests for g in r.grids]).to("cpu")
+    def _accepted(self, request: _Request) -> _Request:
+        """``request`` handed to the encoder's front (in a thread: the rows go to the device there)."""
+        request.submitted = self.encoder.submit(request.pixels, request.grids)
+        return request
 
-    # Two batches at once: one stages and plans on the host while the other runs on the GPU.
-    @serve.batch(max_batch_size=16384, batch_wait_timeout_s=DEFAULT_WAIT_S, batch_size_fn=_tokens,
-                 max_concurrent_batches=2)
-    async def _batched(self, requests: list[_Request]) -> list[torch.Tensor]:
-        merged = await asyncio.get_running_loop().run_in_executor(None, self._encode_now, requests)
-        with self._lock:
-            self._batches.append((len(requests), _tokens(requests)))
-        unit = self.encoder.tower.merge_unit
-        return list(merged.split([r.tokens // unit for r in requests]))
-
-    async def _encode(self, request: _Request) -> torch.Tensor:
-        if request.tokens > self.max_batch_tokens:  # Ray refuses an item above max_batch_size
-            with self._lock:
-                self._alone += 1
-            return await asyncio.get_running_loop().run_in_executor(None, self._encode_now, [request])
-        return await self._batched(request)
+    async def _encode(self, submitted: Future) -> torch.Tensor:
+        """The request's embeddings, on the CPU (copied in a thread)."""
+        embeddings = await asyncio.wrap_future(submitted)
+        return await asyncio.get_running_loop().run_in_executor(None, embeddings.cpu)
 
     async def encode(self, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
         """For in-cluster callers (``handle.encode.remote(pixels, grid_thw)``): ``[N / 4, width]`` on the CPU."""
-        request = await asyncio.get_running_loop().run_in_executor(None, self._validated, pixels, grid_thw)
-        return await self._encode(request)
+        request = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self._accepted(self._validated(pixels, grid_thw)))
+        return await self._encode(request.submitted)
 
     async def encode_images(self, images: list) -> list[torch.Tensor]:
         """For in-cluster callers: images (encoded bytes, arrays, PIL images...) -> one
         ``[rows, width]`` tensor per image, on the CPU."""
-        request = await asyncio.get_running_loop().run_in_executor(None, self._images, images)
-        merged = await self._encode(request)
-        return self.encoder.per_item(merged, request.grids)
+        request = await asyncio.get_running_loop().run_in_executor(None, lambda: self._accepted(self._images(images)))
+        return self.encoder.per_item(await self._encode(request.submitted), request.grids)
 
     def stats(self) -> dict[str, Any]:
-        """Requests and patch tokens of each batch so far, requests encoded alone, GPU memory
-        (empty on a CPU) and the encoder's stats."""
-        with self._lock:
-            batches = list(self._batches)
-            alone = self._alone
+        """This replica's id and device, GPU memory (empty on a CPU) and the encoder's stats
+        (its front's requests, batches and queue wait under ``"front"``)."""
         encoder = self.encoder.stats()
-        return {"replica": self.replica, "device": str(self.encoder.device), "max_batch_tokens": self.max_batch_tokens,
-                "batches": batches, "encoded_alone": alone, "memory": self._memory(encoder["pool_bytes"]),
-                "encoder": encoder}
+        return {"replica": self.replica, "device": str(self.encoder.device),
+                "memory": self._memory(encoder["pool_bytes"]), "encoder": encoder}
 
     def _memory(self, graph_pool: int) -> dict[str, Any]:
         """This replica's share of its GPU (bytes): what its process holds, and the device's use."""
@@ -188,10 +153,10 @@ class VisionEncoderDeployment:
         as_json = http_request.query_params.get("format") == "json"
         try:
             kind, payload = await self._receive(http_request)
-            request = await loop.run_in_executor(None, self._parse, kind, payload, as_json)
+            request = await loop.run_in_executor(None, lambda: self._accepted(self._parse(kind, payload, as_json)))
         except BadRequest as err:
             return Response(str(err), status_code=400)
-        embeddings = await self._encode(request)
+        embeddings = await self._encode(request.submitted)
         try:
             body, media = await loop.run_in_executor(None, self._answer, embeddings, request.grids, as_json)
         except ValueError:  # finite pixels whose embeddings overflowed: strict JSON cannot carry them
@@ -265,8 +230,7 @@ class VisionEncoderDeployment:
 
 def build_app(model: str | None = None, *, preset: str | None = None, device: str | None = None,
               dtype: str | None = None, num_replicas: int | str = 1, num_gpus: float | None = None,
-              autoscaling_config: dict | None = None, batch_wait_timeout_s: float = DEFAULT_WAIT_S,
-              num_cpus: float | None = None, max_ongoing_requests: int = DEFAULT_MAX_ONGOING,
+              autoscaling_config: dict | None = None, num_cpus: float | None = None, max_ongoing_requests: int = DEFAULT_MAX_ONGOING,
               min_pixels: int | None = None, max_pixels: int | None = None,
               max_image_pixels: int = SERVE_MAX_IMAGE_PIXELS, **engine_options):
     """The Ray Serve application: ``num_replicas`` replicas (or ``autoscaling_config``), each
@@ -274,7 +238,9 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
     ``num_gpus=1`` Ray places one replica per GPU and gives each only its own device
     (``CUDA_VISIBLE_DEVICES``): the encoder runs on it, and nothing crosses GPUs. Fractions
     (``0.5``) put several replicas on one GPU, each with its own encoder and graphs.
-    ``max_ongoing_requests``: requests each replica holds at once (queued for its batches).
+    ``max_ongoing_requests``: requests each replica holds at once (queued for its front).
+    ``max_wait_ms`` (an engine option, as ``max_items``...): how long a request may wait for
+    others to share its replay while the replica's GPU is busy.
     ``min_pixels`` / ``max_pixels``: the sizes images are resized into (default: the
     checkpoint's processor's); a lower ``max_pixels`` bounds an image request's tokens.
     ``max_image_pixels``: the most pixels an uploaded image may declare (checked before decoding)."""
@@ -291,6 +257,5 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
         raise ValueError(f"max_ongoing_requests must be a positive int, got {max_ongoing_requests!r}")
     return VisionEncoderDeployment.options(ray_actor_options=actor, max_ongoing_requests=max_ongoing_requests,
                                            **scale).bind(
-        model=model, preset=preset, device=device, dtype=dtype, batch_wait_timeout_s=batch_wait_timeout_s,
-        engine_options=engine_options, min_pixels=min_pixels, max_pixels=max_pixels,
+        model=model, preset=preset, device=device, dtype=dtype, engine_options=engine_options, min_pixels=min_pixels, max_pixels=max_pixels,
         max_image_pixels=max_image_pixels)

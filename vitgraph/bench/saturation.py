@@ -130,12 +130,11 @@ def serve_agreement(url: str, encode, pixels_for, grids, repeats: int) -> dict:
 
 
 def replica_stats(handle, replicas: int, tries: int = 64) -> dict[str, dict]:
-    """Each replica's ``stats()`` (batches dropped: long), asked through the handle until every
+    """Each replica's ``stats()``, asked through the handle until every
     replica has answered or ``tries`` run out."""
     found: dict[str, dict] = {}
     for _ in range(tries):
         stats = handle.stats.remote().result()
-        stats.pop("batches")
         found[stats["replica"]] = stats
         if len(found) >= replicas:
             break
