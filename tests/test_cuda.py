@@ -161,7 +161,7 @@ def test_steps_follow_a_faster_next_bucket_measured_at_capture(weights, eager_en
     assert measured in ({}, {"256x8": "512x8"}) and enc._routing_seconds > 0
     # Force it: a step of the 256-token packed bucket replays in the 512-token one, same numbers.
     enc._faster_next = {Bucket(256, 8): Bucket(512, 8)}
-    enc._prepared.clear()
+    enc._plans.clear()
     grids = [(2, 8, 8)]  # two frames, 128 tokens
     pixels = random_pixels(grids, seed=16).cuda()
     before = {name: enc.stats()["buckets"][name]["replays"] for name in ("256x8", "512x8")}
@@ -364,7 +364,7 @@ def _check_cached_plans(graph_enc):
     pool_bytes, routing = graph_enc.stats()["pool_bytes"], graph_enc.stats()["single_frame_packed_below"]
     routing_s = graph_enc._routing_seconds
     graph_enc.capture()  # nothing new to capture; empties the plan cache, keeps the routing timings
-    assert graph_enc.stats()["pool_bytes"] == pool_bytes and not graph_enc._prepared
+    assert graph_enc.stats()["pool_bytes"] == pool_bytes and not graph_enc._plans
     assert graph_enc._routing_seconds == routing_s and graph_enc.stats()["single_frame_packed_below"] == routing
     calls = [[(1, 8, 8)], [(2, 4, 6), (1, 2, 2)], [(1, 8, 8)], [(1, 16, 16)], [(2, 4, 6), (1, 2, 2)], [(1, 8, 8)]]
     first = {}
@@ -375,7 +375,7 @@ def _check_cached_plans(graph_enc):
         if key in first:  # the same grids replay the same bucket: bitwise the same output
             assert torch.equal(out, first[key]), f"call {i} {grids}: {diff_report(out, first[key])}"
         first.setdefault(key, out)
-        assert graph_enc._prepared_bytes <= 4096 and graph_enc._prepared
+        assert graph_enc._plans.nbytes <= 4096 and graph_enc._plans
 
 
 def test_stats_report(graph_enc):

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import TINY_FAMILIES, family_weights, make, pixels_for, random_grids, rel_err
+from helpers import family_weights, make, pixels_for, random_grids, rel_err
 from test_coalesce import SlowEncodes, jpeg
 
 pytestmark = pytest.mark.cuda

@@ -8,13 +8,12 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 import time
-from collections import Counter, OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Mapping
 
 import torch
 
-from .coalesce import CoalescingFront, EncoderClosed, front_settings
+from .coalesce import CoalescingFront, EncoderClosed
 from .decode import MAX_IMAGE_PIXELS
 from .models import FAMILIES, PRESETS, family_for, family_of
 from .engine.contract import Precompiled, VisionTower
@@ -24,6 +23,8 @@ from .engine.routing import faster_next_buckets, single_frame_thresholds
 from .loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
 from .options import (EngineOptions, buckets_for, configure_tower, engine_options, resolve_device, resolve_dtype,
                       uses_graphs)
+from .encoder_stats import BucketStats, Counters, encoder_stats
+from .plans import PlanCache, PreparedPlan
 from .processor_files import read_processor, read_video_processor
 from .precompile import PrecompileReport, TowerSetup, precompile, start_early
 from .tuning import Tuning, check_reads, derive_tuning
@@ -41,50 +42,23 @@ def _start_early(config, device: torch.device, dtype: torch.dtype, options: Engi
     return start_early(config, device, dtype, asdict(options))
 
 
-@dataclass
-class _Prepared:
-    plan: Plan
-    staged: list  # per step: GraphBank.stage() of its padded metadata, None for an eager step
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.staged if a is not None)
-
-
-@dataclass
-class BucketStats:
-    replays: int = 0
-    real_tokens: int = 0
-    padded_tokens: int = 0
-
-
-@dataclass
-class _Counters:
-    buckets: dict[str, BucketStats] = field(default_factory=dict)  # by bucket name
-    eager: Counter = field(default_factory=Counter)
-    calls: int = 0
-    plan_hits: int = 0
-    plan_misses: int = 0
-    plan_seconds: float = 0.0  # host time of the misses: planning and staging
-
-
 class GraphedVisionEncoder(ImageInput):
     """A vision encoder of the Qwen VL families (ViT + patch merger), replayed from CUDA graphs.
 
-    ``encode(pixels, grid_thw)`` validates the input, plans it into bucket replays
-    on the host, copies each step into static buffers, replays, and returns the
-    merged embeddings ``[N / 4, output_width]`` in item order. Inputs larger than
-    the largest bucket (one frame) run eagerly; empty input returns ``[0, hidden]``.
+    ``encode(pixels, grid_thw)`` validates, plans the call into bucket replays on the host,
+    copies each step into static buffers, replays, and returns ``[N / 4, output_width]`` in
+    item order (a frame larger than every bucket: eager; empty input: ``[0, width]``).
+    ``submit`` (``submit_images``, ``encode_async``, ``encode_images_async``) returns at once
+    and merges concurrent callers' requests into shared replays (:mod:`vitgraph.coalesce`)
+    until ``close()``.
 
-    Threads and streams: ``encode`` may be called from several threads. Graph
-    replays are serialised by one lock per encoder; each replays on the caller's
-    current CUDA stream, and a replay waits (on the device, not the host) for the
-    previous replay's output copy, so streams never race on the static buffers.
-    The returned tensor is owned by the caller and produced on the caller's
-    current stream. Eager steps run outside the lock.
+    Threads and streams: ``encode`` may be called from several threads. Replays are serialised
+    by one lock; each runs on the caller's current stream and waits (on the device) for the
+    previous replay's output copy, so streams never race on the static buffers. The result is
+    produced on the caller's current stream. Eager steps run outside the lock.
 
-    The encoder takes ownership of ``tower``: it moves it, sets its attention
-    backend and fusion, and captures graphs that read its weights in place.
+    The encoder takes ownership of ``tower``: it moves it, sets its attention backend and
+    fusion, and captures graphs that read its weights in place.
     """
 
     def __init__(self, tower: VisionTower, *, device=None, dtype=None, _early_workers=None, _processor=None,
@@ -135,14 +109,13 @@ class GraphedVisionEncoder(ImageInput):
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
         self._idle: torch.cuda.Event | None = None
-        self._prepared: OrderedDict[tuple, _Prepared] = OrderedDict()
-        self._prepared_bytes = 0
+        self._plans = PlanCache()
         self._packed_single_below: dict[int, int] = {}  # measured at capture (routing)
         self._faster_next: dict[Bucket, Bucket] = {}  # measured at capture (routing)
         self._routing_seconds = 0.0
         self._precompile = PrecompileReport()
         self._precompile_seconds = 0.0
-        self._counters = _Counters()
+        self._counters = Counters()
         self._front: CoalescingFront | None = None  # made by the first submit
         self._closed = False
         if self.use_graphs:
@@ -247,8 +220,7 @@ class GraphedVisionEncoder(ImageInput):
                     self._faster_next = faster_next_buckets(self.bank.buckets, self._time_replay, frame,
                                                             self.tuning.routing)
                 self._routing_seconds += time.perf_counter() - start
-            self._prepared.clear()
-            self._prepared_bytes = 0
+            self._plans.clear()
 
     # -- the face -------------------------------------------------------------------
 
@@ -262,35 +234,26 @@ class GraphedVisionEncoder(ImageInput):
         grids = normalize_grid(grid_thw, self.config.spatial_merge_size)
         return copy.deepcopy(self._prepare(grids).plan)
 
-    def _prepare(self, grids, cache: bool = True) -> _Prepared:
+    def _prepare(self, grids, cache: bool = True) -> PreparedPlan:
         """The plan for ``grids`` plus each graph step's staged metadata, cached per grid tuple
         (``cache``: also kept when made here)."""
         if not self.use_graphs:
             plan = plan_call(grids, [])
             for step in plan.steps:
                 step.reason = "eager_mode"
-            return _Prepared(plan, [None] * len(plan.steps))
+            return PreparedPlan(plan, [None] * len(plan.steps))
         key = tuple(grids)
-        with self._lock:
-            prepared = self._prepared.get(key)
-            if prepared is not None:
-                self._counters.plan_hits += 1
-                return prepared
+        prepared = self._plans.get(key)
+        if prepared is not None:
+            return prepared
         start = time.perf_counter()
         plans = self.tuning.plans
         eager_padding = None if self.attention in plans.packed_eager_slower else plans.eager_min_padding
         plan = plan_call(grids, self.buckets, self.options.exact_eager_above, self._packed_single_below,
                          eager_padding, self._faster_next)
         staged = [None if step.bucket is None else self._stage(step.bucket, step.grids) for step in plan.steps]
-        prepared = _Prepared(plan, staged)
-        with self._lock:
-            self._counters.plan_misses += 1
-            self._counters.plan_seconds += time.perf_counter() - start
-            if cache and key not in self._prepared:
-                self._prepared[key] = prepared
-                self._prepared_bytes += prepared.nbytes
-                while len(self._prepared) > plans.cache_entries or self._prepared_bytes > plans.cache_bytes:
-                    self._prepared_bytes -= self._prepared.popitem(last=False)[1].nbytes
+        prepared = PreparedPlan(plan, staged)
+        self._plans.add(key, prepared, time.perf_counter() - start, cache, plans)
         return prepared
 
     @torch.inference_mode()
@@ -339,21 +302,6 @@ class GraphedVisionEncoder(ImageInput):
         the main embeddings, then each deepstack feature)."""
         return self.tower.output_width
 
-    def split(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``encode``'s rows as ``(main, [deepstack features...])``, views of ``embeddings``
-        (no deepstack features but for Qwen3-VL)."""
-        parts = self.tower.output_parts
-        if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2 or embeddings.shape[1] != self.output_width:
-            raise ValueError(f"embeddings must be [rows, {self.output_width}] as encode returns them, got "
-                             f"{getattr(embeddings, 'shape', type(embeddings).__name__)}")
-        main, *deepstack = embeddings.split(self.output_width // parts, dim=1)
-        return main, deepstack
-
-    def per_item(self, embeddings: torch.Tensor, grid_thw) -> list[torch.Tensor]:
-        """``encode``'s rows as one tensor (a view) per item of ``grid_thw``: ``t*h*w / merge_unit`` rows each."""
-        grids = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
-        return list(embeddings.split([int(t * h * w) // self.tower.merge_unit for t, h, w in grids]))
-
     def _new_output(self, rows: int) -> torch.Tensor:
         return torch.empty(rows, self.tower.output_width, device=self.device, dtype=self.dtype)
 
@@ -384,11 +332,9 @@ class GraphedVisionEncoder(ImageInput):
     # -- the coalescing front (vitgraph.coalesce) ------------------------------------------
 
     def submit(self, pixels: torch.Tensor, grid_thw) -> Future:
-        """:meth:`encode` as a ``concurrent.futures.Future``, returned at once: requests of
-        concurrent callers share replays. Each request's rows are its own (a view of its batch's
-        output, complete when the future resolves); they equal the same request made alone
-        within the distance two buckets give (bitwise in one bucket). A bad request fails its
-        future with the error ``encode`` raises."""
+        """:meth:`encode` as a ``concurrent.futures.Future``: concurrent requests share replays.
+        Its rows (a view of its batch's output, complete when it resolves) equal the request made
+        alone within the distance two buckets give. A bad request fails it with ``encode``'s error."""
         return self._coalescer().submit(pixels, grid_thw)
 
     def submit_images(self, images=None, videos=None, *, min_pixels: int | None = None,
@@ -396,9 +342,9 @@ class GraphedVisionEncoder(ImageInput):
                       max_image_pixels: int = MAX_IMAGE_PIXELS) -> Future:
         """:meth:`encode_images` as a future of its list of tensors; decoding and preprocessing
         run in the front's threads, then the request joins shared replays as :meth:`submit`'s."""
-        kwargs = dict(min_pixels=min_pixels, max_pixels=max_pixels, preprocess=preprocess, decode=decode,
-                      max_image_pixels=max_image_pixels)
-        return self._coalescer().submit_images(images, videos, kwargs)
+        return self._coalescer().submit_images(images, videos, dict(
+            min_pixels=min_pixels, max_pixels=max_pixels, preprocess=preprocess, decode=decode,
+            max_image_pixels=max_image_pixels))
 
     async def encode_async(self, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
         """``await``-able :meth:`submit`."""
@@ -409,15 +355,12 @@ class GraphedVisionEncoder(ImageInput):
         return await asyncio.wrap_future(self.submit_images(images, videos, **kwargs))
 
     def _coalescer(self) -> CoalescingFront:
-        front = self._front
-        if front is None:
+        if self._front is None:  # made on first use: an encoder nobody submits to runs no thread
             with self._lock:
                 if self._closed:
                     raise EncoderClosed("the encoder is closed: it takes no more requests")
-                if self._front is None:
-                    self._front = CoalescingFront(self)
-                front = self._front
-        return front
+                self._front = self._front or CoalescingFront(self)
+        return self._front
 
     def close(self, cancel_pending: bool = False) -> None:
         """Stop the front: encode what was submitted (``cancel_pending``: fail what is not yet
@@ -440,37 +383,6 @@ class GraphedVisionEncoder(ImageInput):
 
     def stats(self) -> dict[str, Any]:
         """Replays and padding per bucket, eager fallbacks by reason, capture seconds (the kernel
-        precompile included, whose report is under ``"precompile"``) and pool bytes (library
-        workspaces included, also given alone)."""
-        with self._lock:
-            buckets = {
-                b.name: {"tokens": b.tokens, "max_segments": b.max_segments, "max_seqlen": b.max_seqlen,
-                         **vars(self._counters.buckets.get(b.name, BucketStats()))}
-                for b in self.buckets
-            }
-            plans = {"hits": self._counters.plan_hits, "misses": self._counters.plan_misses,
-                     "miss_ms": 1000 * self._counters.plan_seconds / max(self._counters.plan_misses, 1)}
-            front = self._front
-            result = {
-                "device": str(self.device),
-                "dtype": str(self.dtype).replace("torch.", ""),
-                "attention": self.attention,
-                "fused": self.tower.fused,
-                "gemm": self.gemm,
-                "mode": "graph" if self.use_graphs else "eager",
-                "calls": self._counters.calls,
-                "buckets": buckets,
-                "dropped_buckets": {b.name: why for b, why in (self.bank.dropped.items() if self.bank else [])},
-                "eager_fallbacks": dict(self._counters.eager),
-                "capture_seconds": ((self._precompile_seconds + self.bank.capture_seconds + self._routing_seconds)
-                                    if self.bank else 0.0),
-                "precompile": asdict(self._precompile),
-                "single_frame_packed_below": dict(self._packed_single_below),
-                "faster_next_bucket": {small.name: large.name for small, large in self._faster_next.items()},
-                "pool_bytes": self.bank.pool_bytes if self.bank else 0,
-                # of which cuBLAS's workspaces for the capture stream (not activations)
-                "pool_workspace_bytes": self.bank.workspace_bytes if self.bank else 0,
-                "plans": plans,
-            }
-        result["front"] = front.stats() if front is not None else {"requests": 0, **front_settings(self)}
-        return result
+        precompile included, whose report is under ``"precompile"``), pool bytes (library
+        workspaces included, also given alone), the plan cache and the front (:mod:`vitgraph.encoder_stats`)."""
+        return encoder_stats(self)

@@ -16,7 +16,8 @@ from .validation import check_pixels
 
 class ImageInput:
     """A mixin of the encoder: it holds ``processor``, ``video_processor``, ``device``, ``dtype``,
-    the processors' column statistics and a lazily made thread pool."""
+    the processors' column statistics and a lazily made thread pool. Also the forms of its
+    output: per item (:meth:`per_item`) and per output (:meth:`split`)."""
 
     def device_rows(self, pixels: torch.Tensor) -> torch.Tensor:
         """Rows on the encoder's device in its dtype; uint8 rows normalised there with
@@ -83,3 +84,17 @@ class ImageInput:
                                                          thread_name_prefix="vitgraph-images")
         return self._host_pool
 
+    def split(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``encode``'s rows as ``(main, [deepstack features...])``, views of ``embeddings``
+        (no deepstack features but for Qwen3-VL)."""
+        parts = self.tower.output_parts
+        if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2 or embeddings.shape[1] != self.output_width:
+            raise ValueError(f"embeddings must be [rows, {self.output_width}] as encode returns them, got "
+                             f"{getattr(embeddings, 'shape', type(embeddings).__name__)}")
+        main, *deepstack = embeddings.split(self.output_width // parts, dim=1)
+        return main, deepstack
+
+    def per_item(self, embeddings: torch.Tensor, grid_thw) -> list[torch.Tensor]:
+        """``encode``'s rows as one tensor (a view) per item of ``grid_thw``: ``t*h*w / merge_unit`` rows each."""
+        grids = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+        return list(embeddings.split([int(t * h * w) // self.tower.merge_unit for t, h, w in grids]))
