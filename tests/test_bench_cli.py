@@ -140,6 +140,7 @@ def test_cli_demo_and_info_on_cpu(capsys):
     assert cli_main(["info", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "attention backends: sdpa" in out and "(buckets planned, tokens x frames: 256x1, 256x16, 288x1," in out
+    assert "front (submit): batches of up to 16384 tokens and 16 frames, max_wait_ms 2, 2 batches in flight" in out
 
 
 def test_serving_loop_example_returns_one_embedding_per_request():
@@ -151,12 +152,11 @@ def test_serving_loop_example_returns_one_embedding_per_request():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     enc = GraphedVisionEncoder.from_config("tiny", device="cpu")
-    server = module.EmbeddingServer(enc, max_tokens=300)
     rng = np.random.default_rng(1)
     images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in [(56, 56), (112, 84), (224, 224)] * 3]
-    futures = [server.submit(im) for im in images]
-    results = [f.result(timeout=60) for f in futures]
-    server.close()
+    with enc:
+        results = module.serve_requests(enc, images, threads=6)
+    assert enc.stats()["front"]["requests"] == len(images)
     for image, got in zip(images, results):
         torch.testing.assert_close(got, enc.encode_images([image])[0], rtol=1e-5, atol=1e-6)
 

@@ -229,6 +229,9 @@ def cmd_info(args) -> None:
         print(f"pool bytes: {stats['pool_bytes']}, capture seconds: {stats['capture_seconds']:.2f}")
     else:
         print(f"eager mode on {device}: no graphs (buckets planned, {_bucket_names(enc.requested_buckets)})")
+    front = stats["front"]
+    print(f"front (submit): batches of up to {front['max_tokens']} tokens and {front['max_frames']} frames, "
+          f"max_wait_ms {front['max_wait_ms']:g}, {front['max_in_flight']} batches in flight")
 
 
 def _check_serve_args(args) -> None:
