@@ -287,3 +287,16 @@ def test_max_wait_ms_is_validated():
     for bad in (-1, float("nan"), "2", True, 10**9):
         with pytest.raises(ValueError, match="max_wait_ms"):
             GraphedVisionEncoder.from_config("tiny", device="cpu", max_wait_ms=bad)
+
+
+def test_a_callers_buffer_may_be_reused_as_soon_as_submit_returns(enc):
+    buffer = rows_for([(1, 8, 8)], 1)
+    expected = enc.encode(buffer, [(1, 8, 8)])
+    slow = SlowEncodes(enc)
+    enc._encode_checked = slow
+    enc.submit(rows_for([(1, 2, 2)], 0), [(1, 2, 2)])
+    assert slow.entered.wait(30)  # the next request waits in the queue while its buffer is overwritten
+    future = enc.submit(buffer, [(1, 8, 8)])
+    buffer.fill_(float("nan"))
+    slow.release.set()
+    assert torch.equal(future.result(timeout=60), expected)

@@ -84,9 +84,7 @@ class CoalescingFront:
 
     def __init__(self, encoder) -> None:
         self._encoder = weakref.ref(encoder)
-        self._settings = front_settings(encoder)
-        self.max_wait_ms = self._settings["max_wait_ms"]
-        self.max_tokens, self.max_frames = self._settings["max_tokens"], self._settings["max_frames"]
+        self.refresh(encoder)
         self.device = encoder.device
         self.merge_unit = encoder.tower.merge_unit
         self._queue: deque[_Request] = deque()
@@ -105,6 +103,12 @@ class CoalescingFront:
         # Dropping the encoder without close() stops the threads (they hold it weakly).
         weakref.finalize(encoder, CoalescingFront._abandon, weakref.ref(self))
 
+    def refresh(self, encoder) -> None:
+        """Take the encoder's limits anew (its buckets changed: a capture)."""
+        self._settings = front_settings(encoder)
+        self.max_wait_ms = self._settings["max_wait_ms"]
+        self.max_tokens, self.max_frames = self._settings["max_tokens"], self._settings["max_frames"]
+
     # -- requests in --------------------------------------------------------------------
 
     def submit(self, pixels, grid_thw) -> Future:
@@ -117,6 +121,8 @@ class CoalescingFront:
             tokens = check_rows(pixels, grids)
             with torch.inference_mode():
                 rows = encoder.normalized_rows(pixels)
+                if rows.data_ptr() == pixels.data_ptr() and tokens:  # the caller may reuse its buffer at once
+                    rows = rows.clone()
             self._enqueue(encoder, rows, grids, tokens, future, lambda out: out)
         except Exception as err:  # the caller's error, on its own future
             self._fail([future], err)

@@ -221,6 +221,8 @@ class GraphedVisionEncoder(ImageInput):
                                                             self.tuning.routing)
                 self._routing_seconds += time.perf_counter() - start
             self._plans.clear()
+            if self._front is not None:  # its batches are bounded by the buckets
+                self._front.refresh(self)
 
     # -- the face -------------------------------------------------------------------
 
