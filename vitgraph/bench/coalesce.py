@@ -275,7 +275,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=common.positive_int, default=8765, help="the Ray Serve app's port (--serve)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write {gpu, cases, ...} here")
+    parser.add_argument("--plot", default=None, help="write a PNG plot of images/s against callers here")
+    parser.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                        help="run nothing: print (and --plot) the cases of these result files")
     args = parser.parse_args(argv)
+    if args.from_json:
+        import json
+
+        cases = [c for path in args.from_json for c in json.loads(open(path).read())["cases"]]
+        _print(cases)
+        if args.plot:
+            plot(cases, args.plot)
+        return 0
     presets = args.presets or (["qwen2-vl-2b", "qwen3-vl-8b"] if torch.cuda.is_available() else ["tiny"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cases: list[dict] = []
@@ -287,7 +298,38 @@ def main(argv: list[str] | None = None) -> int:
     result = {"gpu": env["machine"], "environment": env, "cases": cases, **extra}
     common.write_json(result, args.json)
     _print(cases)
+    if args.plot:
+        plot(cases, args.plot)
     return 0
+
+
+def plot(cases: list[dict], path: str) -> None:
+    """Images/s against callers, one panel per model and traffic; ``grouped`` as a line."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install vitgraph[bench])", file=sys.stderr)
+        return
+    panels = sorted({(c["model"], c["traffic"]) for c in cases}, key=lambda k: (k[0], list(TRAFFIC).index(k[1])))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), squeeze=False)
+    for ax, (model, traffic) in zip(axes[0], panels):
+        mine = [c for c in cases if (c["model"], c["traffic"]) == (model, traffic)]
+        for mode in [m for m in MODES + SERVE_MODES if m != "grouped"]:
+            points = sorted((c["callers"], c["images_per_s"]) for c in mine if c["mode"] == mode)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=mode)
+        for c in mine:
+            if c["mode"] == "grouped":
+                ax.axhline(c["images_per_s"], color="black", linestyle="--", label="grouped (16 a call)")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{model}, {traffic}", fontsize=9)
+        ax.set_xlabel("callers")
+    axes[0][0].set_ylabel("images/s")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _print(cases: list[dict]) -> None:
