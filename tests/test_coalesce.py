@@ -300,3 +300,34 @@ def test_a_callers_buffer_may_be_reused_as_soon_as_submit_returns(enc):
     buffer.fill_(float("nan"))
     slow.release.set()
     assert torch.equal(future.result(timeout=60), expected)
+
+
+def test_close_with_cancel_pending_fails_the_queue_while_images_are_still_prepared(enc, monkeypatch):
+    slow = SlowEncodes(enc)
+    enc._encode_checked = slow
+    first = enc.submit(rows_for([(1, 8, 8)], 0), [(1, 8, 8)])
+    assert slow.entered.wait(30)
+    inner, started = enc.image_rows, threading.Event()
+
+    def slow_rows(*args, **kwargs):  # an image still decoding when close() begins
+        started.set()
+        time.sleep(0.5)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(enc, "image_rows", slow_rows)
+    image = enc.submit_images([jpeg(64, 64, seed=2)])
+    assert started.wait(30)
+    queued = [enc.submit(rows_for(g, seed=i), g) for i, g in enumerate(GRIDS[:5])]
+    threading.Timer(0.1, slow.release.set).start()
+    enc.close(cancel_pending=True)
+    assert first.result(timeout=0).shape[0] == 16
+    for future in queued + [image]:
+        assert isinstance(future.exception(timeout=0), EncoderClosed)
+    assert slow.batches == [[(1, 8, 8)]]  # nothing queued was encoded
+    assert enc.stats()["front"]["failed"] == 6 and not front_threads()
+
+
+def test_stats_before_any_request_have_every_key(enc):
+    idle = enc.stats()["front"]
+    enc.submit(rows_for([(1, 8, 8)], 0), [(1, 8, 8)]).result(timeout=60)
+    assert set(idle) == set(enc.stats()["front"]) and idle["requests"] == 0

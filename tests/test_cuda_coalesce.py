@@ -108,15 +108,12 @@ def test_rows_made_on_a_side_stream_are_read_after_they_are_written():
     source = pixels_for(enc, grids, seed=1)
     alone = enc.encode(source, grids)
     side = torch.cuda.Stream()
-    answers = []
-    for _ in range(4):
+    for _ in range(4):  # one at a time: each goes alone, in the bucket encode() took
         with torch.cuda.stream(side):
             torch.cuda._sleep(20_000_000)  # the rows are written long after submit returns
             rows = source * 1.0
             future = enc.submit(rows, grids)
             del rows
-        answers.append(future)
-    for future in answers:
         assert torch.equal(future.result(timeout=60), alone)
     enc.close()
 

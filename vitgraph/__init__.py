@@ -7,7 +7,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_EXPORTS = {"GraphedVisionEncoder": ".encoder", "VisionConfig": ".models.qwen2_vl", "Qwen2VisionTower": ".models.qwen2_vl",
+_EXPORTS = {"GraphedVisionEncoder": ".encoder", "EncoderClosed": ".coalesce", "VisionConfig": ".models.qwen2_vl", "Qwen2VisionTower": ".models.qwen2_vl",
             "VisionBatch": ".models.qwen2_vl", "preprocess_images": ".preprocess", "preprocess_video": ".preprocess",
             "smart_resize": ".preprocess"}
 

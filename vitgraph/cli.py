@@ -342,12 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the server answers 408 to a request not done in this time (default 60)")
     p.set_defaults(func=cmd_serve)
 
-    sub.add_parser("bench", help="latency suite (see vitgraph bench --help)", add_help=False)
-    sub.add_parser("bench-serving", help="serving simulation (see vitgraph bench-serving --help)", add_help=False)
-    sub.add_parser("bench-images", help="image bytes to embeddings, per stage and at saturation "
-                   "(see vitgraph bench-images --help)", add_help=False)
-    sub.add_parser("bench-coalesce", help="concurrent callers: per call, the coalescing front, grouped by hand "
-                   "(see vitgraph bench-coalesce --help)", add_help=False)
+    for name, what in (("bench", "latency suite"), ("bench-serving", "serving simulation"),
+                       ("bench-images", "image bytes to embeddings, per stage and at saturation"),
+                       ("bench-coalesce", "concurrent callers: per call, the coalescing front, grouped by hand")):
+        sub.add_parser(name, help=f"{what} (see vitgraph {name} --help)", add_help=False)
     return parser
 
 

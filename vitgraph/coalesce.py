@@ -79,6 +79,12 @@ def front_settings(encoder) -> dict[str, Any]:
             "max_in_flight": MAX_IN_FLIGHT}
 
 
+def idle_front_stats(encoder) -> dict[str, Any]:
+    """``stats()["front"]`` of an encoder nobody has submitted to yet."""
+    return {"requests": 0, "batches": 0, "alone": 0, "failed": 0, "cancelled": 0, "requests_per_batch": 0.0,
+            "queue_wait_ms": {"p50": 0.0, "p99": 0.0}, "queued": 0, "in_flight": 0, **front_settings(encoder)}
+
+
 class CoalescingFront:
     """The scheduler of one encoder. Made by the encoder on first use; ``close()`` stops it."""
 
@@ -120,6 +126,8 @@ class CoalescingFront:
             grids = normalize_grid(grid_thw, encoder.config.spatial_merge_size)
             tokens = check_rows(pixels, grids)
             with torch.inference_mode():
+                if pixels.device.type == "cpu" and encoder.device.type == "cuda" and pixels.is_pinned():
+                    pixels = pixels.to(encoder.device)  # a synchronous copy: the caller may reuse its buffer
                 rows = encoder.normalized_rows(pixels)
                 if rows.data_ptr() == pixels.data_ptr() and tokens:  # the caller may reuse its buffer at once
                     rows = rows.clone()
@@ -131,7 +139,10 @@ class CoalescingFront:
     def submit_images(self, images, videos, kwargs: dict) -> Future:
         """A future of ``encode_images(images, videos, **kwargs)``, prepared in the front's pool."""
         future = self._future()
-        self._pool.submit(self._prepare_images, images, videos, kwargs, future)
+        try:
+            self._pool.submit(self._prepare_images, images, videos, kwargs, future)
+        except RuntimeError:  # close() shut the pool down since the check
+            self._fail([future], EncoderClosed("the encoder was closed before this request was queued"))
         return future
 
     def _prepare_images(self, images, videos, kwargs: dict, future: Future) -> None:
@@ -235,7 +246,7 @@ class CoalescingFront:
         batch: list[_Request] = []
         tokens = frames = 0
         now = time.perf_counter()
-        while self._queue:
+        while self._queue and not self._cancelling:
             request = self._queue[0]
             if batch and (request.alone or not self._fits(tokens, frames, request)):
                 break
@@ -269,7 +280,7 @@ class CoalescingFront:
                 output = encoder._encode_checked(rows, grids, rows.shape[0], cache_plan=len(batch) == 1)
                 done = None
                 if stream is not None:
-                    done = torch.cuda.Event()
+                    done = torch.cuda.Event(blocking=True)  # the completer sleeps on it, not spins
                     done.record(stream)
         except Exception as err:
             self._fail([r.future for r in batch], err)
@@ -290,11 +301,14 @@ class CoalescingFront:
             if item is _STOP:
                 return
             batch, output, done = item
+            done_stream = torch.cuda.current_stream(self.device) if done is not None else None
             try:
                 if done is not None:
                     done.synchronize()
                 parts = output.split([r.tokens // self.merge_unit for r in batch])
                 for request, rows in zip(batch, parts):
+                    if request.stream is not None and request.stream != done_stream:
+                        output.record_stream(request.stream)  # read there: not reused before it is
                     request.future.set_result(request.finish(rows))
             except Exception as err:  # a device error surfaces here
                 self._fail([r.future for r in batch if not r.future.done()], err)
@@ -306,14 +320,18 @@ class CoalescingFront:
             self._cv.notify_all()
 
     def _fail(self, futures: list[Future], err: BaseException) -> None:
-        with self._cv:
-            self._counters.failed += len(futures)
+        failed = cancelled = 0
         for future in futures:
             if future.done():
                 continue
             if not future.running() and not future.set_running_or_notify_cancel():
+                cancelled += 1
                 continue
             future.set_exception(err)
+            failed += 1
+        with self._cv:
+            self._counters.failed += failed
+            self._counters.cancelled += cancelled
 
     # -- stopping and stats --------------------------------------------------------------
 
@@ -324,17 +342,24 @@ class CoalescingFront:
         with self._cv:
             self._accepting = False
             self._cancelling = self._cancelling or cancel_pending
-        self._pool.shutdown(wait=True)  # preparations finish (or fail, cancelling) and queue
+            dropped = self._drain_queue() if self._cancelling else []
+        self._fail(dropped, EncoderClosed("the encoder was closed before this request was encoded"))
+        # Preparations finish (or fail, cancelling) and queue; a pool thread cannot wait for itself.
+        self._pool.shutdown(wait=not threading.current_thread().name.startswith("vitgraph-front"))
         with self._cv:
             self._stopping = True
-            dropped = list(self._queue) if self._cancelling else []
-            if self._cancelling:
-                self._queue.clear()
+            dropped = self._drain_queue() if self._cancelling else []
             self._cv.notify_all()
-        self._fail([r.future for r in dropped], EncoderClosed("the encoder was closed before this request was encoded"))
+        self._fail(dropped, EncoderClosed("the encoder was closed before this request was encoded"))
         if threading.current_thread() not in (self._scheduler, self._completer):
             self._scheduler.join()
             self._completer.join()
+
+    def _drain_queue(self) -> list[Future]:
+        """The queued requests' futures, the queue emptied. Under the lock."""
+        futures = [r.future for r in self._queue]
+        self._queue.clear()
+        return futures
 
     @staticmethod
     def _abandon(front_ref) -> None:
@@ -345,11 +370,10 @@ class CoalescingFront:
             return
         with front._cv:
             front._accepting, front._cancelling, front._stopping = False, True, True
-            dropped = list(front._queue)
-            front._queue.clear()
+            dropped = front._drain_queue()
             front._cv.notify_all()
         front._pool.shutdown(wait=False)
-        front._fail([r.future for r in dropped], EncoderClosed("the encoder was garbage-collected"))
+        front._fail(dropped, EncoderClosed("the encoder was garbage-collected"))
 
     @property
     def closed(self) -> bool:

@@ -349,8 +349,9 @@ class GraphedVisionEncoder(ImageInput):
             max_image_pixels=max_image_pixels))
 
     async def encode_async(self, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
-        """``await``-able :meth:`submit`."""
-        return await asyncio.wrap_future(self.submit(pixels, grid_thw))
+        """``await``-able :meth:`submit` (its checks and copy to the device run off the event loop)."""
+        submitted = await asyncio.get_running_loop().run_in_executor(None, self.submit, pixels, grid_thw)
+        return await asyncio.wrap_future(submitted)
 
     async def encode_images_async(self, images=None, videos=None, **kwargs) -> list[torch.Tensor]:
         """``await``-able :meth:`submit_images`."""

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .coalesce import front_settings
+from .coalesce import idle_front_stats
 
 
 @dataclass
@@ -54,5 +54,5 @@ def encoder_stats(encoder) -> dict[str, Any]:
             "pool_workspace_bytes": encoder.bank.workspace_bytes if encoder.bank else 0,
         }
     result["plans"] = encoder._plans.stats()
-    result["front"] = front.stats() if front is not None else {"requests": 0, **front_settings(encoder)}
+    result["front"] = front.stats() if front is not None else idle_front_stats(encoder)
     return result
