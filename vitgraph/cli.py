@@ -175,12 +175,15 @@ def cmd_encode(args) -> None:
 
     from .decode import open_encoded, read_file
 
+    from .cli_handoff import check_targets, encode_to_cache_command
+
+    check_targets(args)
     paths = [Path(name) for name in args.files]
     keys = [p.name for p in paths]
-    if len(set(keys)) != len(keys):
+    if len(set(keys)) != len(keys) and not args.encoder_cache:
         raise ValueError("two inputs share a file name; rename one so each output key is unique")
-    out = _check_out(args.out, paths, args.force)
-    if args.model:
+    out = _check_out(args.out, paths, args.force) if args.out else None
+    if args.model and out:
         _check_out_is_not_the_checkpoint(out, args.model)
     _check_pixel_args(args)
     for path in paths:  # every input is an image (its header read, nothing decoded) before the model loads
@@ -189,6 +192,8 @@ def cmd_encode(args) -> None:
         print(f"vitgraph encode: no --model given: random weights of the {args.preset} preset; "
               "the embeddings mean nothing", file=sys.stderr)
     enc = _load(args, progress=False)
+    if args.encoder_cache:
+        return encode_to_cache_command(args, enc, paths)
     source = args.model or f"random weights, preset {args.preset}"
     tensors, grids = {}, {}
     chunk = 16  # images per encode call
@@ -320,7 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("encode", help="encode image files to a safetensors file")
     p.add_argument("files", nargs="+", help="image files (PNG, JPEG, ...)")
-    p.add_argument("--out", required=True, help="output .safetensors path (never one of the inputs)")
+    p.add_argument("--out", help="output .safetensors path (never one of the inputs)")
+    p.add_argument("--encoder-cache", metavar="DIR", help="instead of --out: DIR/ID/encoder_cache.safetensors "
+                   "per image (vLLM's ECExampleConnector); prints the ids")
+    p.add_argument("--id", action="append", help="an image's id in --encoder-cache (one per file; "
+                   "default: vitgraph.handoff.item_id of its bytes)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--min-pixels", type=int, default=None,
                    help="resize smaller images up to this area (default: the model's preprocessor_config.json)")
