@@ -259,6 +259,8 @@ def _check_serve_args(args) -> None:
             raise ValueError(f"--device {args.device}: no CUDA GPU is available")
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA GPU(s)")
+    if args.encoder_cache is not None and not os.path.isdir(args.encoder_cache):
+        raise ValueError(f"--encoder-cache {args.encoder_cache}: is not an existing directory")
     if args.model:
         from .loading import find_checkpoint, read_config
         from .processor_files import read_processor
@@ -285,7 +287,8 @@ def cmd_serve(args) -> None:
         raise ValueError("vitgraph serve needs Ray Serve: pip install 'vitgraph[serve]'") from None
     from .serve import build_app
 
-    app = build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype, num_replicas=args.replicas)
+    app = build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype, num_replicas=args.replicas,
+                    encoder_cache=args.encoder_cache)
     previous = None
     try:
         with status(f"starting Ray and {args.replicas} replica(s) of {describe(args)}"):
@@ -349,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--request-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="the server answers 408 to a request not done in this time (default 60)")
+    p.add_argument("--encoder-cache", metavar="DIR", help="POST /encode?store=1 writes images' embeddings here "
+                   "(vLLM's ECExampleConnector layout) and answers their ids")
     p.set_defaults(func=cmd_serve)
 
     sub.add_parser("bench", help="latency suite (see vitgraph bench --help)", add_help=False)
