@@ -175,12 +175,15 @@ def cmd_encode(args) -> None:
 
     from .decode import open_encoded, read_file
 
+    from .cli_handoff import check_targets, encode_to_cache_command
+
+    check_targets(args)
     paths = [Path(name) for name in args.files]
     keys = [p.name for p in paths]
-    if len(set(keys)) != len(keys):
+    if len(set(keys)) != len(keys) and not args.encoder_cache:
         raise ValueError("two inputs share a file name; rename one so each output key is unique")
-    out = _check_out(args.out, paths, args.force)
-    if args.model:
+    out = _check_out(args.out, paths, args.force) if args.out else None
+    if args.model and out:
         _check_out_is_not_the_checkpoint(out, args.model)
     _check_pixel_args(args)
     for path in paths:  # every input is an image (its header read, nothing decoded) before the model loads
@@ -189,6 +192,8 @@ def cmd_encode(args) -> None:
         print(f"vitgraph encode: no --model given: random weights of the {args.preset} preset; "
               "the embeddings mean nothing", file=sys.stderr)
     enc = _load(args, progress=False)
+    if args.encoder_cache:
+        return encode_to_cache_command(args, enc, paths)
     source = args.model or f"random weights, preset {args.preset}"
     tensors, grids = {}, {}
     chunk = 16  # images per encode call
@@ -254,6 +259,8 @@ def _check_serve_args(args) -> None:
             raise ValueError(f"--device {args.device}: no CUDA GPU is available")
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA GPU(s)")
+    if args.encoder_cache is not None and not os.path.isdir(args.encoder_cache):
+        raise ValueError(f"--encoder-cache {args.encoder_cache}: is not an existing directory")
     if args.model:
         from .loading import find_checkpoint, read_config
         from .processor_files import read_processor
@@ -280,7 +287,8 @@ def cmd_serve(args) -> None:
         raise ValueError("vitgraph serve needs Ray Serve: pip install 'vitgraph[serve]'") from None
     from .serve import build_app
 
-    app = build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype, num_replicas=args.replicas)
+    app = build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype, num_replicas=args.replicas,
+                    encoder_cache=args.encoder_cache)
     previous = None
     try:
         with status(f"starting Ray and {args.replicas} replica(s) of {describe(args)}"):
@@ -320,7 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("encode", help="encode image files to a safetensors file")
     p.add_argument("files", nargs="+", help="image files (PNG, JPEG, ...)")
-    p.add_argument("--out", required=True, help="output .safetensors path (never one of the inputs)")
+    p.add_argument("--out", help="output .safetensors path (never one of the inputs)")
+    p.add_argument("--encoder-cache", metavar="DIR", help="instead of --out: DIR/ID/encoder_cache.safetensors "
+                   "per image (vLLM's ECExampleConnector); prints the ids")
+    p.add_argument("--id", action="append", help="an image's id in --encoder-cache (one per file; "
+                   "default: vitgraph.handoff.item_id of its bytes)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--min-pixels", type=int, default=None,
                    help="resize smaller images up to this area (default: the model's preprocessor_config.json)")
@@ -340,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--request-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="the server answers 408 to a request not done in this time (default 60)")
+    p.add_argument("--encoder-cache", metavar="DIR", help="POST /encode?store=1 writes images' embeddings here "
+                   "(vLLM's ECExampleConnector layout) and answers their ids")
     p.set_defaults(func=cmd_serve)
 
     for name, what in (("bench", "latency suite"), ("bench-serving", "serving simulation"),

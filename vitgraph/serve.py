@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 from concurrent.futures import Future
 from typing import Any
 
@@ -66,14 +67,14 @@ class VisionEncoderDeployment:
 
     def __init__(self, model: str | None = None, preset: str | None = None, device: str | None = None,
                  dtype: str | None = None, engine_options: dict | None = None, min_pixels: int | None = None,
-                 max_pixels: int | None = None, max_image_pixels: int = SERVE_MAX_IMAGE_PIXELS) -> None:
+                 max_pixels: int | None = None, max_image_pixels: int = SERVE_MAX_IMAGE_PIXELS,
+                 encoder_cache: str | None = None) -> None:
         options = dict(engine_options or {}, progress=False)
+        preset = preset or ("qwen2-vl-2b" if torch.cuda.is_available() else "tiny")
         if model:
             self.encoder = GraphedVisionEncoder.from_pretrained(model, device=device, dtype=dtype, **options)
         else:
-            self.encoder = GraphedVisionEncoder.from_config(preset or ("qwen2-vl-2b" if torch.cuda.is_available()
-                                                                       else "tiny"), device=device, dtype=dtype,
-                                                            **options)
+            self.encoder = GraphedVisionEncoder.from_config(preset, device=device, dtype=dtype, **options)
         try:  # which replica answered (a response header), and on which device
             self.replica = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside a Serve replica (constructed directly)
@@ -81,6 +82,10 @@ class VisionEncoderDeployment:
         # Images are resized into [min_pixels, max_pixels] (the processor's, unless given).
         self.pixel_limits = pixel_limits(self.encoder.processor, min_pixels, max_pixels)
         self.max_image_pixels = max_image_pixels
+        from .handoff import EncoderCache  # POST /encode?store=1 writes here (vitgraph.serve_store)
+
+        self.cache = EncoderCache(encoder_cache) if encoder_cache else None
+        self.model_identity = model or f"preset:{preset}"  # the model part of default ids (handoff.item_id)
 
     # -- validation (before batching) ------------------------------------------------
 
@@ -151,17 +156,43 @@ class VisionEncoderDeployment:
             return Response("POST /encode", status_code=404)
         loop = asyncio.get_running_loop()
         as_json = http_request.query_params.get("format") == "json"
+        stored = http_request.query_params.get("store") == "1"
+        if stored and self.cache is None:
+            return Response("store=1 needs an encoder cache (vitgraph serve --encoder-cache DIR)", status_code=400)
         try:
             kind, payload = await self._receive(http_request)
+            ids = await loop.run_in_executor(None, self._store_ids, http_request, kind, payload) if stored else None
             request = await loop.run_in_executor(None, lambda: self._accepted(self._parse(kind, payload, as_json)))
         except BadRequest as err:
             return Response(str(err), status_code=400)
         embeddings = await self._encode(request.submitted)
+        if ids is not None:  # written to the cache; the answer names them
+            return await loop.run_in_executor(None, self._stored, ids, embeddings, request.grids)
         try:
             body, media = await loop.run_in_executor(None, self._answer, embeddings, request.grids, as_json)
         except ValueError:  # finite pixels whose embeddings overflowed: strict JSON cannot carry them
             return Response("the embeddings are not finite; ask for safetensors", status_code=500)
         return Response(body, media_type=media, headers={"X-Vitgraph-Replica": self.replica})
+
+    def _store_ids(self, http_request, kind: str, payload) -> list[str]:
+        from .serve_store import store_ids
+
+        try:
+            return store_ids(kind, payload, http_request.query_params.getlist("id"), self.model_identity,
+                             self.encoder.processor, self.pixel_limits)
+        except (TypeError, ValueError) as err:
+            raise BadRequest(str(err)) from None
+
+    def _stored(self, ids: list[str], embeddings: torch.Tensor, grids):
+        from starlette.responses import Response
+
+        from .serve_store import store
+
+        try:
+            body = store(self.cache, ids, self.encoder.per_item(embeddings, grids), grids)
+        except ValueError as err:  # a foreign file at an id's path, non-finite embeddings
+            return Response(str(err), status_code=409)
+        return Response(body, media_type="application/json", headers={"X-Vitgraph-Replica": self.replica})
 
     @staticmethod
     def _answer(embeddings: torch.Tensor, grids, as_json: bool) -> tuple[bytes, str]:
@@ -232,7 +263,7 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
               dtype: str | None = None, num_replicas: int | str = 1, num_gpus: float | None = None,
               autoscaling_config: dict | None = None, num_cpus: float | None = None, max_ongoing_requests: int = DEFAULT_MAX_ONGOING,
               min_pixels: int | None = None, max_pixels: int | None = None,
-              max_image_pixels: int = SERVE_MAX_IMAGE_PIXELS, **engine_options):
+              max_image_pixels: int = SERVE_MAX_IMAGE_PIXELS, encoder_cache: str | None = None, **engine_options):
     """The Ray Serve application: ``num_replicas`` replicas (or ``autoscaling_config``), each
     holding one encoder on ``num_gpus`` GPUs (default: 1 where CUDA is present, else 0). With
     ``num_gpus=1`` Ray places one replica per GPU and gives each only its own device
@@ -243,7 +274,11 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
     others to share its replay while the replica's GPU is busy.
     ``min_pixels`` / ``max_pixels``: the sizes images are resized into (default: the
     checkpoint's processor's); a lower ``max_pixels`` bounds an image request's tokens.
-    ``max_image_pixels``: the most pixels an uploaded image may declare (checked before decoding)."""
+    ``max_image_pixels``: the most pixels an uploaded image may declare (checked before decoding).
+    ``encoder_cache``: a directory ``POST /encode?store=1`` writes images' embeddings to
+    (:mod:`vitgraph.serve_store`; vLLM's ``ECExampleConnector`` layout)."""
+    if encoder_cache is not None and not os.path.isdir(encoder_cache):
+        raise ValueError(f"encoder_cache {encoder_cache}: is not an existing directory")
     check_pixel_arguments(min_pixels, max_pixels)  # refused here, not in a replica's start-up
     check_image_ceiling(max_image_pixels)
     check_engine_options(engine_options)  # refused here, not in a replica's start-up
@@ -258,4 +293,4 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
     return VisionEncoderDeployment.options(ray_actor_options=actor, max_ongoing_requests=max_ongoing_requests,
                                            **scale).bind(
         model=model, preset=preset, device=device, dtype=dtype, engine_options=engine_options, min_pixels=min_pixels, max_pixels=max_pixels,
-        max_image_pixels=max_image_pixels)
+        max_image_pixels=max_image_pixels, encoder_cache=None if encoder_cache is None else os.path.abspath(encoder_cache))

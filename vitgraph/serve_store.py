@@ -1,0 +1,43 @@
+"""``POST /encode?store=1`` of :mod:`vitgraph.serve`: the images' embeddings written to the
+replica's encoder cache (:mod:`vitgraph.handoff`, vLLM's ``ECExampleConnector`` layout) and
+answered with their ids and grids as JSON, not the tensors. Ids: ``?id=A&id=B`` (one per image),
+else :func:`vitgraph.handoff.item_id` of each image's bytes."""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import replace
+
+
+def image_blobs(kind: str, payload) -> list[bytes]:
+    """The request's encoded images (JSON or multipart); rows cannot be stored (no bytes to name them by)."""
+    if kind == "multipart/form-data":
+        return list(payload)
+    if kind == "application/json":
+        try:
+            return [base64.b64decode(image, validate=True) for image in json.loads(payload)["images"]]
+        except (ValueError, KeyError, TypeError, RecursionError) as err:
+            raise ValueError(f"JSON body must be {{\"images\": [base64 image, ...]}}: {err}") from None
+    raise ValueError("store=1 takes images (JSON or multipart), not rows")
+
+
+def store_ids(kind: str, payload, given: list[str], model: str, processor, limits) -> list[str]:
+    """The ids the request's items will be stored under, checked before anything is encoded."""
+    from .handoff import check_item_id, item_id
+
+    blobs = image_blobs(kind, payload)
+    if given:
+        ids = [check_item_id(i) for i in given]
+        if len(ids) != len(blobs) or len(set(ids)) != len(ids):
+            raise ValueError(f"id: {len(ids)} given for {len(blobs)} images; give one distinct id per image")
+        return ids
+    settings = replace(processor, min_pixels=limits[0], max_pixels=limits[1])
+    return [item_id(blob, model=model, processor=settings) for blob in blobs]
+
+
+def store(cache, ids: list[str], items: list, grids) -> bytes:
+    """Write each item; the JSON answer ``{"ids": [...], "grid_thw": [...]}``."""
+    for item, tensor in zip(ids, items):
+        cache.write(item, tensor)
+    return json.dumps({"ids": ids, "grid_thw": [list(g) for g in grids]}).encode()
