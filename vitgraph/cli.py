@@ -6,10 +6,8 @@ import argparse
 import json
 import logging
 import os
-import stat
 import sys
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import torch
 
 from . import __version__
 from .cli_args import add_model_args, describe, make_encoder, resolve_model_args, status
+from .cli_output import check_out, check_out_is_not_the_checkpoint, write_atomically
 
 
 def _load(args, **options):
@@ -61,72 +60,6 @@ def cmd_demo(args) -> None:
         used = {k: v["replays"] for k, v in stats["buckets"].items() if v["replays"]}
         print(f"{len(stats['buckets'])} graphs captured in {stats['capture_seconds']:.1f} s, "
               f"pool {stats['pool_bytes'] / 2**20:.0f} MiB; replays per bucket {used}")
-
-
-def _check_out(out: str, inputs: list[Path], force: bool) -> Path:
-    """The output path, checked before anything is loaded: a regular file or a new one (never a
-    link, a device or a FIFO: the write would replace it), not an input, in a writable folder,
-    and not overwriting a file unless ``force``."""
-    path = Path(out).expanduser()
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        mode = None
-    except OSError as err:
-        raise ValueError(f"--out {out}: cannot be checked ({err.strerror})") from None
-    if mode is not None and stat.S_ISDIR(mode):
-        raise ValueError(f"--out {out}: is a directory; give a file path")
-    if mode is not None and stat.S_ISLNK(mode):
-        raise ValueError(f"--out {out}: is a symbolic link; give the file itself")
-    if mode is not None and not stat.S_ISREG(mode):
-        raise ValueError(f"--out {out}: is not a regular file (a device, a FIFO or a socket)")
-    for source in inputs:
-        if path.resolve() == source.resolve() or (mode is not None and source.exists() and path.samefile(source)):
-            raise ValueError(f"--out {out}: is one of the input images; it would be overwritten")
-    folder = path.resolve().parent
-    if not folder.is_dir():
-        raise ValueError(f"--out {out}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"--out {out}: folder {folder} is not writable")
-    if mode is not None and not force:
-        raise ValueError(f"--out {out}: exists; pass --force to overwrite it")
-    return path
-
-
-def _check_out_is_not_the_checkpoint(out: Path, model: str) -> None:
-    """Refuse an ``out`` that is a file of the checkpoint (its folder or Hub snapshot, and the
-    cache blobs a snapshot links to): the run reads them."""
-    from .loading import find_checkpoint
-
-    files = find_checkpoint(model)
-    if not out.exists():
-        return
-    target = out.resolve()
-    snapshot = files.config.parent.resolve()
-    roots = [snapshot] + ([snapshot.parent.parent / "blobs"] if snapshot.parent.name == "snapshots" else [])
-    if (any(root == target.parent or root in target.parents for root in roots)
-            or any(target == p.resolve() or out.samefile(p) for p in files.paths())):
-        raise ValueError(f"--out {out}: is a file of the checkpoint {model}; it would be overwritten")
-
-
-def _write_atomically(tensors: dict, out: Path, metadata: dict) -> None:
-    """Write through a temporary file in ``out``'s folder, then rename it over ``out``: a failed
-    write (a full disk) leaves the old file as it was."""
-    from safetensors.torch import save_file
-
-    fd, name = tempfile.mkstemp(dir=out.resolve().parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        old_mode = stat.S_IMODE(os.stat(out).st_mode) if out.exists() else 0o644
-        save_file(tensors, name, metadata=metadata)
-        os.chmod(name, old_mode)
-        os.replace(name, out)
-    except OSError as err:  # a full disk, say
-        os.unlink(name)
-        raise ValueError(f"--out {out}: could not be written ({err.strerror or err}); left as it was") from None
-    except BaseException:
-        os.unlink(name)
-        raise
 
 
 def _check_pixel_args(args) -> None:
@@ -182,9 +115,9 @@ def cmd_encode(args) -> None:
     keys = [p.name for p in paths]
     if len(set(keys)) != len(keys) and not args.encoder_cache:
         raise ValueError("two inputs share a file name; rename one so each output key is unique")
-    out = _check_out(args.out, paths, args.force) if args.out else None
+    out = check_out(args.out, paths, args.force) if args.out else None
     if args.model and out:
-        _check_out_is_not_the_checkpoint(out, args.model)
+        check_out_is_not_the_checkpoint(out, args.model)
     _check_pixel_args(args)
     for path in paths:  # every input is an image (its header read, nothing decoded) before the model loads
         open_encoded(read_file(path, "input"), str(path)).close()
@@ -208,7 +141,7 @@ def cmd_encode(args) -> None:
                 tensors[key] = embedding.to("cpu").contiguous()
                 grids[key] = thw
             bar.update(len(batch_keys))
-    _write_atomically(tensors, out, {"vitgraph_model": source, "grid_thw": json.dumps(grids)})
+    write_atomically(tensors, out, {"vitgraph_model": source, "grid_thw": json.dumps(grids)})
     print(f"wrote {len(tensors)} embedding(s) to {out}: " +
           ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items()))
 

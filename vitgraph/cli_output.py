@@ -1,0 +1,75 @@
+"""``vitgraph encode --out``: the output path checked before anything loads, and written
+atomically."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+
+def check_out(out: str, inputs: list[Path], force: bool) -> Path:
+    """The output path, checked before anything is loaded: a regular file or a new one (never a
+    link, a device or a FIFO: the write would replace it), not an input, in a writable folder,
+    and not overwriting a file unless ``force``."""
+    path = Path(out).expanduser()
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as err:
+        raise ValueError(f"--out {out}: cannot be checked ({err.strerror})") from None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise ValueError(f"--out {out}: is a directory; give a file path")
+    if mode is not None and stat.S_ISLNK(mode):
+        raise ValueError(f"--out {out}: is a symbolic link; give the file itself")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise ValueError(f"--out {out}: is not a regular file (a device, a FIFO or a socket)")
+    for source in inputs:
+        if path.resolve() == source.resolve() or (mode is not None and source.exists() and path.samefile(source)):
+            raise ValueError(f"--out {out}: is one of the input images; it would be overwritten")
+    folder = path.resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"--out {out}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--out {out}: folder {folder} is not writable")
+    if mode is not None and not force:
+        raise ValueError(f"--out {out}: exists; pass --force to overwrite it")
+    return path
+
+
+def check_out_is_not_the_checkpoint(out: Path, model: str) -> None:
+    """Refuse an ``out`` that is a file of the checkpoint (its folder or Hub snapshot, and the
+    cache blobs a snapshot links to): the run reads them."""
+    from .loading import find_checkpoint
+
+    files = find_checkpoint(model)
+    if not out.exists():
+        return
+    target = out.resolve()
+    snapshot = files.config.parent.resolve()
+    roots = [snapshot] + ([snapshot.parent.parent / "blobs"] if snapshot.parent.name == "snapshots" else [])
+    if (any(root == target.parent or root in target.parents for root in roots)
+            or any(target == p.resolve() or out.samefile(p) for p in files.paths())):
+        raise ValueError(f"--out {out}: is a file of the checkpoint {model}; it would be overwritten")
+
+
+def write_atomically(tensors: dict, out: Path, metadata: dict) -> None:
+    """Write through a temporary file in ``out``'s folder, then rename it over ``out``: a failed
+    write (a full disk) leaves the old file as it was."""
+    from safetensors.torch import save_file
+
+    fd, name = tempfile.mkstemp(dir=out.resolve().parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        old_mode = stat.S_IMODE(os.stat(out).st_mode) if out.exists() else 0o644
+        save_file(tensors, name, metadata=metadata)
+        os.chmod(name, old_mode)
+        os.replace(name, out)
+    except OSError as err:  # a full disk, say
+        os.unlink(name)
+        raise ValueError(f"--out {out}: could not be written ({err.strerror or err}); left as it was") from None
+    except BaseException:
+        os.unlink(name)
+        raise
