@@ -76,7 +76,8 @@ def front_settings(encoder) -> dict[str, Any]:
     return {"max_wait_ms": encoder.options.max_wait_ms,
             "max_tokens": max((b.tokens for b in buckets), default=encoder.options.max_budget),
             "max_frames": max((b.max_segments for b in buckets), default=encoder.options.max_items),
-            "max_in_flight": MAX_IN_FLIGHT}
+            "max_in_flight": MAX_IN_FLIGHT,
+            "front_threads": encoder.options.front_threads or min(8, os.cpu_count() or 1)}
 
 
 def idle_front_stats(encoder) -> dict[str, Any]:
@@ -101,7 +102,7 @@ class CoalescingFront:
         self._stopping = False  # the scheduler ends once the queue is empty
         self._counters = _Counters()
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # (batch, output, event) to resolve
-        self._pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="vitgraph-front")
+        self._pool = ThreadPoolExecutor(max_workers=self._settings["front_threads"], thread_name_prefix="vitgraph-front")
         self._scheduler = threading.Thread(target=self._schedule, name="vitgraph-scheduler", daemon=True)
         self._completer = threading.Thread(target=self._complete, name="vitgraph-completer", daemon=True)
         self._scheduler.start()

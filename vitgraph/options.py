@@ -43,6 +43,9 @@ class EngineOptions:
     # submit()'s front: the longest a ready request waits for others to share its replay while
     # the device is busy (an idle device takes it at once).
     max_wait_ms: float = 2.0
+    # Threads that decode and preprocess submit_images' requests (None: min(8, CPUs)); each holds
+    # Python's lock while it launches preprocessing, which the scheduler then waits for.
+    front_threads: int | None = None
     # The second tier: changes to the tuning derived from the device and the tower, by dotted
     # name ({"buckets.dense": False, "gemm.split_k_max_rows": 0}; see vitgraph.tuning).
     tuning: Mapping[str, Any] | None = None
@@ -55,6 +58,7 @@ class EngineOptions:
         _check_int("pool_limit_bytes", self.pool_limit_bytes, minimum=1, optional=True)
         _check_int("exact_eager_above", self.exact_eager_above, minimum=0, optional=True)
         _check_int("compile_workers", self.compile_workers, minimum=0, optional=True)
+        _check_int("front_threads", self.front_threads, minimum=1, optional=True)
         if self.gemm not in ("auto",) + GEMM_BACKENDS:
             raise ValueError(f"gemm must be 'auto' or one of {GEMM_BACKENDS}, got {self.gemm!r}")
         if self.fuse is not None and not isinstance(self.fuse, bool):

@@ -155,7 +155,8 @@ def requests_for(traffic: str, callers: int, scale: float) -> int:
 
 
 def run_preset(args, preset: str, cases: list, extra: dict) -> None:
-    enc = GraphedVisionEncoder.from_config(preset, progress=False, max_wait_ms=args.max_wait_ms)
+    enc = GraphedVisionEncoder.from_config(preset, progress=False, max_wait_ms=args.max_wait_ms,
+                                           front_threads=args.front_threads)
     try:
         for traffic in args.traffic:
             blobs = make_traffic(traffic, args.images, args.seed)
@@ -178,7 +179,8 @@ def run_preset(args, preset: str, cases: list, extra: dict) -> None:
                     before = enc.stats()
                     stats = closed_loop(send[mode], blobs, callers, n)
                     after = enc.stats()
-                    case = {"model": preset, "traffic": traffic, "callers": callers, "mode": mode, **stats}
+                    case = {"model": preset, "traffic": traffic, "callers": callers, "mode": mode, **stats,
+                            "front_threads": enc.stats()["front"]["front_threads"]}
                     if mode == "coalesced":
                         case.update(_front_delta(before, after))
                     cases.append(case)
@@ -271,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=common.positive_int, default=48, help="distinct JPEGs per traffic")
     parser.add_argument("--scale", type=common.positive_float, default=1.0, help="requests per case, scaled")
     parser.add_argument("--max-wait-ms", type=float, default=2.0, help="the front's max_wait_ms (default 2)")
+    parser.add_argument("--front-threads", type=common.positive_int, default=None,
+                        help="the front's preprocessing threads (default: the encoder's)")
     parser.add_argument("--wait-sweep", type=float, nargs="*", default=[],
                         help="also run thumbs through fronts with these max_wait_ms (first preset)")
     parser.add_argument("--serve", action="store_true", help="also vitgraph serve (Ray Serve, one replica)")
