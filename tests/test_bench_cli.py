@@ -140,7 +140,7 @@ def test_cli_demo_and_info_on_cpu(capsys):
     assert cli_main(["info", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "attention backends: sdpa" in out and "(buckets planned, tokens x frames: 256x1, 256x16, 288x1," in out
-    assert "front (submit): batches of up to 16384 tokens and 16 frames, max_wait_ms 2, 2 batches in flight" in out
+    assert "front (submit): batches of up to 16384 tokens and 16 frames, max_wait_ms 2, 2 batches in flight, 2 preprocessing threads" in out
 
 
 def test_serving_loop_example_returns_one_embedding_per_request():

@@ -169,7 +169,8 @@ def cmd_info(args) -> None:
         print(f"eager mode on {device}: no graphs (buckets planned, {_bucket_names(enc.requested_buckets)})")
     front = stats["front"]
     print(f"front (submit): batches of up to {front['max_tokens']} tokens and {front['max_frames']} frames, "
-          f"max_wait_ms {front['max_wait_ms']:g}, {front['max_in_flight']} batches in flight")
+          f"max_wait_ms {front['max_wait_ms']:g}, {front['max_in_flight']} batches in flight, "
+          f"{front['front_threads']} preprocessing threads")
 
 
 def _check_serve_args(args) -> None:

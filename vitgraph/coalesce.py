@@ -37,6 +37,7 @@ import torch
 from .validation import check_pixels, check_rows, normalize_grid
 
 MAX_IN_FLIGHT = 2  # batches dispatched and not yet complete: one running, one staged behind it
+FRONT_THREADS = 2  # preprocessing threads by default: more starve the scheduler of Python's lock (HISTORY 59)
 _STOP = object()
 
 
@@ -77,7 +78,7 @@ def front_settings(encoder) -> dict[str, Any]:
             "max_tokens": max((b.tokens for b in buckets), default=encoder.options.max_budget),
             "max_frames": max((b.max_segments for b in buckets), default=encoder.options.max_items),
             "max_in_flight": MAX_IN_FLIGHT,
-            "front_threads": encoder.options.front_threads or min(8, os.cpu_count() or 1)}
+            "front_threads": encoder.options.front_threads or min(FRONT_THREADS, os.cpu_count() or 1)}
 
 
 def idle_front_stats(encoder) -> dict[str, Any]:

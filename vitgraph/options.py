@@ -43,8 +43,8 @@ class EngineOptions:
     # submit()'s front: the longest a ready request waits for others to share its replay while
     # the device is busy (an idle device takes it at once).
     max_wait_ms: float = 2.0
-    # Threads that decode and preprocess submit_images' requests (None: min(8, CPUs)); each holds
-    # Python's lock while it launches preprocessing, which the scheduler then waits for.
+    # Threads that decode and preprocess submit_images' requests (None: min(2, CPUs)): each holds
+    # Python's lock while it launches preprocessing, and more of them starve the scheduler.
     front_threads: int | None = None
     # The second tier: changes to the tuning derived from the device and the tower, by dotted
     # name ({"buckets.dense": False, "gemm.split_k_max_rows": 0}; see vitgraph.tuning).
