@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from helpers import family_weights, make, pixels_for, random_grids, rel_err
-from test_coalesce import SlowEncodes, jpeg
+from test_coalesce import assert_a_nan_request_leaves_the_others_bitwise, jpeg
 
 pytestmark = pytest.mark.cuda
 
@@ -78,27 +78,7 @@ def test_a_nan_request_leaves_the_others_bitwise_in_a_shared_replay(family):
     requests = [(pixels_for(enc, g, seed=i), g) for i, g in
                 enumerate(random_grids(rng, 1, max_frames=1, max_side=10) for _ in range(5))]
 
-    def batch_of(nan: bool):
-        slow = SlowEncodes(enc)
-        enc._encode_checked = slow
-        head = enc.submit(*requests[0])
-        assert slow.entered.wait(30)
-        pixels = [p.clone() for p, _ in requests]
-        if nan:
-            pixels[2][3, 5] = float("nan")
-            pixels[2][1, 2] = float("inf")
-        futures = [enc.submit(p, g) for p, (_, g) in zip(pixels, requests)]
-        slow.release.set()
-        head.result(timeout=60)
-        answers = [f.result(timeout=60).clone() for f in futures]
-        enc._encode_checked = slow.inner
-        assert len(slow.batches) == 2, slow.batches
-        return answers
-
-    clean, dirty = batch_of(False), batch_of(True)
-    assert not torch.isfinite(dirty[2]).all()
-    for i in (0, 1, 3, 4):
-        assert torch.equal(clean[i], dirty[i]), i
+    assert_a_nan_request_leaves_the_others_bitwise(enc, requests, requests[0])
     enc.close()
 
 
