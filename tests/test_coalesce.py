@@ -333,3 +333,4 @@ def test_stats_before_any_request_have_every_key(enc):
     idle = enc.stats()["front"]
     enc.submit(rows_for([(1, 8, 8)], 0), [(1, 8, 8)]).result(timeout=60)
     assert set(idle) == set(enc.stats()["front"]) and idle["requests"] == 0
+

@@ -252,7 +252,7 @@ def test_stats_on_cpu():
     stats = enc.stats()
     assert stats["mode"] == "eager" and stats["calls"] == 2 and stats["buckets"] == {}
     assert stats["eager_fallbacks"] == {"eager_mode": 1}
-    assert stats["attention"] == "sdpa" and stats["gemm"] == "cublas" and stats["pool_bytes"] == 0
+    assert stats["attention"] == "sdpa" and stats["gemm"] == "torch" and stats["pool_bytes"] == 0
     with pytest.raises(ValueError, match="capture"):
         enc.capture()
 
@@ -407,3 +407,8 @@ def test_tuning_is_data_each_encoder_holds():
     from vitgraph.ops.gemm import Tile
     changed = apply_overrides(Tuning(), options.tuning).gemm
     assert changed.tile == Tile(64, 128, False, 1, 1) and changed.rope_tiles == ((Tile(128, 192, True, 1, 2), 11.0),)
+
+
+def test_repr_names_family_device_dtype_mode_and_buckets():
+    enc = GraphedVisionEncoder.from_config("tiny", device="cpu")
+    assert repr(enc) == "GraphedVisionEncoder(qwen2_vl, cpu, float32, eager, 0 buckets captured)"

@@ -125,6 +125,47 @@ def test_images_as_json_and_json_answers(app, direct):
     assert rel_err(torch.tensor(out["embeddings"]), direct.encode(pixels, grid)) <= 1e-5
 
 
+def exchange(url, method="POST", body=None, content_type=None):
+    """(status, headers, body) of one HTTP exchange."""
+    headers = {"Content-Type": content_type} if content_type else {}
+    request = urllib.request.Request(url, data=body, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, err.read()
+
+
+def test_a_raw_image_body_is_one_image(app, direct):
+    url, _ = app
+    image = Image.new("RGB", (84, 56), "purple")
+    for form, kind in (("PNG", "image/png"), ("JPEG", "image/jpeg")):
+        buffer = io.BytesIO()
+        image.save(buffer, format=form)
+        status, _, answer = exchange(url, body=buffer.getvalue(), content_type=kind)
+        assert status == 200, answer
+        (alone,) = direct.encode_images([buffer.getvalue()])
+        assert rel_err(load_safetensors(answer)["embeddings"], alone) <= 1e-5
+    status, _, answer = exchange(url, body=b"not an image", content_type="image/jpeg")
+    assert status == 400 and b"images[0]" in answer
+
+
+def test_methods_paths_formats_and_plain_text_errors(app):
+    url, _ = app
+    status, headers, _ = exchange(url, method="GET")
+    assert status == 405 and headers["Allow"] == "POST"
+    status, headers, _ = exchange(url, method="PUT", body=b"x", content_type="application/json")
+    assert status == 405 and headers["Allow"] == "POST"
+    status, _, _ = exchange(url.replace("/encode", "/other"), method="POST", body=b"x", content_type="text/plain")
+    assert status == 404
+    _, payload = rows_payload([(1, 4, 4)], seed=5)
+    status, headers, answer = exchange(url + "?format=xml", body=payload, content_type="application/octet-stream")
+    assert status == 400 and b"format" in answer and headers["Content-Type"].startswith("text/plain")
+    status, headers, answer = exchange(url, body=b"{}", content_type="application/json")
+    assert status == 400 and b'no "images" key' in answer and b"KeyError" not in answer
+    assert headers["Content-Type"].startswith("text/plain")
+
+
 def test_the_python_handle(app, direct):
     _, handle = app
     pixels, _ = rows_payload([(1, 4, 4)], seed=3)

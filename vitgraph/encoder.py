@@ -378,6 +378,11 @@ class GraphedVisionEncoder(ImageInput):
         if pool is not None:
             pool.shutdown(wait=True)
 
+    def __repr__(self) -> str:
+        return (f"GraphedVisionEncoder({family_of(self.config).name}, {self.device}, "
+                f"{str(self.dtype).replace('torch.', '')}, {'graph' if self.use_graphs else 'eager'}, "
+                f"{len(self.buckets)} buckets captured)")
+
     def __enter__(self) -> "GraphedVisionEncoder":
         return self
 

@@ -38,7 +38,7 @@ def encoder_stats(encoder) -> dict[str, Any]:
             "dtype": str(encoder.dtype).replace("torch.", ""),
             "attention": encoder.attention,
             "fused": encoder.tower.fused,
-            "gemm": encoder.gemm,
+            "gemm": encoder.gemm if encoder.device.type == "cuda" else "torch",  # the CPU's own matmul
             "mode": "graph" if encoder.use_graphs else "eager",
             "calls": encoder._counters.calls,
             "buckets": buckets,

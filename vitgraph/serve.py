@@ -10,9 +10,10 @@ HTTP ``POST /encode`` takes preprocessed rows as a safetensors payload
 the processor's uint8 rows, and ``grid_thw [k, 3]``), or images as JSON (``{"images": [base64
 PNG/JPEG, ...]}``) or as multipart files. It answers with a safetensors payload
 (``embeddings``, ``grid_thw``; with deepstack features side by side), or JSON with
-``?format=json``. A bad request gets 400 and its message; it is validated before it joins a
-batch, so the requests batched with it are unaffected. In-cluster callers use the handle's
-``encode(pixels, grid_thw)`` and ``encode_images(images)``.
+``?format=json``. A body of one encoded image (``Content-Type: image/jpeg``, ``image/png``...) is
+one image. Other methods get 405 (``Allow: POST``). A bad request gets 400 and its message as
+plain text; it is validated before it joins a batch, so the requests beside it are unaffected.
+In-cluster callers use the handle's ``encode(pixels, grid_thw)`` and ``encode_images(images)``.
 
 Nothing CPU-heavy runs on a replica's event loop: parsing, decoding, preprocessing and the
 answer's serialisation run in threads, so a large image never holds up the requests behind
@@ -59,6 +60,13 @@ class _Request:
 
 class BadRequest(ValueError):
     """A request that cannot be served; the HTTP status is 400."""
+
+
+def _bad(message: str):
+    """A 400 answer: the message, as plain text."""
+    from starlette.responses import Response
+
+    return Response(message, status_code=400, media_type="text/plain")
 
 
 @serve.deployment
@@ -152,19 +160,24 @@ class VisionEncoderDeployment:
     async def __call__(self, http_request):
         from starlette.responses import Response
 
-        if http_request.method != "POST" or http_request.url.path.rstrip("/").split("/")[-1] != "encode":
-            return Response("POST /encode", status_code=404)
+        if http_request.url.path.rstrip("/").split("/")[-1] != "encode":
+            return Response("not found: POST /encode", status_code=404, media_type="text/plain")
+        if http_request.method != "POST":
+            return Response("POST /encode", status_code=405, headers={"Allow": "POST"}, media_type="text/plain")
         loop = asyncio.get_running_loop()
-        as_json = http_request.query_params.get("format") == "json"
+        answer_format = http_request.query_params.get("format", "safetensors")
+        if answer_format not in ("safetensors", "json"):
+            return _bad(f"format must be 'safetensors' (the default) or 'json', got {answer_format!r}")
+        as_json = answer_format == "json"
         stored = http_request.query_params.get("store") == "1"
         if stored and self.cache is None:
-            return Response("store=1 needs an encoder cache (vitgraph serve --encoder-cache DIR)", status_code=400)
+            return _bad("store=1 needs an encoder cache (vitgraph serve --encoder-cache DIR)")
         try:
             kind, payload = await self._receive(http_request)
             ids = await loop.run_in_executor(None, self._store_ids, http_request, kind, payload) if stored else None
             request = await loop.run_in_executor(None, lambda: self._accepted(self._parse(kind, payload, as_json)))
         except BadRequest as err:
-            return Response(str(err), status_code=400)
+            return _bad(str(err))
         embeddings = await self._encode(request.submitted)
         if ids is not None:  # written to the cache; the answer names them
             return await loop.run_in_executor(None, self._stored, ids, embeddings, request.grids)
@@ -212,9 +225,11 @@ class VisionEncoderDeployment:
             except Exception as err:  # python-multipart's and starlette's parse errors
                 raise BadRequest(f"multipart body cannot be read: {err}") from None
             return kind, [await part.read() for _, part in form.multi_items() if hasattr(part, "read")]
+        if kind.startswith("image/"):  # the body is one encoded image, as a newcomer sends it first
+            return "multipart/form-data", [await http_request.body()]
         if kind not in ("application/octet-stream", "application/json"):
-            raise BadRequest(f"Content-Type must be application/octet-stream (safetensors), application/json or "
-                             f"multipart/form-data, got {kind or 'none'!r}")
+            raise BadRequest(f"Content-Type must be application/octet-stream (safetensors), application/json, "
+                             f"multipart/form-data or an image type (image/jpeg...), got {kind or 'none'!r}")
         return kind, await http_request.body()
 
     def _parse(self, kind: str, payload, as_json: bool = False) -> _Request:
@@ -237,11 +252,13 @@ class VisionEncoderDeployment:
             return request
         try:
             body = json.loads(payload)
+            if not isinstance(body, dict) or "images" not in body:
+                raise ValueError("it has no \"images\" key")
             images = body["images"]
             if not isinstance(images, list):
                 raise TypeError("images must be a list")
             blobs = [base64.b64decode(image, validate=True) for image in images]
-        except (ValueError, KeyError, TypeError, RecursionError) as err:
+        except (ValueError, TypeError, RecursionError) as err:
             raise BadRequest(f"JSON body must be {{\"images\": [base64 image, ...]}}: {err}") from None
         return self._images(blobs)
 
