@@ -94,3 +94,26 @@ def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
     monkeypatch.setattr(vitgraph.cli, "make_encoder", interrupted)
     assert cli_main(["demo", "--device", "cpu"]) == 130
     assert capsys.readouterr().err == "vitgraph demo: interrupted\n"
+
+
+def test_help_and_argument_errors_import_no_torch():
+    code = "import sys, vitgraph.cli; vitgraph.cli.build_parser(); print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr
+    code = ("import sys, vitgraph.cli\ntry:\n    vitgraph.cli.main(ARGS)\nexcept SystemExit as e:\n"
+            "    print(e.code, 'torch' in sys.modules)")
+    for args, exit_code in ((["--help"], 0), (["encode", "--help"], 0), (["encode"], 2), (["info", "--preset", "x"], 2)):
+        proc = subprocess.run([sys.executable, "-c", code.replace("ARGS", repr(args))], capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.stdout.split()[-2:] == [str(exit_code), "False"], (args, proc.stdout, proc.stderr)
+    proc = subprocess.run([sys.executable, "-m", "vitgraph", "--help"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and "usage: vitgraph" in proc.stdout
+
+
+def test_the_cheap_preset_names_are_the_presets():
+    from vitgraph.models import PRESETS
+    from vitgraph.preset_names import PRESET_NAMES
+
+    assert sorted(PRESET_NAMES) == sorted(PRESETS) and len(set(PRESET_NAMES)) == len(PRESET_NAMES)

@@ -11,9 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
-from . import __version__
+from . import __version__  # torch is imported inside the commands: --help and argument errors stay instant
 from .cli_args import add_model_args, describe, make_encoder, resolve_model_args, status
 from .cli_output import check_out, check_out_is_not_the_checkpoint, write_atomically
 
@@ -24,6 +22,7 @@ def _load(args, **options):
 
 def _timed_calls_ms(fn, device: torch.device, calls: int) -> list[float]:
     """Wall ms of each of ``calls`` synchronised calls of ``fn``, under a progress bar."""
+    import torch
     from tqdm.auto import tqdm
 
     times = []
@@ -38,6 +37,8 @@ def _timed_calls_ms(fn, device: torch.device, calls: int) -> list[float]:
 
 def cmd_demo(args) -> None:
     """Encode a mixed batch (images and a clip) and print shapes, timing and engine stats."""
+    import torch
+
     enc = _load(args)
     grids = [(1, 16, 16), (1, 32, 44), (4, 16, 28), (1, 64, 64)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), enc.config.patch_width)
@@ -154,6 +155,8 @@ def _bucket_names(buckets) -> str:
 
 def cmd_info(args) -> None:
     """Device, torch, attention backends, buckets and pool bytes."""
+    import torch
+
     from .ops.attention import available_backends
 
     enc = _load(args, progress=False)
@@ -183,6 +186,8 @@ def _check_serve_args(args) -> None:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     if args.device is not None:
+        import torch
+
         try:
             device = torch.device(args.device)
         except (RuntimeError, ValueError):

@@ -8,15 +8,16 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from .preset_names import PRESET_NAMES  # not vitgraph.models: that imports torch (seconds)
 
-from .encoder import GraphedVisionEncoder
-from .models import PRESETS
+if TYPE_CHECKING:
+    from .encoder import GraphedVisionEncoder
 
 
 def add_model_args(parser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+    parser.add_argument("--preset", choices=sorted(PRESET_NAMES), default=None,
                         help="random weights of this shape (default: qwen2-vl-2b on GPU, tiny on CPU)")
     parser.add_argument("--model", help="a checkpoint directory or Hub repo id instead of random weights")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -28,7 +29,9 @@ def resolve_model_args(args) -> bool:
     """Fill in the device and preset defaults of :func:`add_model_args` in place (the encoder
     resolves ``--dtype`` itself); returns whether the run is on a GPU. A preset name given to
     ``--model`` is refused with the flag it belongs to."""
-    if args.model in PRESETS and not Path(args.model).exists():
+    import torch
+
+    if args.model in PRESET_NAMES and not Path(args.model).exists():
         raise ValueError(f"--model {args.model}: is a preset name, not a checkpoint; use --preset {args.model} "
                          "for random weights of its shape, or give a checkpoint folder or Hub repo id")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")  # the encoder checks it
@@ -42,9 +45,11 @@ def describe(args) -> str:
     return args.model or f"random weights of the {args.preset} preset"
 
 
-def make_encoder(args, **options) -> GraphedVisionEncoder:
+def make_encoder(args, **options) -> "GraphedVisionEncoder":
     """The encoder ``args`` name, built or loaded under a :func:`status` line; graphs are then
     captured under their own progress bar (unless ``capture=False``)."""
+    from .encoder import GraphedVisionEncoder
+
     capture = options.pop("capture", True)
     verb = f"loading {args.model}" if args.model else f"building random weights of the {args.preset} preset"
     with status(f"{verb} on {args.device}"):
