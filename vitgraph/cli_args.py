@@ -66,9 +66,9 @@ def make_encoder(args, **options) -> "GraphedVisionEncoder":
 
 @contextmanager
 def status(message: str, stream=None, after_s: float = 1.0):
-    """Say on ``stream`` (stderr) what the block is doing once it has run ``after_s``: on a
-    terminal one line that counts the seconds, elsewhere a line then; and when it ends, the
-    time it took. A block done sooner prints nothing (so an early error stays one line)."""
+    """On a terminal (``stream``, stderr), once the block has run ``after_s``: one line that
+    counts its seconds, then the time it took; a failed block erases its line. Elsewhere (a log,
+    a pipe) nothing: stderr then holds only errors, so a failure is exactly one line."""
     stream = stream or sys.stderr
     tty = stream.isatty()
     start = time.perf_counter()
@@ -77,25 +77,25 @@ def status(message: str, stream=None, after_s: float = 1.0):
 
     def tick() -> None:
         wait = after_s
-        while not done.wait(wait):
+        while tty and not done.wait(wait):  # a log gets no line: it could not be taken back
             shown.set()
-            stream.write(f"\r{message} ... {time.perf_counter() - start:.0f} s" if tty else f"{message} ...\n")
+            stream.write(f"\r{message} ... {time.perf_counter() - start:.0f} s")
             stream.flush()
-            if not tty:
-                return
             wait = 1.0
 
     thread = threading.Thread(target=tick, name="vitgraph-status", daemon=True)
     thread.start()
-    finished = False
     try:
         yield
-        finished = True
-    finally:
+    except BaseException:
         done.set()
         thread.join()
         if shown.is_set():
-            took = time.perf_counter() - start
-            end = f"done in {took:.1f} s" if finished else f"stopped after {took:.1f} s"
-            stream.write(("\r" if tty else "") + f"{message}: {end}\n")
+            stream.write("\r\033[K")  # erase the line: the error (or "interrupted") says what happened
             stream.flush()
+        raise
+    done.set()
+    thread.join()
+    if shown.is_set():
+        stream.write(f"\r{message}: done in {time.perf_counter() - start:.1f} s\n")
+        stream.flush()
