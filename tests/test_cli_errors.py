@@ -62,6 +62,7 @@ def test_pixel_limits_are_checked_before_the_model_loads(png, tmp_path, capsys, 
     assert words in one_error_line(code, capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_an_unreachable_hub_is_named_at_once_and_logged_once(tmp_path):
     """A closed port stands in for the Hub: one request, no retries, the model named; with -v
     no line is printed twice (huggingface_hub's own handler and the root's)."""
@@ -117,3 +118,21 @@ def test_the_cheap_preset_names_are_the_presets():
     from vitgraph.preset_names import PRESET_NAMES
 
     assert sorted(PRESET_NAMES) == sorted(PRESETS) and len(set(PRESET_NAMES)) == len(PRESET_NAMES)
+
+
+def test_two_inputs_of_one_file_name_are_both_named(tmp_path, capsys, no_load):
+    paths = []
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        paths.append(tmp_path / folder / "x.gif")
+        Image.new("RGB", (30, 30), "red").save(paths[-1])
+    code = cli_main(["encode", *map(str, paths), "--out", str(tmp_path / "e.safetensors"), "--device", "cpu"])
+    err = one_error_line(code, capsys.readouterr().err)
+    assert f"two inputs share the file name x.gif ({paths[0]} and {paths[1]})" in err
+
+
+def test_a_missing_input_is_reported_before_a_bad_model(tmp_path, capsys, no_load):
+    code = cli_main(["encode", str(tmp_path / "missing.png"), "--model", str(tmp_path / "no" / "model"),
+                     "--out", str(tmp_path / "e.safetensors"), "--device", "cpu"])
+    err = one_error_line(code, capsys.readouterr().err)
+    assert "missing.png" in err and "no such file" in err.lower() and "model" not in err.split("missing.png")[1], err

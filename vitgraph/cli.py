@@ -114,14 +114,14 @@ def cmd_encode(args) -> None:
     check_targets(args)
     paths = [Path(name) for name in args.files]
     keys = [p.name for p in paths]
-    if len(set(keys)) != len(keys) and not args.encoder_cache:
-        raise ValueError("two inputs share a file name; rename one so each output key is unique")
+    if not args.encoder_cache:
+        _check_keys_are_unique(paths)
     out = check_out(args.out, paths, args.force) if args.out else None
+    for path in paths:  # every input is an image (header only) before the model is looked up or loaded
+        open_encoded(read_file(path, "input"), str(path)).close()
     if args.model and out:
         check_out_is_not_the_checkpoint(out, args.model)
     _check_pixel_args(args)
-    for path in paths:  # every input is an image (its header read, nothing decoded) before the model loads
-        open_encoded(read_file(path, "input"), str(path)).close()
     if not args.model:
         print(f"vitgraph encode: no --model given: random weights of the {args.preset} preset; "
               "the embeddings mean nothing", file=sys.stderr)
@@ -147,10 +147,24 @@ def cmd_encode(args) -> None:
           ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items()))
 
 
+def _check_keys_are_unique(paths: list[Path]) -> None:
+    """Each input's file name is its output key: two inputs of one name are refused, both named."""
+    first = {}
+    for path in paths:
+        if path.name in first:
+            raise ValueError(f"two inputs share the file name {path.name} ({first[path.name]} and {path}); "
+                             "rename one so each output key is unique")
+        first[path.name] = path
+
+
 def _bucket_names(buckets) -> str:
-    """``tokens x frames`` each (``sN``: frames of at most N tokens), with that key first."""
+    """``N buckets (tokens x frames; sN: frames of at most N tokens):`` then the names, wrapped
+    and indented (78 of them on one line were unreadable)."""
+    import textwrap
+
     key = "tokens x frames" + ("; sN: frames of at most N tokens" if any("s" in b.name for b in buckets) else "")
-    return f"{key}: {', '.join(b.name for b in buckets)}"
+    names = textwrap.fill(", ".join(b.name for b in buckets), width=96, initial_indent="  ", subsequent_indent="  ")
+    return f"{len(buckets)} buckets ({key}):\n{names}"
 
 
 def cmd_info(args) -> None:
@@ -163,13 +177,14 @@ def cmd_info(args) -> None:
     device = enc.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"vitgraph {__version__}, torch {torch.__version__}, device {device} ({name})")
+    print(f"model: {describe(args)}, dtype {str(enc.dtype).replace('torch.', '')}")
     print(f"attention backends: {', '.join(available_backends(device))}")
     stats = enc.stats()
     if stats["mode"] == "graph":
-        print(f"{len(enc.buckets)} buckets ({_bucket_names(enc.buckets)})")
+        print(_bucket_names(enc.buckets))
         print(f"pool bytes: {stats['pool_bytes']}, capture seconds: {stats['capture_seconds']:.2f}")
     else:
-        print(f"eager mode on {device}: no graphs (buckets planned, {_bucket_names(enc.requested_buckets)})")
+        print(f"eager mode on {device}: no graphs; planned: {_bucket_names(enc.requested_buckets)}")
     front = stats["front"]
     print(f"front (submit): batches of up to {front['max_tokens']} tokens and {front['max_frames']} frames, "
           f"max_wait_ms {front['max_wait_ms']:g}, {front['max_in_flight']} batches in flight, "
