@@ -13,6 +13,8 @@ def check_out(out: str, inputs: list[Path], force: bool) -> Path:
     """The output path, checked before anything is loaded: a regular file or a new one (never a
     link, a device or a FIFO: the write would replace it), not an input, in a writable folder,
     and not overwriting a file unless ``force``."""
+    if out.endswith(("/", os.sep, "/.", "/..")):  # Path() would drop the slash and write a file
+        raise ValueError(f"--out {out}: names a directory; give a file path")
     path = Path(out).expanduser()
     try:
         mode = os.lstat(path).st_mode
@@ -40,18 +42,19 @@ def check_out(out: str, inputs: list[Path], force: bool) -> Path:
 
 
 def check_out_is_not_the_checkpoint(out: Path, model: str) -> None:
-    """Refuse an ``out`` that is a file of the checkpoint (its folder or Hub snapshot, and the
-    cache blobs a snapshot links to): the run reads them."""
+    """Refuse an ``out`` anywhere inside a folder the checkpoint is read from (its folder, or a
+    Hub repo's cache folder: snapshots and blobs), whether or not the file exists yet: a new
+    file there (a preprocessor_config.json, say) changes what loads next time."""
     from .loading import find_checkpoint
 
     files = find_checkpoint(model)
-    if not out.exists():
-        return
     target = out.resolve()
     snapshot = files.config.parent.resolve()
-    roots = [snapshot] + ([snapshot.parent.parent / "blobs"] if snapshot.parent.name == "snapshots" else [])
-    if (any(root == target.parent or root in target.parents for root in roots)
-            or any(target == p.resolve() or out.samefile(p) for p in files.paths())):
+    root = snapshot.parent.parent if snapshot.parent.name == "snapshots" else snapshot  # the Hub repo's cache
+    if root == target or root in target.parents:
+        raise ValueError(f"--out {out}: is inside the folder of the checkpoint {model} ({root}), which vitgraph "
+                         "reads; write elsewhere")
+    if any(target == p.resolve() or (out.exists() and out.samefile(p)) for p in files.paths()):
         raise ValueError(f"--out {out}: is a file of the checkpoint {model}; it would be overwritten")
 
 
