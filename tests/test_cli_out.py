@@ -55,3 +55,46 @@ def test_an_out_with_a_trailing_slash_names_a_directory(png, tmp_path, capsys, s
     code, err = run([png, "--out", out], capsys)
     assert code == 2 and err == f"vitgraph encode: error: --out {out}: names a directory; give a file path\n"
     assert not (tmp_path / "name").exists()
+
+
+def full_disk_errors():
+    from safetensors import SafetensorError
+
+    # safetensors 0.8 on a full tmpfs: SafetensorError, not OSError (checked by hand on a 64 KiB tmpfs)
+    return [OSError(errno.ENOSPC, "No space left on device"),
+            SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+            RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                         'message: "No space left on device" })')]
+
+
+@pytest.mark.parametrize("error", full_disk_errors(), ids=["OSError", "SafetensorError", "RuntimeError"])
+def test_a_full_disk_is_one_line_and_exit_2_and_the_old_file_stays(png, tmp_path, capsys, monkeypatch, error):
+    import safetensors.torch
+
+    out = tmp_path / "e.safetensors"
+    out.write_text("the old embeddings")
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise error
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    code, err = run([png, "--out", out, "--force"], capsys)
+    *warning, last = err.splitlines()  # the random weights' warning, then the error
+    assert code == 2 and len(warning) == 1 and "Traceback" not in err
+    assert last == (f"vitgraph encode: error: --out {out}: could not be written (No space left on device); left as "
+                    "it was") or (error.__class__.__name__ == "SafetensorError" and "No space left" in last)
+    assert out.read_text() == "the old embeddings" and sorted(os.listdir(tmp_path)) == ["e.safetensors", "x.png"]
+
+
+def test_an_error_that_is_not_the_disk_is_not_hidden(png, tmp_path, capsys, monkeypatch):
+    import safetensors.torch
+
+    def bug(tensors, filename, metadata=None):
+        raise RuntimeError("a bug in the writer")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", bug)
+    with pytest.raises(RuntimeError, match="a bug in the writer"):
+        cli_main(["encode", str(png), "--out", str(tmp_path / "e.safetensors"), "--device", "cpu"])
+    assert sorted(os.listdir(tmp_path)) == ["x.png"]  # the temporary file is gone

@@ -4,6 +4,7 @@ atomically."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -58,21 +59,39 @@ def check_out_is_not_the_checkpoint(out: Path, model: str) -> None:
         raise ValueError(f"--out {out}: is a file of the checkpoint {model}; it would be overwritten")
 
 
+_IO_SIGNS = ("No space left", "Disk quota", "IoError", "os error", "Input/output error", "Read-only file system")
+
+
 def write_atomically(tensors: dict, out: Path, metadata: dict) -> None:
     """Write through a temporary file in ``out``'s folder, then rename it over ``out``: a failed
-    write (a full disk) leaves the old file as it was."""
+    write (a full disk) leaves the old file as it was, and is one ValueError naming ``out``."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     fd, name = tempfile.mkstemp(dir=out.resolve().parent, prefix=f".{out.name}.", suffix=".tmp")
     os.close(fd)
+    existed = out.exists()
     try:
-        old_mode = stat.S_IMODE(os.stat(out).st_mode) if out.exists() else 0o644
+        old_mode = stat.S_IMODE(os.stat(out).st_mode) if existed else 0o644
         save_file(tensors, name, metadata=metadata)
         os.chmod(name, old_mode)
         os.replace(name, out)
-    except OSError as err:  # a full disk, say
+    except BaseException as err:
         os.unlink(name)
-        raise ValueError(f"--out {out}: could not be written ({err.strerror or err}); left as it was") from None
-    except BaseException:
-        os.unlink(name)
+        # safetensors reports a full disk as a SafetensorError (an IoError inside), not an OSError
+        if isinstance(err, (OSError, SafetensorError)) or (isinstance(err, Exception) and _names_io(err)):
+            what = getattr(err, "strerror", None) or _io_message(err)
+            kept = "left as it was" if existed else "not written"
+            raise ValueError(f"--out {out}: could not be written ({what}); {kept}") from None
         raise
+
+
+def _names_io(err: Exception) -> bool:
+    return any(sign in str(err) for sign in _IO_SIGNS)
+
+
+def _io_message(err: Exception) -> str:
+    """The OS's words where the text wraps them (safetensors: ``IoError(Os { ..., message: "..." })``)."""
+    text = str(err)
+    found = re.search(r'message: "([^"]*)"', text)
+    return found.group(1) if found else (text.splitlines() or [type(err).__name__])[0]
