@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 def add_model_args(parser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESET_NAMES), default=None,
                         help="random weights of this shape (default: qwen2-vl-2b on GPU, tiny on CPU)")
-    parser.add_argument("--model", help="a checkpoint directory or Hub repo id instead of random weights")
+    parser.add_argument("--model", help="a checkpoint directory or Hub repo id (default: none, random weights)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
                         help="default: bf16 on GPU, fp32 on CPU")

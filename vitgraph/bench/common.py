@@ -354,3 +354,15 @@ def print_table(headers: list[str], rows: list[list[object]]) -> None:
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
     for row in cells:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+
+
+def row_printer(headers: list[str], first_width: int = 12) -> Callable[[list[object]], None]:
+    """Print ``headers`` now; returns ``print_row(cells)`` for rows printed as they are measured
+    (fixed widths, since the rows to come are not known; flushed, for a log)."""
+    widths = [max(len(headers[0]), first_width)] + [max(len(h), 9) for h in headers[1:]]
+
+    def cell(c: object) -> str:
+        return f"{c:.2f}" if isinstance(c, float) else ("-" if c is None else str(c))
+
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)), flush=True)
+    return lambda row: print("  ".join(cell(c).rjust(w) for c, w in zip(row, widths)), flush=True)

@@ -225,27 +225,57 @@ def _p(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def main(argv: list[str] | None = None) -> int:
+# On a CPU (eager, no graphs) the full defaults take many minutes: these finish in about a minute.
+GPU_DEFAULTS = {"repeats": 5, "concurrency": [1, 8], "saturation_images": 64, "max_pixels": None}
+CPU_DEFAULTS = {"repeats": 1, "concurrency": [1, 2], "saturation_images": 14, "max_pixels": 1280 * 28 * 28}
+SATURATION_NOTE = ("img/s C=N: N caller threads, each sending one image per call back to back, over --saturation-images "
+                   "images cycled through the same set; images / the run's wall time. At C=1 that is 1000 / the mean "
+                   "ms of the mix (not 1000 / p50: the large images weigh in the mean); at C>1 calls overlap.")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitgraph bench-images", description=__doc__.split("\n\n")[0])
     cli_args.add_model_args(parser)
+
+    def default(key: str) -> str:
+        gpu, cpu = (" ".join(map(str, d[key])) if isinstance(d[key], list) else d[key]
+                    for d in (GPU_DEFAULTS, CPU_DEFAULTS))
+        return f"default {gpu or 'the processor limit'} on a GPU, {cpu} on a CPU"
+
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS, metavar="SYSTEM",
                         help=f"systems to run (default: all that can run here): {', '.join(SYSTEMS)}")
-    parser.add_argument("--repeats", type=common.positive_int, default=5,
-                        help="passes over the image set for the per-image times (default 5)")
-    parser.add_argument("--concurrency", type=common.positive_int, nargs="+", default=[1, 8],
-                        help="caller threads for the saturation runs (default 1 8)")
-    parser.add_argument("--saturation-images", type=common.positive_int, default=64,
-                        help="images per saturation run (default 64)")
+    parser.add_argument("--repeats", type=common.positive_int, default=None,
+                        help=f"passes over the image set for the per-image times ({default('repeats')})")
+    parser.add_argument("--concurrency", type=common.positive_int, nargs="+", default=None,
+                        help=f"caller threads for the saturation runs ({default('concurrency')})")
+    parser.add_argument("--saturation-images", type=common.positive_int, default=None,
+                        help=f"images per saturation run ({default('saturation_images')})")
     parser.add_argument("--max-pixels", type=common.positive_int, default=None,
-                        help="resize images to at most this many pixels (default: the processor's)")
+                        help=f"resize images to at most this many pixels ({default('max_pixels')})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the image set (default 0)")
     parser.add_argument("--serve", action="store_true",
                         help="also start vitgraph serve (Ray Serve, one replica; needs vitgraph[serve]) and measure "
                              "it at saturation with the JPEGs and with the same images as rows")
-    parser.add_argument("--port", type=common.positive_int, default=8765, help="the Ray Serve app's port (--serve)")
-    parser.add_argument("--json", default=None, help="write the results to this JSON file")
-    args = parser.parse_args(argv)
-    cli_args.resolve_model_args(args)
+    parser.add_argument("--port", type=common.positive_int, default=8765,
+                        help="the Ray Serve app's port, with --serve (default 8765)")
+    parser.add_argument("--json", default=None, help="write the results to this JSON file (default: none)")
+    return parser
+
+
+def _fill_defaults(args, on_gpu: bool) -> None:
+    """The GPU's or the CPU's defaults for what was not given; on a CPU, say what the run leaves out."""
+    for key, value in (GPU_DEFAULTS if on_gpu else CPU_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not on_gpu:
+        print(f"bench-images on a CPU: an eager encoder (no CUDA graphs), no GPU preprocessing or nvJPEG; images "
+              f"resized to at most {args.max_pixels} pixels, {args.repeats} pass(es), C={' '.join(map(str, args.concurrency))}, "
+              f"{args.saturation_images} images per saturation run (the flags change each)", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _fill_defaults(args, cli_args.resolve_model_args(args))
     enc = cli_args.make_encoder(args, progress=True)
     low, high = pixel_limits(enc.processor, None, args.max_pixels)
     device = enc.device
@@ -255,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{enc.stats()['mode']} encoder on {device} ({str(enc.dtype).replace('torch.', '')})", file=sys.stderr)
     result = {"environment": common.environment(device), "preset": args.preset, "model": args.model,
               "max_pixels": high, "images": [n for n, _ in jpegs], "systems": {}}
+    print_row = _print_heading(args.concurrency)
     for name, system in systems.items():
         for _, blob in jpegs:  # warm-up: kernels, caches, the processors' own set-up
             time_stages(system, blob, device)
@@ -270,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
             "stages_p50_ms": {s: _p(times[s], 50) for s in STAGES if times[s]},
             "encode_share": (_p(times["encode"], 50) / _p(times["total"], 50)) if times["encode"] else None,
             "images_per_s": {str(c): r for c, r in rates.items()}}
-        print(f"  {name}: p50 {_p(times['total'], 50):.1f} ms, {max(rates.values()):.1f} images/s", file=sys.stderr)
-    _print(result, args.concurrency)
+        print_row(name, result["systems"][name], args.concurrency)  # each row as it is measured
+    print(f"(images: {', '.join(result['images'])}; resized to at most {result['max_pixels']} pixels)")
+    print(SATURATION_NOTE)
     if args.serve:
         from . import images_serve
 
@@ -281,18 +313,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _print(result: dict, concurrency: list[int]) -> None:
+def _print_heading(concurrency: list[int]):
+    """Print the table's title and header; returns ``print_row(name, result, concurrency)``."""
     print("\nPer image, ms (p50 of each stage timed apart; end to end p50 and p99), and images/s with C callers:")
     headers = ["system", "decode", "preprocess", "copy", "encode", "p50", "p99", "p50/encode"]
-    headers += [f"img/s C={c}" for c in concurrency]
-    rows = []
-    for name, r in result["systems"].items():
+    print_cells = common.row_printer(headers + [f"img/s C={c}" for c in concurrency],
+                                     first_width=max(len(s) for s in SYSTEMS))
+
+    def print_row(name: str, r: dict, concurrency: list[int]) -> None:
         st = r["stages_p50_ms"]
         ratio = r["p50_ms"] / st["encode"] if st.get("encode") else None
-        rows.append([name] + [st.get(s) for s in STAGES] + [r["p50_ms"], r["p99_ms"], ratio] +
+        print_cells([name] + [st.get(s) for s in STAGES] + [r["p50_ms"], r["p99_ms"], ratio] +
                     [r["images_per_s"][str(c)] for c in concurrency])
-    common.print_table(headers, rows)
-    print(f"(images: {', '.join(result['images'])}; resized to at most {result['max_pixels']} pixels)")
+    return print_row
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..ops.attention import BACKENDS
 from ..ops.gemm import GEMM_BACKENDS
@@ -39,7 +38,9 @@ CASES = {
     "video-8x16x28": [(8, 16, 28)],
     "1x9604": [(1, 98, 98)],
 }
+CPU_CASES = ("1x256", "1x1024", "4x1024", "16x256")  # about a minute on 2 cores with the CPU's --iters
 SYSTEMS = ("hf_eager", "vitgraph_eager", "vitgraph_graph", "torch_compile")
+ITERS, WARMUP = {"gpu": 30, "cpu": 10}, {"gpu": 5, "cpu": 2}
 CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
@@ -68,24 +69,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vitgraph bench", description=__doc__.split("\n\n")[0])
     cli_args.add_model_args(p)
     p.add_argument("--cases", nargs="*", default=None, choices=list(CASES), metavar="CASE",
-                   help=f"case names from {list(CASES)}")
-    p.add_argument("--case", action="append", type=parse_case, default=[], help="an extra case: name=t,h,w+t,h,w")
+                   help=f"case names from {list(CASES)} (default: all on a GPU, {' '.join(CPU_CASES)} on a CPU)")
+    p.add_argument("--case", action="append", type=parse_case, default=[], help="an extra case: name=t,h,w+t,h,w (default: none)")
     p.add_argument("--systems", nargs="*", default=None, choices=SYSTEMS, metavar="SYSTEM",
-                   help=f"subset of {SYSTEMS}")
+                   help=f"subset of {SYSTEMS} (default: all on a GPU, the two eager ones on a CPU)")
     p.add_argument("--attention", default="auto", choices=("auto",) + BACKENDS,
-                   help="the encoders' attention backend (EngineOptions.attention)")
+                   help="the encoders' attention backend (EngineOptions.attention; default auto)")
     p.add_argument("--gemm", default="auto", choices=("auto",) + GEMM_BACKENDS,
-                   help="the encoders' fc1/qkv GEMM backend (EngineOptions.gemm)")
-    p.add_argument("--iters", type=common.positive_int, default=30, help="timed calls per case and system")
-    p.add_argument("--warmup", type=common.non_negative_int, default=5, help="untimed calls before them")
+                   help="the encoders' fc1/qkv GEMM backend (EngineOptions.gemm; default auto)")
+    p.add_argument("--iters", type=common.positive_int, default=None,
+                   help=f"timed calls per case and system (default {ITERS['gpu']} on a GPU, {ITERS['cpu']} on a CPU)")
+    p.add_argument("--warmup", type=common.non_negative_int, default=None,
+                   help=f"untimed calls before them (default {WARMUP['gpu']} on a GPU, {WARMUP['cpu']} on a CPU)")
     p.add_argument("--preheat", type=float, default=0.0,
                    help="seconds of back-to-back calls before each system is timed on each case, so that it "
                         "is timed at the clock a GPU holds under sustained load (default 0: timed in whatever "
                         "state the system before it left)")
     p.add_argument("--max-budget", type=common.positive_int, default=16384,
-                   help="the largest bucket's patch tokens")
-    p.add_argument("--json", help="write the full result here")
-    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+                   help="the largest bucket's patch tokens (default 16384)")
+    p.add_argument("--json", help="write the full result here (default: none)")
+    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib; default: none)")
     return p
 
 
@@ -179,9 +182,14 @@ def main(argv: list[str] | None = None) -> dict:
     common.check_systems(parser, args.systems, on_gpu)
     if args.preheat < 0:
         parser.error(f"--preheat must be >= 0, got {args.preheat}")
-    cases = {name: CASES[name] for name in (args.cases if args.cases is not None else CASES)}
+    where = "gpu" if on_gpu else "cpu"
+    args.iters = args.iters or ITERS[where]
+    args.warmup = WARMUP[where] if args.warmup is None else args.warmup
+    cases = {name: CASES[name] for name in (args.cases if args.cases is not None else CASES if on_gpu else CPU_CASES)}
     cases.update(dict(args.case))
     systems = args.systems or [s for s in SYSTEMS if on_gpu or s in ("hf_eager", "vitgraph_eager")]
+    if not on_gpu:
+        _say_what_a_cpu_run_leaves_out(args, cases)
 
     runners, eager_enc, graph_enc = common.build_systems(args, systems, args.max_budget, attention=args.attention,
                                                          gemm=args.gemm)
@@ -207,7 +215,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{result['eager_peak_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
     truth = fp32_reference(eager_enc) or eager_enc.encode
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for name, grids in tqdm(cases.items(), desc="cases", unit="case", disable=None):  # None: on a terminal
+    shown = [s for s in systems if s in runners]
+    print_row = _print_heading(result, shown, bool(compile_seconds), device.type == "cuda")
+    for name, grids in cases.items():
         tokens = sum(t * h * w for t, h, w in grids)
         pixels = torch.randn(tokens, cfg.patch_width, generator=gen).to(device, dtype)
         entry = {"case": name, "grid": [list(g) for g in grids], "tokens": tokens,
@@ -219,10 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
             common.preheat(lambda: run(pixels, grids), device, args.preheat)
             entry["ms"][system] = common.median_ms(lambda: run(pixels, grids), device, args.iters, args.warmup)
         result["cases"].append(entry)
-        tqdm.write(f"  {name}: " + ", ".join(f"{s} {v:.2f} ms" for s, v in entry["ms"].items())
-                   + "; rel err " + ", ".join(f"{s} {e:.1e}" for s, e in entry["check"].items()), file=sys.stderr)
-    shown = [s for s in systems if s in runners]
-    _print_result(result, shown, bool(compile_seconds), device.type == "cuda")
+        print_row(entry)  # each row as it is measured: a slow machine shows its progress
     common.write_json(result, args.json)
     if args.plot:
         plot(result, args.plot, shown)
@@ -241,10 +248,18 @@ def _checked(name: str, runners: dict, systems: list[str], pixels, grids, refere
     return check
 
 
-def _print_result(result: dict, shown: list[str], compiled: bool, on_gpu: bool) -> None:
+def _say_what_a_cpu_run_leaves_out(args, cases: dict) -> None:
+    left = [name for name in CASES if name not in cases]
+    print(f"vitgraph bench on a CPU: no CUDA graphs (vitgraph_graph) and no torch.compile (torch_compile), both "
+          f"need a GPU; {len(cases)} case(s), {args.iters} timed call(s) each"
+          + (f"; cases left out: {' '.join(left)} (--cases names them)" if left else ""), file=sys.stderr)
+
+
+def _print_heading(result: dict, shown: list[str], compiled: bool, on_gpu: bool):
+    """Print what the table measures and its header; returns ``print_row(case entry)``."""
     ceilings = result["ceilings"]
     gemm = f", gemm {result['gemm']}" if on_gpu else ""  # the GEMM backend is a GPU choice
-    print(f"\n{result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "
+    print(f"{result['preset']} {result['dtype']} on {result['machine']}, torch {result['torch']}, "
           f"{result['date']}; attention {result['attention']}{gemm}; "
           f"measured GEMM {ceilings['gemm_tflops']:.3g} TFLOP/s, copy {ceilings['copy_tbps']:.3g} TB/s")
     if result["buckets"]:
@@ -253,9 +268,10 @@ def _print_result(result: dict, shown: list[str], compiled: bool, on_gpu: bool) 
               f"workspaces) (eager activation peak of the largest bucket {result['eager_peak_bytes'] / 2**20:.0f} MiB)")
     print("median ms per call; floor: the least time the case can take here, max(its FLOPs at the "
           "measured GEMM rate, its weight bytes at the measured copy rate)")
-    common.print_table(["case", "tokens", "floor ms"] + [f"{s} ms" for s in shown] + (["compile s"] if compiled else []),
-                       [[c["case"], c["tokens"], c["floor_ms"]] + [c["ms"].get(s) for s in shown]
-                        + ([c["compile_s"]] if compiled else []) for c in result["cases"]])
+    headers = ["case", "tokens", "floor ms"] + [f"{s} ms" for s in shown] + (["compile s"] if compiled else [])
+    print_row = common.row_printer(headers, first_width=max(len(name) for name in CASES) + 4)
+    return lambda c: print_row([c["case"], c["tokens"], c["floor_ms"]] + [c["ms"].get(s) for s in shown]
+                               + ([c["compile_s"]] if compiled else []))
 
 
 if __name__ == "__main__":
