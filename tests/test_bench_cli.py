@@ -17,6 +17,7 @@ from vitgraph.bench import latency, serving
 from vitgraph.cli import main as cli_main
 
 
+@pytest.mark.slow
 def test_latency_json_schema(tmp_path, capsys):
     out = tmp_path / "lat.json"
     result = latency.main(["--preset", "tiny", "--device", "cpu", "--iters", "2", "--warmup", "1",
@@ -37,6 +38,7 @@ def test_latency_json_schema(tmp_path, capsys):
     assert result["cases"][2]["grid"] == [[1, 4, 6], [2, 2, 2]] and result["cases"][2]["tokens"] == 32
 
 
+@pytest.mark.slow
 def test_serving_reports_percentiles(tmp_path, capsys):
     out = tmp_path / "serving.json"
     result = serving.main(["--preset", "tiny", "--device", "cpu", "--loads", "2", "--requests", "4",
@@ -52,6 +54,7 @@ def test_serving_reports_percentiles(tmp_path, capsys):
     assert all(e < 1e-4 for e in result["check"].values())
 
 
+@pytest.mark.slow
 def test_serving_takes_fitted_budgets(capsys):
     result = serving.main(["--preset", "tiny", "--device", "cpu", "--loads", "2", "--requests", "3",
                            "--systems", "vitgraph_eager", "--fit-budgets", "6"])
@@ -60,6 +63,7 @@ def test_serving_takes_fitted_budgets(capsys):
     assert [r["system"] for r in result["runs"]] == ["vitgraph_eager"]
 
 
+@pytest.mark.slow
 def test_serving_on_several_request_streams_reports_their_medians(capsys):
     result = serving.main(["--preset", "tiny", "--device", "cpu", "--loads", "2", "--requests", "3",
                            "--systems", "vitgraph_eager", "--seeds", "4", "5", "6"])
@@ -109,6 +113,7 @@ def test_cli_encode_matches_encode_images(tmp_path, png_files, checkpoint):
         assert torch.equal(saved[key], ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_args, words", [
     (lambda d, png, ck: ["encode", str(d / "missing.png"), "--model", str(ck), "--out", str(d / "o.st")],
      "no such file"),
@@ -126,12 +131,14 @@ def test_cli_errors_are_one_line(tmp_path, png_files, checkpoint, make_args, wor
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_cli_help_everywhere():
     for sub in ([], ["demo"], ["encode"], ["info"], ["bench"], ["bench-serving"], ["bench-images"]):
         proc = subprocess.run([sys.executable, "-m", "vitgraph", *sub, "--help"], capture_output=True, text=True)
         assert proc.returncode == 0 and "usage" in proc.stdout.lower(), sub
 
 
+@pytest.mark.slow
 def test_cli_demo_and_info_on_cpu(capsys):
     assert cli_main(["demo", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
@@ -139,7 +146,7 @@ def test_cli_demo_and_info_on_cpu(capsys):
     assert out.startswith("vitgraph 0.1.0: random weights of the tiny preset on cpu") and "gemm" not in out
     assert cli_main(["info", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "attention backends: sdpa" in out and "(buckets planned, tokens x frames: 256x1, 256x16, 288x1," in out
+    assert "attention backends: sdpa" in out and "planned: 76 buckets (tokens x frames):\n  256x1, 256x16, 288x1," in out
     assert "front (submit): batches of up to 16384 tokens and 16 frames, max_wait_ms 2, 2 batches in flight, 2 preprocessing threads" in out
 
 
@@ -179,6 +186,7 @@ def test_call_timer_counts_every_call_and_keeps_the_result():
     assert timer.seconds["square"] > 0 and timer.seconds["fail"] > 0 and timer.seconds["manual"] == 0.5
 
 
+@pytest.mark.slow
 def test_ab_setting_runs_both_build_orders():
     """benchmarks/ab_setting.py on the tiny preset (CPU, eager), both build orders with new
     encoders and the two deltas side by side. The setting changes nothing on the CPU (split-K
@@ -238,6 +246,7 @@ def test_alternating_ab_preheats_then_alternates_strictly():
     assert calls == ["a", "b"] + ["a"] * 4 + ["b"] * 4
 
 
+@pytest.mark.slow
 def test_ab_setting_control_encoder_reports_an_a_a():
     """``--control``: a third encoder with the default settings, built last and timed in turn
     with the other two; each table gains its time and its delta from ``default`` (an A/A)."""
@@ -259,6 +268,7 @@ def test_ab_setting_control_encoder_reports_an_a_a():
     assert summary[1].split()[-2:] == ["largest", "|A/A|"] and float(summary[2].split()[-1]) >= 0
 
 
+@pytest.mark.slow
 def test_closed_loop_reports_throughput_at_saturation(capsys):
     from vitgraph.bench import serving
 
@@ -286,6 +296,7 @@ def test_closed_loop_clients_send_their_next_request_when_the_last_returns():
     assert seen == [2, 2, 1] and stats["mean_batch_requests"] == pytest.approx(5 / 3)
 
 
+@pytest.mark.slow
 def test_bench_images_from_jpeg_bytes_on_cpu(tmp_path, capsys):
     """``vitgraph bench-images`` on a CPU: the CPU systems run, each stage and the saturation
     runs are reported, the table is printed and the JSON file written (GPU systems skip)."""
@@ -304,6 +315,7 @@ def test_bench_images_from_jpeg_bytes_on_cpu(tmp_path, capsys):
         assert all(v > 0 for v in r["images_per_s"].values()) and set(r["images_per_s"]) == {"1", "2"}
 
 
+@pytest.mark.slow
 def test_bench_images_serve_measures_the_ray_app_with_jpegs_and_rows(tmp_path):
     """``vitgraph bench-images --serve`` (in its own process: its own Ray, shut down as it ends):
     the JPEGs over HTTP (multipart) and through the handle, and the same images as client-made
@@ -344,6 +356,7 @@ def test_bench_images_jpegs_are_seeded_and_decodable():
         assert image.format == "JPEG" and image.size == (w, h), name
 
 
+@pytest.mark.slow
 def test_the_kernel_profile_sums_time_by_class(tmp_path):
     """benchmarks/profile_kernels.py (run on the H200 to choose what to speed up) on a CPU: every
     case gets ms per class summing to its total, GEMMs and attention among them."""

@@ -29,6 +29,7 @@ def _random_grids(rng, n):
     return [(rng.choice([1, 1, 1, 2, 3]), 2 * rng.randint(1, 6), 2 * rng.randint(1, 6)) for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_padded_step_path_equals_unpadded_eager(encoder):
     """Run each planned step the way a replay does (padded to its bucket, NaN in the padding)
     and check that the stitched rows equal one unpadded eager forward."""

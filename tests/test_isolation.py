@@ -75,6 +75,7 @@ def assert_isolated(run, enc, pixels, grids, label):
                         f"{label}: {value} in item {item} changed item {other}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_non_finite_item_leaves_the_others_bitwise_unchanged_on_the_cpu(family, backend):

@@ -347,6 +347,7 @@ def test_linear_split_k():
     assert linear_split_k(x, w, b, GemmTuning())[1] is None  # the default: never split
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padded, split_k, bias_free", [(False, False, False), (True, False, False),
                                                         (True, True, False), (False, False, True), (True, False, True)])
 def test_fused_forward_matches_reference(padded, split_k, bias_free):
@@ -379,6 +380,7 @@ def test_fused_forward_matches_reference(padded, split_k, bias_free):
     assert rel_err(got, expect) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [False, True])
 def test_warm_up_runs_the_first_block_and_the_merger(fused):
     """``warm_up`` (what a capture runs first) equals the forward of a one-block tower holding

@@ -236,6 +236,7 @@ def test_missing_directory_and_files(tmp_path, hf_model):
         GraphedVisionEncoder.from_pretrained(sharded, device="cpu")
 
 
+@pytest.mark.slow
 def test_loading_a_checkpoint_and_encoding_never_imports_torch_dynamo(checkpoint):
     """Building the tower on the meta device ran ops through torch._refs, which import
     torch._dynamo (seconds of every start); the loader and the forward keep clear of it."""

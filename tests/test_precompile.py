@@ -99,6 +99,7 @@ def test_one_job_per_kernel_of_the_default_ladder_each_on_its_smallest_bucket():
     assert EARLY_WORKERS == len(jobs)
 
 
+@pytest.mark.slow
 def test_jit_kernels_follow_the_forward_paths():
     packed, dense = Bucket(2304, 16), Bucket(2304, 1)
     ops = lambda t, bucket: [op for op, _ in t.jit_kernels(layout(t, bucket))]
@@ -163,6 +164,7 @@ def record_triton_calls(monkeypatch) -> set:
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention, gemm", [("fa4", "quack"), ("fa4", "cublas"), ("cudnn", "quack"),
                                              ("cudnn", "cublas"), ("varlen", "cublas"), ("sdpa", "cublas")])
 def test_run_triton_kernels_compiles_what_the_forward_runs(monkeypatch, attention, gemm):
@@ -221,6 +223,7 @@ def test_warm_caches_leave_every_kernel_to_capture(monkeypatch, files, started):
                                                                              False, [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("files_before", [0, 5], ids=["empty-caches", "kernels-on-disk"])
 def test_failed_or_missing_workers_leave_the_kernels_to_capture(monkeypatch, caplog, files_before):
     t = tower()
@@ -242,6 +245,7 @@ def test_failed_or_missing_workers_leave_the_kernels_to_capture(monkeypatch, cap
     assert report.workers == 0 and report.failures == ["could not start a worker: fork refused"]
 
 
+@pytest.mark.slow
 def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_here(monkeypatch, caplog):
     t = tower()
     buckets = default_buckets(t)
@@ -319,6 +323,7 @@ def test_kernel_files_are_counted_in_each_cache_that_loads(tmp_path, monkeypatch
     assert vitgraph.precompile._kernel_files(["fake_quack_cache"]) == 1
 
 
+@pytest.mark.slow
 def test_a_worker_runs_its_jobs_and_reports_what_failed():
     t = tower(attention="sdpa", gemm="cublas", fused=False)  # attention runs on the CPU
     proc, log = _spawn(_spec(t.config, setup_of(t), [KernelJob("attention", (), Bucket(64, 4)), KernelJob("attention", (), Bucket(128, 1))],

@@ -185,6 +185,7 @@ def test_qwen3_vl_clips_are_sized_as_transformers_sizes_them():
         assert clip_smart_resize(frames, h, w, 32, 2, low, high) == tuple(want), (frames, h, w, low, high)
 
 
+@pytest.mark.slow
 def test_qwen3_vl_video_processor_bounds_the_whole_clip():
     """A 16-frame 1080p clip under Qwen3-VL's video processor: every frame is shrunk so that the
     clip fits the processor's pixels (per frame it would fit as it is), on both preprocessing paths."""

@@ -60,6 +60,7 @@ def encoder(hf_model, tmp_path_factory):
     return GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(GRIDS))
 def test_fp32_parity_with_transformers(encoder, hf_model, case):
     grids = GRIDS[case]
@@ -69,6 +70,7 @@ def test_fp32_parity_with_transformers(encoder, hf_model, case):
     assert rel_err(got, ref) <= 1e-5, diff_report(got, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [dict(window_size=56), dict(fullatt_block_indexes=[1]),
                                        dict(window_size=224, fullatt_block_indexes=[0, 1, 2, 3])],
                          ids=["window-56", "one-full-block", "window-224-all-full"])
@@ -164,6 +166,7 @@ def test_presets():
     assert {PRESETS[f"qwen2.5-vl-{s}"].intermediate_size for s in ("3b", "7b", "32b", "72b")} == {3420}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split_k", [0, 4096], ids=["unsplit", "split-K"])
 def test_fused_forward_matches_transformers(hf_model, encoder, split_k):
     """The fused forward (Triton's interpreter on a CPU: add+RMSNorm, rotary in place, SiLU * up)

@@ -235,6 +235,7 @@ def test_qwen36_preset_is_the_published_shape():
     assert cfg.num_position_embeddings == 2304 and cfg.patch_width == 1536 and cfg.head_dim == 72
 
 
+@pytest.mark.slow
 def test_bench_reference_tower_is_transformers_qwen35(tmp_path, capsys):
     """The bench's hf_eager system: transformers' Qwen3_5VisionModel holding the encoder's weights."""
     from vitgraph.bench import common, latency

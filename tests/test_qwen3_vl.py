@@ -102,6 +102,7 @@ def test_qwen3_vl_moe_and_presets():
     assert PRESETS["qwen3-vl-8b"].patch_width == 1536
 
 
+@pytest.mark.slow
 def test_fused_forward_matches_transformers(hf_model):
     """The fused forward (Triton's interpreter on a CPU: add+LayerNorm, rotary in place, GELU-tanh
     in place, the deepstack mergers reading the stream) against transformers in fp32, every

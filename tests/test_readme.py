@@ -3,6 +3,7 @@ Ray or the Hub excepted), in order, in one namespace, as a reader would paste th
 
 import re
 
+import pytest
 import torch
 from pathlib import Path
 
@@ -13,6 +14,7 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+@pytest.mark.slow
 def test_the_readme_examples_run_on_a_cpu(capsys):
     blocks = python_blocks()
     runnable = [b for b in blocks if "needs the Hub" not in b and "from ray" not in b]

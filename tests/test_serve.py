@@ -18,6 +18,7 @@ from PIL import Image
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.slow  # a real Ray cluster: seconds per test
 from safetensors.torch import load as load_safetensors  # noqa: E402
 from safetensors.torch import save as save_safetensors  # noqa: E402
 

@@ -12,6 +12,7 @@ from PIL import Image
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.slow  # a real Ray cluster: seconds per test
 from safetensors.torch import load_file  # noqa: E402
 from test_serve import free_port, post  # noqa: E402
 

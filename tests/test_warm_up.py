@@ -18,6 +18,8 @@ from vitgraph.models.qwen2_5_vl import Qwen25VisionTower
 from vitgraph.models.qwen2_vl import Qwen2VisionTower
 from vitgraph.models.qwen3_vl import Qwen3VisionTower
 
+pytestmark = pytest.mark.slow  # every tiny family built and warmed up: a minute on 2 cores
+
 SMALL = dict(hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=16)
 TOWERS = {
     "qwen2_vl": lambda: Qwen2VisionTower(PRESETS["tiny"]),
