@@ -75,6 +75,8 @@ def _shard_name(index_path: Path, key: str, shard) -> str:
     """A shard name from an index: a relative path that stays inside the checkpoint folder."""
     if not isinstance(shard, str) or not shard:
         raise ValueError(f"{index_path}: weight_map[{key!r}] must be a shard file name, got {shard!r}")
+    if "\x00" in shard:  # else os.stat's bare "embedded null byte", naming neither file
+        raise ValueError(f"{index_path}: weight_map[{key!r}] = {shard!r} holds a NUL byte; not a file name")
     parts = Path(shard).parts
     if Path(shard).is_absolute() or "\\" in shard or any(part == ".." for part in parts):
         raise ValueError(f"{index_path}: weight_map[{key!r}] = {shard!r} points outside the checkpoint folder")
