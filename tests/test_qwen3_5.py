@@ -235,6 +235,45 @@ def test_qwen36_preset_is_the_published_shape():
     assert cfg.num_position_embeddings == 2304 and cfg.patch_width == 1536 and cfg.head_dim == 72
 
 
+# SPEC's three widths of the tower (hidden, depth, heads, MLP, head_dim), and Qwen4-Exp's.
+TOWER_PRESETS = {"qwen3.5-768": (768, 12, 12, 3072, 64), "qwen3.5-1024": (1024, 24, 16, 4096, 64),
+                 "qwen3.5-1152": (1152, 27, 16, 4304, 72), "qwen4-exp": (1152, 27, 16, 4304, 72)}
+
+
+@pytest.mark.parametrize("name", list(TOWER_PRESETS))
+def test_every_listed_family_has_a_preset_of_its_published_shape(name):
+    """Qwen3.5's three tower widths and Qwen4-Exp can be tried without a checkpoint: each preset
+    is the SPEC's shape, and transformers' own vision config accepts it (Qwen4-Exp's is that
+    class's defaults)."""
+    import importlib
+
+    from vitgraph.cli import build_parser
+    from vitgraph.models import PRESETS
+
+    cfg = PRESETS[name]
+    assert type(cfg) is Qwen35VisionConfig and cfg.deepstack_visual_indexes == ()
+    assert (cfg.hidden_size, cfg.depth, cfg.num_heads, cfg.intermediate_size, cfg.head_dim) == TOWER_PRESETS[name]
+    assert cfg.num_position_embeddings == 2304 and cfg.patch_width == 1536
+    module = "qwen4_exp" if name == "qwen4-exp" else "qwen3_5"
+    hf_cls = getattr(importlib.import_module(f"transformers.models.{module}.configuration_{module}"),
+                     "Qwen4ExpVisionConfig" if module == "qwen4_exp" else "Qwen3_5VisionConfig")
+    hf = hf_cls(**cfg.transformers_fields())
+    assert (hf.hidden_size, hf.depth, hf.num_heads, hf.intermediate_size, hf.out_hidden_size) == (
+        cfg.hidden_size, cfg.depth, cfg.num_heads, cfg.intermediate_size, cfg.out_hidden_size)
+    if module == "qwen4_exp":
+        assert {k: getattr(hf_cls(), k) for k in ("depth", "hidden_size", "num_heads", "intermediate_size",
+                                                  "out_hidden_size")} == {k: getattr(cfg, k) for k in (
+            "depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size")}
+    assert build_parser().parse_args(["demo", "--preset", name]).preset == name  # the CLI offers it
+
+
+def test_the_smallest_new_preset_builds_and_encodes_on_a_cpu():
+    encoder = GraphedVisionEncoder.from_config("qwen3.5-768", device="cpu")
+    assert len(encoder.tower.blocks) == 12 and encoder.output_width == 1024
+    out = encoder.encode_images([Image.new("RGB", (64, 64), "gray")], min_pixels=64 * 64, max_pixels=64 * 64)
+    assert out[0].shape == (4, 1024) and torch.isfinite(out[0]).all()
+
+
 def test_bench_reference_tower_is_transformers_qwen35(tmp_path, capsys):
     """The bench's hf_eager system: transformers' Qwen3_5VisionModel holding the encoder's weights."""
     from vitgraph.bench import common, latency
