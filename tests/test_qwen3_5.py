@@ -149,11 +149,12 @@ def test_processor_files_are_found_and_read_as_transformers_finds_and_reads_them
     (ckpt / "preprocessor_config.json").write_text(json.dumps(
         {"size": large, "max_pixels": 96 * 96, "image_processor_type": "Qwen2VLImageProcessorFast"}))
     assert _limits(GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")) == [(1024, 96 * 96), (1024, 128 * 128)]
-    # The slow class has one (Qwen2VLVideoProcessor, per frame): refused, not read another way.
+    # The slow class has one (Qwen2VLVideoProcessor, per frame): its videos are refused, not read
+    # another way (test_a_checkpoint_without_a_video_file_loads_and_refuses_only_videos).
     (ckpt / "preprocessor_config.json").write_text(json.dumps(
         {"size": large, "max_pixels": 96 * 96, "image_processor_type": "Qwen2VLImageProcessor"}))
-    with pytest.raises(ValueError, match="preprocessor_config.json: transformers would read .* Qwen2VLVideoProcessor"):
-        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert "Qwen2VLVideoProcessor" in encoder.video_processor.refused and encoder.processor.refused is None
     (ckpt / "preprocessor_config.json").write_text(json.dumps({"size": large, "max_pixels": 96 * 96}))
     (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"size": small, "max_pixels": 96 * 96}))
     encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
@@ -171,6 +172,39 @@ def test_processor_files_are_found_and_read_as_transformers_finds_and_reads_them
     (ckpt / "processor_config.json").write_text("[1]")
     with pytest.raises(ValueError, match="processor_config.json: a processor config must be a JSON object"):
         GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+
+
+def test_a_checkpoint_without_a_video_file_loads_and_refuses_only_videos(tmp_path):
+    """A Qwen3-family checkpoint whose only processor file names Qwen2VLImageProcessor (as the
+    released ones do): transformers would read its videos per frame (Qwen2VLVideoProcessor), so
+    vitgraph refuses a call given a video, with that message, and serves its images; the
+    encoder stays usable."""
+    from vitgraph.preprocess import preprocess_video
+
+    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 1024, "longest_edge": 128 * 128}, "image_processor_type": "Qwen2VLImageProcessor"}))
+    encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    frame = Image.new("RGB", (64, 64), "gray")
+    before = encoder.encode_images([frame])[0]
+    message = ("preprocessor_config.json: transformers would read this checkpoint's videos with "
+               "Qwen2VLVideoProcessor, which sizes each frame; vitgraph reads this family's videos with "
+               "Qwen3VLVideoProcessor. Add a video_preprocessor_config.json for Qwen3VLVideoProcessor")
+    assert encoder.video_processor.refused.endswith(message)
+    for call in (lambda: encoder.encode_images([frame], [[frame, frame]]),
+                 lambda: encoder.encode_images(videos=[[frame]]),
+                 lambda: encoder.submit_images(videos=[[frame, frame]]).result(timeout=60),
+                 lambda: preprocess_video([frame, frame], processor=encoder.video_processor)):
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value).endswith(message)
+    assert torch.equal(encoder.encode_images([frame], videos=[])[0], before)
+    assert torch.equal(encoder.submit_images([frame]).result(timeout=60)[0], before)
+    encoder.close()
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 1024,
+                                                                               "longest_edge": 64 * 64}}))
+    encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")  # the file the message asks for
+    assert encoder.video_processor.refused is None and encoder.encode_images(videos=[[frame, frame]])[0].shape[0] == 1
 
 
 def test_a_video_processor_that_caps_pixels_per_frame_loads_and_is_followed(tmp_path):

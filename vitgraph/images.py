@@ -95,6 +95,8 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
     check_choices(preprocess, decode)
     device = torch.device(device)
     video = video_processor or processor
+    if video.refused and _given(videos):  # a checkpoint whose videos vitgraph must not read: its images are fine
+        raise ValueError(video.refused)
     check_pixel_arguments(min_pixels, max_pixels)
     # Each kind's limits are its processor's where not given; only a kind present is checked.
     limits = (*pixel_limits(processor, min_pixels, max_pixels), False) if _given(images) else None

@@ -34,8 +34,9 @@ def read_processor(files: CheckpointFiles, config) -> ProcessorConfig:
 
 def read_video_processor(files: CheckpointFiles, config) -> ProcessorConfig:
     """The checkpoint's video preprocessing over the family's video defaults (its image ones
-    where it has none: Qwen2-VL, Qwen2.5-VL); checked as :func:`read_processor`. A file that
-    names the other kind of Qwen video processor (per frame or per clip) is refused."""
+    where it has none: Qwen2-VL, Qwen2.5-VL); checked as :func:`read_processor`. Where the file
+    names the other kind of Qwen video processor (per frame or per clip), the checkpoint loads
+    and its videos are refused (``refused``: the message), its images served."""
     family = family_of(config)
     published = family.video_processor or family.processor
     source = (_nested(files.processors, "video_processor") or _whole(files.video_processor)
@@ -43,8 +44,9 @@ def read_video_processor(files: CheckpointFiles, config) -> ProcessorConfig:
     if source is None:
         return _processor(None, published, files.config, config)
     kind = next(name for name, cls in VIDEO_CLASSES.items() if cls.clip_pixels == published.clip_pixels)
-    if isinstance(source[1], dict):
-        _check_video_class(source, kind)
+    refusal = _video_class_refusal(source, kind) if isinstance(source[1], dict) else None
+    if refusal is not None:  # the images load; a call given a video is refused with this message
+        return replace(_processor(None, published, files.config, config), refused=refusal)
     return _processor(source, VIDEO_CLASSES[kind], files.config, config)
 
 
@@ -59,16 +61,18 @@ VIDEO_CLASSES = {
 }
 
 
-def _check_video_class(source: tuple[str, dict], kind: str) -> None:
-    """transformers reads videos with the class a file names (``video_processor_type``, else its
-    ``image_processor_type`` with Image -> Video where such a class exists; else the model's)."""
+def _video_class_refusal(source: tuple[str, dict], kind: str) -> str | None:
+    """Why vitgraph must not read this checkpoint's videos, or None: transformers reads videos
+    with the class a file names (``video_processor_type``, else its ``image_processor_type``
+    with Image -> Video where such a class exists; else the model's)."""
     name, raw = source
     named = raw.get("video_processor_type") or str(raw.get("image_processor_type") or "").replace(
         "ImageProcessor", "VideoProcessor")
     if named in VIDEO_CLASSES and named != kind:
-        raise ValueError(f"{name}: transformers would read this checkpoint's videos with {named}, which sizes "
-                         f"{'whole clips' if VIDEO_CLASSES[named].clip_pixels else 'each frame'}; vitgraph reads "
-                         f"this family's videos with {kind}. Add a video_preprocessor_config.json for {kind}")
+        return (f"{name}: transformers would read this checkpoint's videos with {named}, which sizes "
+                f"{'whole clips' if VIDEO_CLASSES[named].clip_pixels else 'each frame'}; vitgraph reads "
+                f"this family's videos with {kind}. Add a video_preprocessor_config.json for {kind}")
+    return None
 
 
 def _nested(path: Path | None, key: str) -> tuple[str, Any] | None:
