@@ -234,6 +234,47 @@ def test_a_bad_video_preprocessor_config_is_refused_by_file_and_field(tmp_path, 
     assert "video_preprocessor_config.json" in str(err.value)
 
 
+@pytest.mark.parametrize("raw, field", [
+    ({"fps": -2}, "fps"), ({"fps": float("nan")}, "fps"), ({"fps": float("inf")}, "fps"), ({"fps": "2"}, "fps"),
+    ({"fps": True}, "fps"), ({"num_frames": -1}, "num_frames"), ({"num_frames": 2.5}, "num_frames"),
+    ({"num_frames": float("nan")}, "num_frames"), ({"min_frames": 0}, "min_frames"),
+    ({"max_frames": "768"}, "max_frames"), ({"min_frames": 8, "max_frames": 4}, "min_frames"),
+    ({"do_sample_frames": "yes"}, "do_sample_frames"), ({"do_sample_frames": 1}, "do_sample_frames")])
+def test_hostile_frame_sampling_values_are_refused_by_file_and_field(tmp_path, raw, field):
+    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
+    for file in ("video_preprocessor_config.json", "preprocessor_config.json"):  # the second: videos' fallback
+        (ckpt / file).write_text(json.dumps(raw))  # json writes NaN and Infinity, and Python reads them
+        with pytest.raises(ValueError, match=f"{file}: {field} (must|\\(8\\) must)") as err:
+            GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+        assert str(err.value).count("\n") == 0
+        (ckpt / file).unlink()
+
+
+def test_every_frame_given_is_encoded_whatever_the_file_says_of_sampling(tmp_path):
+    """vitgraph does not sample frames: a file asking for sampling (Qwen3-VL's published fields)
+    loads, and a clip of 12 frames gives 6 temporal patches, sized by transformers' Qwen3-VL
+    video smart_resize for 12 frames, where transformers' own processor would sample 4 of them
+    (its sample_frames, the frames taken as 24 fps): the documented difference."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
+    from transformers.video_utils import VideoMetadata
+
+    from vitgraph.preprocess import preprocess_video
+
+    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
+    published = {"do_sample_frames": True, "fps": 2, "min_frames": 4, "max_frames": 768, "num_frames": None,
+                 "size": {"shortest_edge": 4096, "longest_edge": 64 * 64 * 12}}
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(published))
+    encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    frames = [Image.new("RGB", (96, 80), (i * 20, 100, 50)) for i in range(12)]
+    rows, grid = preprocess_video(frames, processor=encoder.video_processor)
+    h, w = smart_resize(12, 80, 96, temporal_factor=2, factor=32, min_pixels=4096, max_pixels=64 * 64 * 12)
+    assert grid.tolist() == [[6, h // 16, w // 16]]
+    assert len(Qwen3VLVideoProcessor(**published).sample_frames(VideoMetadata(total_num_frames=12, fps=24))) == 4
+    out = encoder.encode_images(videos=[frames])[0]
+    assert out.shape[0] == 6 * (h // 16) * (w // 16) // 4
+    torch.testing.assert_close(out, encoder.encode(rows, grid), rtol=1e-5, atol=1e-5)
+
+
 def test_a_video_preprocessor_config_outside_the_folder_is_refused(tmp_path):
     ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5_moe"), "qwen3_5_moe")
     (tmp_path / "elsewhere.json").write_text("{}")

@@ -8,6 +8,7 @@ checkpoint without a file gets the family's published settings."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ def read_video_processor(files: CheckpointFiles, config) -> ProcessorConfig:
     if source is None:
         return _processor(None, published, files.config, config)
     kind = next(name for name, cls in VIDEO_CLASSES.items() if cls.clip_pixels == published.clip_pixels)
+    if isinstance(source[1], dict):
+        check_sampling(*source)
     refusal = _video_class_refusal(source, kind) if isinstance(source[1], dict) else None
     if refusal is not None:  # the images load; a call given a video is refused with this message
         return replace(_processor(None, published, files.config, config), refused=refusal)
@@ -59,6 +62,37 @@ VIDEO_CLASSES = {
                                              image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
                                              clip_pixels=True, max_video_tokens=768),
 }
+
+
+# Frame sampling. transformers' video processors pick frames from a clip where do_sample_frames
+# is set (Qwen3VLVideoProcessor's default: 2 of each 24 frames, 4 to 768 frames; Qwen2-VL's: off).
+# vitgraph encodes every frame it is given: a caller samples first. These fields are not
+# followed, but a hostile value is refused by name, as transformers would fail on it.
+SAMPLING_COUNTS = ("num_frames", "min_frames", "max_frames")
+
+
+def check_sampling(name: str, raw: dict) -> None:
+    """A video processor file's ``do_sample_frames``, ``fps`` and frame counts: each absent,
+    null or of its kind (a bool; a positive finite number; positive ints, min <= max)."""
+    value = raw.get("do_sample_frames")
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name}: do_sample_frames must be true, false or null, got {value!r}")
+    value = raw.get("fps")
+    if value is not None and not _positive_finite(value):
+        raise ValueError(f"{name}: fps must be a positive finite number or null, got {value!r}")
+    for field in SAMPLING_COUNTS:
+        value = raw.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}: {field} must be a positive int or null, got {value!r}")
+    low, high = raw.get("min_frames"), raw.get("max_frames")
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"{name}: min_frames ({low}) must not exceed max_frames ({high})")
+
+
+def _positive_finite(value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return value > 0 and (isinstance(value, int) or math.isfinite(value))
 
 
 def _video_class_refusal(source: tuple[str, dict], kind: str) -> str | None:
