@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from .coalesce import CoalescingFront, EncoderClosed
-from .decode import MAX_IMAGE_PIXELS
+from .decode import MAX_IMAGE_PIXELS, MAX_ITEMS_PER_REQUEST
 from .models import FAMILIES, PRESETS, family_for, family_of
 from .engine.contract import Precompiled, VisionTower
 from .engine.graphs import GraphBank
@@ -344,12 +344,12 @@ class GraphedVisionEncoder(ImageInput):
 
     def submit_images(self, images=None, videos=None, *, min_pixels: int | None = None,
                       max_pixels: int | None = None, preprocess: str = "auto", decode: str = "host",
-                      max_image_pixels: int = MAX_IMAGE_PIXELS) -> Future:
+                      max_image_pixels: int = MAX_IMAGE_PIXELS, max_items_per_request: int = MAX_ITEMS_PER_REQUEST) -> Future:
         """:meth:`encode_images` as a future of its list of tensors; decoding and preprocessing
         run in the front's threads, then the request joins shared replays as :meth:`submit`'s."""
         return self._coalescer().submit_images(images, videos, dict(
             min_pixels=min_pixels, max_pixels=max_pixels, preprocess=preprocess, decode=decode,
-            max_image_pixels=max_image_pixels))
+            max_image_pixels=max_image_pixels, max_items_per_request=max_items_per_request))
 
     async def encode_async(self, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
         """``await``-able :meth:`submit` (its checks and copy to the device run off the event loop)."""
