@@ -92,7 +92,8 @@ def test_the_cap_itself_is_checked(enc, cap):
 
 # -- over HTTP: the deployment's handler itself, called with starlette requests (no Ray cluster) ----
 
-def http(deployment, body: bytes, content_type: str, length: int | None = None, chunks: int = 1):
+def http(deployment, body: bytes, content_type: str, length: int | None = None, chunks: int = 1,
+         query: bytes = b""):
     """``deployment(request)`` for a POST /encode of ``body`` (declaring ``length``, or none where
     it is -1; sent in ``chunks`` pieces): ``(status, text)``."""
     import asyncio
@@ -109,7 +110,7 @@ def http(deployment, body: bytes, content_type: str, length: int | None = None, 
     async def receive():
         return messages.pop(0) if messages else {"type": "http.disconnect"}
 
-    scope = {"type": "http", "method": "POST", "path": "/encode", "query_string": b"", "headers": headers,
+    scope = {"type": "http", "method": "POST", "path": "/encode", "query_string": query, "headers": headers,
              "scheme": "http", "server": ("127.0.0.1", 8000), "root_path": ""}
     response = asyncio.run(deployment(Request(scope, receive)))
     return response.status_code, response.body.decode(errors="replace")
@@ -183,3 +184,32 @@ def test_build_app_with_an_unreachable_or_unknown_hub_id_fails_once_before_ray_s
         build_app("vitgraph-tests/no-such-repo-72", device="cpu")
     assert isinstance(err.value, ValueError) or type(err.value).__module__.startswith("huggingface_hub"), err.value
     assert "vitgraph-tests/no-such-repo-72" in str(err.value) and not ray.is_initialized()
+
+
+def test_the_serve_command_defaults_are_the_servers():
+    pytest.importorskip("ray")
+    from vitgraph.cli import build_parser
+    from vitgraph.serve import SERVE_MAX_BODY_BYTES
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.max_items_per_request, args.max_body_bytes) == (MAX_ITEMS_PER_REQUEST, SERVE_MAX_BODY_BYTES)
+    assert args.app_name == "vitgraph"
+
+
+def test_http_store_counts_the_images_before_decoding_them(tmp_path, decodes):
+    import base64
+    import json
+
+    from vitgraph.serve import VisionEncoderDeployment
+
+    made = VisionEncoderDeployment.func_or_class(preset="tiny", device="cpu", max_items_per_request=2,
+                                                 encoder_cache=str(tmp_path))
+    try:
+        three = json.dumps({"images": [base64.b64encode(png()).decode()] * 3}).encode()
+        status, text = http(made, three, "application/json", query=b"store=1")
+        assert status == 400 and "holds 3 items, above the server's max_items_per_request = 2" in text
+        two = json.dumps({"images": [base64.b64encode(png()).decode()] * 2}).encode()
+        status, text = http(made, two, "application/json", query=b"store=1")
+        assert status == 200 and len(json.loads(text)["ids"]) == 2 and len(decodes) == 2
+    finally:
+        made.encoder.close()

@@ -213,7 +213,7 @@ class VisionEncoderDeployment:
 
         try:
             return store_ids(kind, payload, http_request.query_params.getlist("id"), self.model_identity,
-                             self.encoder.processor, self.pixel_limits)
+                             self.encoder.processor, self.pixel_limits, self.max_items)
         except (TypeError, ValueError) as err:
             raise BadRequest(str(err)) from None
 
