@@ -644,8 +644,10 @@ def test_qwen2_vl_reads_its_processor_files_in_transformers_order(tmp_path, hf_m
     enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
     assert (enc.processor.max_pixels, enc.video_processor.max_pixels) == (56 * 56 * 4, 56 * 56 * 9)
     (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"video_processor_type": "Qwen3VLVideoProcessor"}))
+    enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")  # its images load; its videos are refused
     with pytest.raises(ValueError, match="video_preprocessor_config.json: transformers would read .* Qwen3VLVideoProcessor"):
-        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+        enc.encode_images(videos=[[Image.new("RGB", (56, 56))] * 2])
+    assert enc.encode_images([Image.new("RGB", (56, 56))])[0].shape[0] == 4
 
 
 def test_a_processor_saved_by_transformers_makes_the_rows_transformers_makes_from_it(tmp_path, hf_model):

@@ -149,11 +149,12 @@ def test_processor_files_are_found_and_read_as_transformers_finds_and_reads_them
     (ckpt / "preprocessor_config.json").write_text(json.dumps(
         {"size": large, "max_pixels": 96 * 96, "image_processor_type": "Qwen2VLImageProcessorFast"}))
     assert _limits(GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")) == [(1024, 96 * 96), (1024, 128 * 128)]
-    # The slow class has one (Qwen2VLVideoProcessor, per frame): refused, not read another way.
+    # The slow class has one (Qwen2VLVideoProcessor, per frame): its videos are refused, not read
+    # another way (test_a_checkpoint_without_a_video_file_loads_and_refuses_only_videos).
     (ckpt / "preprocessor_config.json").write_text(json.dumps(
         {"size": large, "max_pixels": 96 * 96, "image_processor_type": "Qwen2VLImageProcessor"}))
-    with pytest.raises(ValueError, match="preprocessor_config.json: transformers would read .* Qwen2VLVideoProcessor"):
-        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    assert "Qwen2VLVideoProcessor" in encoder.video_processor.refused and encoder.processor.refused is None
     (ckpt / "preprocessor_config.json").write_text(json.dumps({"size": large, "max_pixels": 96 * 96}))
     (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"size": small, "max_pixels": 96 * 96}))
     encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
@@ -171,6 +172,39 @@ def test_processor_files_are_found_and_read_as_transformers_finds_and_reads_them
     (ckpt / "processor_config.json").write_text("[1]")
     with pytest.raises(ValueError, match="processor_config.json: a processor config must be a JSON object"):
         GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+
+
+def test_a_checkpoint_without_a_video_file_loads_and_refuses_only_videos(tmp_path):
+    """A Qwen3-family checkpoint whose only processor file names Qwen2VLImageProcessor (as the
+    released ones do): transformers would read its videos per frame (Qwen2VLVideoProcessor), so
+    vitgraph refuses a call given a video, with that message, and serves its images; the
+    encoder stays usable."""
+    from vitgraph.preprocess import preprocess_video
+
+    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 1024, "longest_edge": 128 * 128}, "image_processor_type": "Qwen2VLImageProcessor"}))
+    encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    frame = Image.new("RGB", (64, 64), "gray")
+    before = encoder.encode_images([frame])[0]
+    message = ("preprocessor_config.json: transformers would read this checkpoint's videos with "
+               "Qwen2VLVideoProcessor, which sizes each frame; vitgraph reads this family's videos with "
+               "Qwen3VLVideoProcessor. Add a video_preprocessor_config.json for Qwen3VLVideoProcessor")
+    assert encoder.video_processor.refused.endswith(message)
+    for call in (lambda: encoder.encode_images([frame], [[frame, frame]]),
+                 lambda: encoder.encode_images(videos=[[frame]]),
+                 lambda: encoder.submit_images(videos=[[frame, frame]]).result(timeout=60),
+                 lambda: preprocess_video([frame, frame], processor=encoder.video_processor)):
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value).endswith(message)
+    assert torch.equal(encoder.encode_images([frame], videos=[])[0], before)
+    assert torch.equal(encoder.submit_images([frame]).result(timeout=60)[0], before)
+    encoder.close()
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 1024,
+                                                                               "longest_edge": 64 * 64}}))
+    encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")  # the file the message asks for
+    assert encoder.video_processor.refused is None and encoder.encode_images(videos=[[frame, frame]])[0].shape[0] == 1
 
 
 def test_a_video_processor_that_caps_pixels_per_frame_loads_and_is_followed(tmp_path):
@@ -198,6 +232,47 @@ def test_a_bad_video_preprocessor_config_is_refused_by_file_and_field(tmp_path, 
     with pytest.raises(ValueError, match=field) as err:
         GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
     assert "video_preprocessor_config.json" in str(err.value)
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"fps": -2}, "fps"), ({"fps": float("nan")}, "fps"), ({"fps": float("inf")}, "fps"), ({"fps": "2"}, "fps"),
+    ({"fps": True}, "fps"), ({"num_frames": -1}, "num_frames"), ({"num_frames": 2.5}, "num_frames"),
+    ({"num_frames": float("nan")}, "num_frames"), ({"min_frames": 0}, "min_frames"),
+    ({"max_frames": "768"}, "max_frames"), ({"min_frames": 8, "max_frames": 4}, "min_frames"),
+    ({"do_sample_frames": "yes"}, "do_sample_frames"), ({"do_sample_frames": 1}, "do_sample_frames")])
+def test_hostile_frame_sampling_values_are_refused_by_file_and_field(tmp_path, raw, field):
+    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
+    for file in ("video_preprocessor_config.json", "preprocessor_config.json"):  # the second: videos' fallback
+        (ckpt / file).write_text(json.dumps(raw))  # json writes NaN and Infinity, and Python reads them
+        with pytest.raises(ValueError, match=f"{file}: {field} (must|\\(8\\) must)") as err:
+            GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+        assert str(err.value).count("\n") == 0
+        (ckpt / file).unlink()
+
+
+def test_every_frame_given_is_encoded_whatever_the_file_says_of_sampling(tmp_path):
+    """vitgraph does not sample frames: a file asking for sampling (Qwen3-VL's published fields)
+    loads, and a clip of 12 frames gives 6 temporal patches, sized by transformers' Qwen3-VL
+    video smart_resize for 12 frames, where transformers' own processor would sample 4 of them
+    (its sample_frames, the frames taken as 24 fps): the documented difference."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
+    from transformers.video_utils import VideoMetadata
+
+    from vitgraph.preprocess import preprocess_video
+
+    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
+    published = {"do_sample_frames": True, "fps": 2, "min_frames": 4, "max_frames": 768, "num_frames": None,
+                 "size": {"shortest_edge": 4096, "longest_edge": 64 * 64 * 12}}
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(published))
+    encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
+    frames = [Image.new("RGB", (96, 80), (i * 20, 100, 50)) for i in range(12)]
+    rows, grid = preprocess_video(frames, processor=encoder.video_processor)
+    h, w = smart_resize(12, 80, 96, temporal_factor=2, factor=32, min_pixels=4096, max_pixels=64 * 64 * 12)
+    assert grid.tolist() == [[6, h // 16, w // 16]]
+    assert len(Qwen3VLVideoProcessor(**published).sample_frames(VideoMetadata(total_num_frames=12, fps=24))) == 4
+    out = encoder.encode_images(videos=[frames])[0]
+    assert out.shape[0] == 6 * (h // 16) * (w // 16) // 4
+    torch.testing.assert_close(out, encoder.encode(rows, grid), rtol=1e-5, atol=1e-5)
 
 
 def test_a_video_preprocessor_config_outside_the_folder_is_refused(tmp_path):
@@ -233,6 +308,45 @@ def test_qwen36_preset_is_the_published_shape():
     assert (cfg.depth, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.out_hidden_size) == \
         (27, 1152, 4304, 16, 5120)
     assert cfg.num_position_embeddings == 2304 and cfg.patch_width == 1536 and cfg.head_dim == 72
+
+
+# SPEC's three widths of the tower (hidden, depth, heads, MLP, head_dim), and Qwen4-Exp's.
+TOWER_PRESETS = {"qwen3.5-768": (768, 12, 12, 3072, 64), "qwen3.5-1024": (1024, 24, 16, 4096, 64),
+                 "qwen3.5-1152": (1152, 27, 16, 4304, 72), "qwen4-exp": (1152, 27, 16, 4304, 72)}
+
+
+@pytest.mark.parametrize("name", list(TOWER_PRESETS))
+def test_every_listed_family_has_a_preset_of_its_published_shape(name):
+    """Qwen3.5's three tower widths and Qwen4-Exp can be tried without a checkpoint: each preset
+    is the SPEC's shape, and transformers' own vision config accepts it (Qwen4-Exp's is that
+    class's defaults)."""
+    import importlib
+
+    from vitgraph.cli import build_parser
+    from vitgraph.models import PRESETS
+
+    cfg = PRESETS[name]
+    assert type(cfg) is Qwen35VisionConfig and cfg.deepstack_visual_indexes == ()
+    assert (cfg.hidden_size, cfg.depth, cfg.num_heads, cfg.intermediate_size, cfg.head_dim) == TOWER_PRESETS[name]
+    assert cfg.num_position_embeddings == 2304 and cfg.patch_width == 1536
+    module = "qwen4_exp" if name == "qwen4-exp" else "qwen3_5"
+    hf_cls = getattr(importlib.import_module(f"transformers.models.{module}.configuration_{module}"),
+                     "Qwen4ExpVisionConfig" if module == "qwen4_exp" else "Qwen3_5VisionConfig")
+    hf = hf_cls(**cfg.transformers_fields())
+    assert (hf.hidden_size, hf.depth, hf.num_heads, hf.intermediate_size, hf.out_hidden_size) == (
+        cfg.hidden_size, cfg.depth, cfg.num_heads, cfg.intermediate_size, cfg.out_hidden_size)
+    if module == "qwen4_exp":
+        assert {k: getattr(hf_cls(), k) for k in ("depth", "hidden_size", "num_heads", "intermediate_size",
+                                                  "out_hidden_size")} == {k: getattr(cfg, k) for k in (
+            "depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size")}
+    assert build_parser().parse_args(["demo", "--preset", name]).preset == name  # the CLI offers it
+
+
+def test_the_smallest_new_preset_builds_and_encodes_on_a_cpu():
+    encoder = GraphedVisionEncoder.from_config("qwen3.5-768", device="cpu")
+    assert len(encoder.tower.blocks) == 12 and encoder.output_width == 1024
+    out = encoder.encode_images([Image.new("RGB", (64, 64), "gray")], min_pixels=64 * 64, max_pixels=64 * 64)
+    assert out[0].shape == (4, 1024) and torch.isfinite(out[0]).all()
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ from vitgraph import GraphedVisionEncoder, preprocess_images  # noqa: E402
 BUDGET = 512  # the deployment's largest bucket: a batch holds at most this many patch tokens
 MAX_PIXELS = 65536  # images are resized to at most this many pixels (334 patch tokens)
 REQUEST_TIMEOUT_S = 20  # the proxy answers any request within this (408), whatever happens to its replica
+MAX_ITEMS = 8  # images (or grid rows) per request
 
 
 def free_port() -> int:
@@ -43,7 +44,8 @@ def app():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": REQUEST_TIMEOUT_S})
     handle = serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, max_wait_ms=250,
-                                 max_budget=BUDGET, max_pixels=MAX_PIXELS), name="vitgraph", route_prefix="/")
+                                 max_budget=BUDGET, max_pixels=MAX_PIXELS, max_items_per_request=MAX_ITEMS),
+                       name="vitgraph", route_prefix="/")
     yield f"http://127.0.0.1:{port}/encode", handle
     serve.shutdown()
     ray.shutdown()
@@ -217,11 +219,80 @@ def test_the_cli_serves_until_interrupted(tmp_path, stop):
         proc.wait()
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err
+    assert out == "", out[-3000:]  # no Ray line (its coloured "(raylet) ..." shutdown noise) on stdout either
     # A quiet start: the status line, and (unless stopped first) the one that says what is served
     # where; no Ray or Serve log line.
     assert "random weights of the tiny preset" in err
     assert all(line.startswith(("starting Ray", "vitgraph serving random weights of the tiny preset on http"))
                for line in err.strip().splitlines()), err
+
+
+def test_the_cli_on_an_existing_cluster_touches_only_its_own_application(app):
+    """``vitgraph serve`` with RAY_ADDRESS naming this module's cluster, whose Serve instance
+    already runs the application "vitgraph" (at /, port and timeout of its own): the CLI refuses
+    that name; under its own name it warns of each HTTP option that cannot apply, serves at its
+    own prefix on the cluster's port, and on SIGTERM deletes its application alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from ray.serve._private import constants
+
+    from vitgraph.serve_cluster import CONTROLLER, NAMESPACE
+
+    assert (CONTROLLER, NAMESPACE) == (constants.SERVE_CONTROLLER_NAME, constants.SERVE_NAMESPACE)
+    url, _ = app
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    command = [sys.executable, "-m", "vitgraph", "serve", "--preset", "tiny", "--device", "cpu"]
+    taken = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert taken.returncode == 2 and "--app-name vitgraph: the cluster already runs" in taken.stderr, taken.stderr[-2000:]
+    proc = subprocess.Popen(command + ["--app-name", "mine", "--port", str(free_port())], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    mine = url.replace("/encode", "/mine/encode")
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # until it exits
+    reader.start()
+    try:
+        try:
+            deadline = time.time() + 150
+            while time.time() < deadline and proc.poll() is None and not any("vitgraph serving" in x for x in lines):
+                time.sleep(0.5)
+            assert serve.status().applications["mine"].status == "RUNNING", (proc.poll(), lines)
+            status, _ = post(mine, rows_payload([(1, 4, 4)], seed=2)[1], "application/octet-stream")
+            assert status == 200
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+            reader.join(timeout=30)
+            err = "".join(lines)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left behind (the cluster is the fixture's)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "warning: --port" in err and f"port = {url.split(':')[2].split('/')[0]}" in err
+    assert f"warning: --request-timeout 60.0 does not apply" in err and f"request_timeout_s = {REQUEST_TIMEOUT_S}" in err
+    assert f"on {mine} as application mine" in err and f"after {REQUEST_TIMEOUT_S} s" in err
+    assert "mine" not in serve.status().applications and "vitgraph" in serve.status().applications
+    status, _ = post(url, rows_payload([(1, 4, 4)], seed=2)[1], "application/octet-stream")
+    assert status == 200  # the cluster's own application still answers
+
+
+def test_a_request_of_too_many_items_is_a_400_naming_the_cap(app):
+    url, handle = app
+    blob = base64.b64encode(jpeg(np.zeros((32, 32, 3), dtype=np.uint8))).decode()
+    status, answer = post(url, json.dumps({"images": [blob] * (MAX_ITEMS + 1)}).encode(), "application/json")
+    assert status == 400 and f"holds {MAX_ITEMS + 1} items, above the server's max_items_per_request = {MAX_ITEMS}" \
+        in answer.decode(), answer
+    pixels = torch.zeros(4 * (MAX_ITEMS + 1), 1176)
+    from vitgraph.serve import BadRequest
+
+    with pytest.raises(BadRequest, match="max_items_per_request"):
+        handle.encode.remote(pixels, [(1, 2, 2)] * (MAX_ITEMS + 1)).result()
 
 
 @pytest.mark.parametrize("args, words", [
@@ -255,18 +326,30 @@ def test_serve_passes_its_request_timeout_and_starts_ray_quietly(monkeypatch, ca
 
     monkeypatch.setattr(vitgraph.serve, "build_app", lambda *args, **kwargs: "the app")
     calls = {}
-    fake_ray = types.SimpleNamespace(init=lambda **kw: calls.setdefault("init", kw), shutdown=lambda: None)
+
+    def no_actor(name, namespace):
+        raise ValueError(f"Failed to look up actor {name}")  # as Ray: no Serve running yet
+
+    fake_ray = types.SimpleNamespace(init=lambda **kw: calls.setdefault("init", kw), get_actor=no_actor,
+                                     shutdown=lambda: calls.setdefault("ray.shutdown", True))
 
     def run(app, **kw):
+        calls["run"] = kw
         raise KeyboardInterrupt  # as Ctrl-C once the app is up
 
-    fake_serve = types.SimpleNamespace(start=lambda **kw: calls.setdefault("start", kw), run=run,
-                                       shutdown=lambda: None)
+    def shutdown():
+        raise AssertionError("serve.shutdown() ends every application on the cluster")
+
+    fake_serve = types.SimpleNamespace(start=lambda **kw: calls.setdefault("start", kw), run=run, shutdown=shutdown,
+                                       status=lambda: types.SimpleNamespace(applications={"other": None}),
+                                       delete=lambda name: calls.setdefault("delete", name))
     fake_ray.serve = fake_serve
     monkeypatch.setitem(sys.modules, "ray", fake_ray)
     monkeypatch.setitem(sys.modules, "ray.serve", fake_serve)
     assert main(["serve", "--preset", "tiny", "--device", "cpu", "--request-timeout", "7.5", "--port", "8123"]) == 0
     assert calls["start"]["http_options"] == {"host": "127.0.0.1", "port": 8123, "request_timeout_s": 7.5}
+    assert calls["run"] == {"name": "vitgraph", "route_prefix": "/"} and calls["delete"] == "vitgraph"
+    assert calls["ray.shutdown"]
     assert calls["init"]["log_to_driver"] is False and calls["init"]["include_dashboard"] is False
     assert calls["init"]["logging_level"] >= 40  # logging.ERROR: Ray's INFO and WARNING lines stay out
 

@@ -20,7 +20,7 @@ def _load(args, **options):
     return make_encoder(args, **options)  # main() has resolved the model arguments
 
 
-def _timed_calls_ms(fn, device: torch.device, calls: int) -> list[float]:
+def _timed_calls_ms(fn, device, calls: int) -> list[float]:
     """Wall ms of each of ``calls`` synchronised calls of ``fn``, under a progress bar."""
     import torch
     from tqdm.auto import tqdm
@@ -228,8 +228,9 @@ def _stop_on_sigterm(signum, frame):
 
 
 def cmd_serve(args) -> None:
-    """Start a local Ray instance and the Ray Serve app (POST /encode); Ctrl-C or SIGTERM shuts
-    both down. Bad arguments are refused before Ray is imported."""
+    """Start a local Ray instance (or join the cluster RAY_ADDRESS names) and deploy the app
+    (POST /encode) under its own name; Ctrl-C or SIGTERM deletes that application alone and
+    leaves Ray (:mod:`vitgraph.serve_cluster`). Bad arguments are refused before Ray is imported."""
     import signal
     import time
 
@@ -240,21 +241,31 @@ def cmd_serve(args) -> None:
     except ImportError:
         raise ValueError("vitgraph serve needs Ray Serve: pip install 'vitgraph[serve]'") from None
     from .serve import build_app
+    from .serve_cluster import check_app_name, start_http, url
 
     app = build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype, num_replicas=args.replicas,
-                    encoder_cache=args.encoder_cache)
-    previous = None
+                    encoder_cache=args.encoder_cache, max_items_per_request=args.max_items_per_request,
+                    max_body_bytes=args.max_body_bytes)
+    previous, deployed, started = None, False, False
     try:
         with status(f"starting Ray and {args.replicas} replica(s) of {describe(args)}"):
             # Ray's and Serve's start-up logs (a dozen lines) stay out of the terminal; errors still show.
-            ray.init(logging_level=logging.ERROR, log_to_driver=False, include_dashboard=False)
+            ray.init(logging_level=logging.ERROR, log_to_driver=False,
+                     **({} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}))
+            started = True
             previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)  # after ray.init, which sets its own
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
-            serve.start(http_options={"host": args.host, "port": args.port, "request_timeout_s": args.request_timeout})
-            serve.run(app, name="vitgraph", route_prefix="/")
-        print(f"vitgraph serving {describe(args)} on http://{args.host}:{args.port}/encode "
-              f"({args.replicas} replica(s), requests time out after {args.request_timeout:g} s); Ctrl-C stops",
-              file=sys.stderr)
+            http, warnings, shared = start_http(ray, serve, args.host, args.port, args.request_timeout)
+            check_app_name(serve, args.app_name)
+            prefix = f"/{args.app_name}" if shared else "/"  # a Serve instance of others': a prefix of its own
+            deployed = True
+            serve.run(app, name=args.app_name, route_prefix=prefix)
+        for warning in warnings:
+            print(f"vitgraph serve: warning: {warning}", file=sys.stderr)
+        timeout = http["request_timeout_s"]
+        print(f"vitgraph serving {describe(args)} on {url(http, prefix)} as application {args.app_name} "
+              f"({args.replicas} replica(s), requests time out after "
+              f"{'no limit' if timeout is None else f'{timeout:g} s'}); Ctrl-C stops", file=sys.stderr)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -263,9 +274,11 @@ def cmd_serve(args) -> None:
         if previous is not None:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
         try:
-            serve.shutdown()
-            ray.shutdown()
+            if deployed:  # its own application only; serve.shutdown() would end every one on the cluster
+                serve.delete(args.app_name)
         finally:
+            if started:
+                ray.shutdown()  # leaves the cluster; a local instance it started ends with it
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
 
@@ -308,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the server answers 408 to a request not done in this time (default 60)")
     p.add_argument("--encoder-cache", metavar="DIR", help="POST /encode?store=1 writes images' embeddings here "
                    "(vLLM's ECExampleConnector layout) and answers their ids")
+    p.add_argument("--app-name", default="vitgraph", help="the Serve application's name; on exit only it is "
+                   "deleted (with RAY_ADDRESS, on that cluster) (default vitgraph)")
+    p.add_argument("--max-items-per-request", type=int, default=4096,
+                   help="images (or grid rows) in one request, counted before decoding; more: 400 (default 4096)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 27, help="the largest request body; "
+                   "larger: 413 (default 134217728, 128 MiB)")
     p.set_defaults(func=cmd_serve)
 
     for name, what in (("bench", "latency suite"), ("bench-serving", "serving simulation"),

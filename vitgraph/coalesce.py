@@ -34,7 +34,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .validation import check_pixels, check_rows, normalize_grid
+from .validation import check_finite_rows, check_pixels, check_rows, normalize_grid
 
 MAX_IN_FLIGHT = 2  # batches dispatched and not yet complete: one running, one staged behind it
 FRONT_THREADS = 2  # preprocessing threads by default: more starve the scheduler of Python's lock (HISTORY 59)
@@ -119,7 +119,7 @@ class CoalescingFront:
 
     # -- requests in --------------------------------------------------------------------
 
-    def submit(self, pixels, grid_thw) -> Future:
+    def submit(self, pixels, grid_thw, check_finite: bool = False) -> Future:
         """A future of ``encode(pixels, grid_thw)``; a bad request fails it at once."""
         future = self._future()
         encoder = self._encoder()
@@ -127,6 +127,7 @@ class CoalescingFront:
             check_pixels(pixels, encoder.tower.input_width)
             grids = normalize_grid(grid_thw, encoder.config.spatial_merge_size)
             tokens = check_rows(pixels, grids)
+            check_finite_rows(pixels, grids, check_finite)
             with torch.inference_mode():
                 if pixels.device.type == "cpu" and encoder.device.type == "cuda" and pixels.is_pinned():
                     pixels = pixels.to(encoder.device)  # a synchronous copy: the caller may reuse its buffer

@@ -39,6 +39,38 @@ def check_image_ceiling(max_image_pixels) -> None:
         raise ValueError(f"max_image_pixels must be an int in [1, {MAX_IMAGE_PIXELS_CEILING}], got {max_image_pixels!r}")
 
 
+# The most items (images plus video frames) one call may hold: counted before anything is decoded.
+MAX_ITEMS_PER_REQUEST = 4096
+
+
+def check_item_count(images, videos, cap) -> None:
+    """Refuse a call of more than ``cap`` items (images plus the frames of every clip), from
+    the lists' lengths alone, before any item is looked at."""
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"max_items_per_request must be a positive int, got {cap!r}")
+    count = len(images) if isinstance(images, (list, tuple)) else 0
+    if isinstance(videos, (list, tuple)):
+        count += len(videos)  # at least a frame each: a cheap bound before the frames are counted
+        if count <= cap:
+            count += sum(len(clip) - 1 for clip in videos if isinstance(clip, (list, tuple)) and clip)
+    if count > cap:
+        raise ValueError(f"the call holds {count} items (images and video frames), above max_items_per_request "
+                         f"= {cap}; split it, or raise the cap")
+
+
+def check_header(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+    """What can be checked of an item without decoding it: encoded bytes' header (a format PIL
+    knows, the declared size), an array's or tensor's shape and dtype, a PIL image's size, the
+    type. A path is checked as it is read."""
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        open_encoded(item, name, max_pixels)
+    elif isinstance(item, Image.Image):
+        if item.width == 0 or item.height == 0:
+            raise ValueError(f"{name} is empty ({item.width}x{item.height})")
+    elif not isinstance(item, (str, os.PathLike)):
+        as_pixels(item, name)
+
+
 # The largest image file read from a path (far above any real photo or screenshot).
 MAX_FILE_BYTES = 1 << 30
 

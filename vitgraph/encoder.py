@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from .coalesce import CoalescingFront, EncoderClosed
-from .decode import MAX_IMAGE_PIXELS
+from .decode import MAX_IMAGE_PIXELS, MAX_ITEMS_PER_REQUEST
 from .models import FAMILIES, PRESETS, family_for, family_of
 from .engine.contract import Precompiled, VisionTower
 from .engine.graphs import GraphBank
@@ -30,7 +30,7 @@ from .precompile import PrecompileReport, TowerSetup, precompile, start_early
 from .tuning import Tuning, check_reads, derive_tuning
 from .preprocess import check_same_rows, statistics
 from .encoder_images import ImageInput
-from .validation import check_out, check_pixels, check_rows, normalize_grid
+from .validation import check_finite_rows, check_out, check_pixels, check_rows, normalize_grid
 
 logger = logging.getLogger(__name__)
 
@@ -259,17 +259,20 @@ class GraphedVisionEncoder(ImageInput):
         return prepared
 
     @torch.inference_mode()
-    def encode(self, pixels: torch.Tensor, grid_thw, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(self, pixels: torch.Tensor, grid_thw, *, out: torch.Tensor | None = None,
+               check_finite: bool = False) -> torch.Tensor:
         """``pixels [N, C*T*P*P]`` + ``grid_thw [k, 3]`` -> ``[N / 4, output_width]`` on the encoder's device.
 
         ``pixels``: normalised float rows, or the processor's uint8 rows (resized and
         patchified, not normalised), which are rescaled and normalised on the device with
         :attr:`processor`'s mean and std. Item ``i`` owns ``t*h*w / 4`` consecutive rows. The
         result is an inference-mode tensor (no autograd history), or ``out`` when given.
+        ``check_finite``: refuse float rows holding NaN or inf, naming the items (off: encoded as they are).
         """
         check_pixels(pixels, self.tower.input_width)
         grids = normalize_grid(grid_thw, self.config.spatial_merge_size)
         tokens = check_rows(pixels, grids)
+        check_finite_rows(pixels, grids, check_finite)
         if out is not None:
             check_out(out, tokens // self.tower.merge_unit, self.tower.output_width, self.device, self.dtype)
         return self._encode_checked(pixels, grids, tokens, out)
@@ -333,20 +336,20 @@ class GraphedVisionEncoder(ImageInput):
 
     # -- the coalescing front (vitgraph.coalesce) ------------------------------------------
 
-    def submit(self, pixels: torch.Tensor, grid_thw) -> Future:
+    def submit(self, pixels: torch.Tensor, grid_thw, *, check_finite: bool = False) -> Future:
         """:meth:`encode` as a ``concurrent.futures.Future``: concurrent requests share replays.
         Its rows (a view of its batch's output, complete when it resolves) equal the request made
         alone within the distance two buckets give. A bad request fails it with ``encode``'s error."""
-        return self._coalescer().submit(pixels, grid_thw)
+        return self._coalescer().submit(pixels, grid_thw, check_finite)
 
     def submit_images(self, images=None, videos=None, *, min_pixels: int | None = None,
                       max_pixels: int | None = None, preprocess: str = "auto", decode: str = "host",
-                      max_image_pixels: int = MAX_IMAGE_PIXELS) -> Future:
+                      max_image_pixels: int = MAX_IMAGE_PIXELS, max_items_per_request: int = MAX_ITEMS_PER_REQUEST) -> Future:
         """:meth:`encode_images` as a future of its list of tensors; decoding and preprocessing
         run in the front's threads, then the request joins shared replays as :meth:`submit`'s."""
         return self._coalescer().submit_images(images, videos, dict(
             min_pixels=min_pixels, max_pixels=max_pixels, preprocess=preprocess, decode=decode,
-            max_image_pixels=max_image_pixels))
+            max_image_pixels=max_image_pixels, max_items_per_request=max_items_per_request))
 
     async def encode_async(self, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
         """``await``-able :meth:`submit` (its checks and copy to the device run off the event loop)."""

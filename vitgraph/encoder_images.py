@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from .decode import MAX_IMAGE_PIXELS
+from .decode import MAX_IMAGE_PIXELS, MAX_ITEMS_PER_REQUEST
 from .ops.normalize import normalize_rows
 from .validation import check_pixels
 
@@ -34,7 +34,8 @@ class ImageInput:
 
     def image_rows(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                    min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
-                   decode: str = "host", max_image_pixels: int = MAX_IMAGE_PIXELS) -> tuple[torch.Tensor, torch.Tensor]:
+                   decode: str = "host", max_image_pixels: int = MAX_IMAGE_PIXELS,
+                   max_items_per_request: int = MAX_ITEMS_PER_REQUEST) -> tuple[torch.Tensor, torch.Tensor]:
         """What :meth:`encode_images` encodes: ``(uint8 rows, grid_thw)`` of the images, then the
         clips, as :attr:`processor` and :attr:`video_processor` make them (:func:`vitgraph.images.image_rows`).
         ``encode`` normalises uint8 rows with the image processor's mean and std."""
@@ -42,11 +43,13 @@ class ImageInput:
 
         return image_rows(images, videos, processor=self.processor, video_processor=self.video_processor,
                           device=self.device, min_pixels=min_pixels, max_pixels=max_pixels, preprocess=preprocess,
-                          decode=decode, executor=self._pool(), max_image_pixels=max_image_pixels)
+                          decode=decode, executor=self._pool(), max_image_pixels=max_image_pixels,
+                          max_items_per_request=max_items_per_request)
 
     def encode_images(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                       min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
-                      decode: str = "host", max_image_pixels: int = MAX_IMAGE_PIXELS) -> list[torch.Tensor]:
+                      decode: str = "host", max_image_pixels: int = MAX_IMAGE_PIXELS,
+                      max_items_per_request: int = MAX_ITEMS_PER_REQUEST) -> list[torch.Tensor]:
         """Images and clips -> one tensor of embeddings per item (images first, then videos, each
         in the order given), encoded in one call.
 
@@ -57,9 +60,12 @@ class ImageInput:
         CUDA, else PIL. ``decode``: ``"host"`` (PIL, in a thread pool) or ``"gpu"`` (JPEGs by
         nvJPEG through torchvision; others on the host). ``max_image_pixels``: the most pixels an
         encoded image may declare (refused from its header, before decoding).
+        ``max_items_per_request``: the most images plus video frames in one call (refused from
+        the count, before anything is decoded).
         """
         rows, grid = self.image_rows(images, videos, min_pixels=min_pixels, max_pixels=max_pixels,
-                                     preprocess=preprocess, decode=decode, max_image_pixels=max_image_pixels)
+                                     preprocess=preprocess, decode=decode, max_image_pixels=max_image_pixels,
+                                     max_items_per_request=max_items_per_request)
         if grid.shape[0] == 0:
             return []
         rows = self.item_rows(rows, grid, len(images) if images is not None else 0)

@@ -82,7 +82,8 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
                processor: ProcessorConfig, device: torch.device, video_processor: ProcessorConfig | None = None,
                min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
                decode: str = "host", executor: Executor | None = None,
-               max_image_pixels: int = decoding.MAX_IMAGE_PIXELS) -> tuple[torch.Tensor, torch.Tensor]:
+               max_image_pixels: int = decoding.MAX_IMAGE_PIXELS,
+               max_items_per_request: int = decoding.MAX_ITEMS_PER_REQUEST) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows [N, C*T*P*P] uint8, grid_thw [k, 3] int64)`` of the images, then the clips: on
     ``device`` for ``preprocess="device"``, on the host for ``"pil"``. Images are sized by
     ``processor``'s pixel limits, clips by ``video_processor``'s (default: the same; a whole
@@ -90,11 +91,16 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
     ``max_pixels`` where given. ``executor``: the thread pool that decodes (and,
     for ``"pil"``, preprocesses) several items at once. ``max_image_pixels``: the most pixels an
     encoded image may declare (refused from its header, before decoding; each decoding thread
-    holds at most that many RGB pixels, about 3 bytes each)."""
+    holds at most that many RGB pixels, about 3 bytes each). ``max_items_per_request``: the most
+    images plus video frames in the call. Both are checked before anything is decoded: the
+    count first, then each item's type, shape or encoded header, in order."""
+    decoding.check_item_count(images, videos, max_items_per_request)
     decoding.check_image_ceiling(max_image_pixels)
     check_choices(preprocess, decode)
     device = torch.device(device)
     video = video_processor or processor
+    if video.refused and _given(videos):  # a checkpoint whose videos vitgraph must not read: its images are fine
+        raise ValueError(video.refused)
     check_pixel_arguments(min_pixels, max_pixels)
     # Each kind's limits are its processor's where not given; only a kind present is checked.
     limits = (*pixel_limits(processor, min_pixels, max_pixels), False) if _given(images) else None
@@ -104,6 +110,10 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
     if decode == "gpu" and (device.type != "cuda" or preprocess != "device"):
         raise ValueError(f"decode='gpu' needs preprocess='device' on a CUDA device, got {preprocess!r} on {device}")
     items = _items(images, videos, limits, video_limits, video)
+    for name, value, _ in items:  # cheap checks of every item before any is decoded
+        clip = isinstance(value, _Clip)
+        for i, frame in enumerate(value if clip else [value]):
+            decoding.check_header(frame, f"{name}[{i}]" if clip else name, max_image_pixels)
     if not items:
         return _empty(processor, device if preprocess == "device" else "cpu")
     if preprocess == "pil":

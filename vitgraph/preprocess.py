@@ -47,6 +47,9 @@ class ProcessorConfig:
     # cap_pixels_per_frame and max_video_tokens; 128000 is Qwen2-VL's default, 768 Qwen3-VL's).
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 128000
+    # Videos: where set, a call given a video is refused with this message (a checkpoint whose
+    # videos transformers would read with another class; its images are served).
+    refused: str | None = None
 
     def __post_init__(self) -> None:
         for name, ceiling in (("patch_size", 64), ("temporal_patch_size", 16), ("merge_size", 8)):
@@ -365,6 +368,8 @@ def preprocess_video(frames: Sequence, *, min_pixels: int | None = None, max_pix
     as ``vitgraph.models.QWEN3_VL_VIDEO_PROCESSOR``); the count is padded to a multiple of the temporal patch
     by repeating the last frame; ``t = frames / temporal_patch_size``. ``name`` names the clip in
     errors; ``normalize`` as in :func:`preprocess_images`."""
+    if processor.refused:
+        raise ValueError(processor.refused)
     low, high = pixel_limits(processor, min_pixels, max_pixels)
     check_list(frames, name, "frames")
     rows, grid = video_rows_pil(frames, name, processor, low, clip_max_pixels(processor, max(len(frames), 1), low, high))

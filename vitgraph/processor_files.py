@@ -8,6 +8,7 @@ checkpoint without a file gets the family's published settings."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,9 @@ def read_processor(files: CheckpointFiles, config) -> ProcessorConfig:
 
 def read_video_processor(files: CheckpointFiles, config) -> ProcessorConfig:
     """The checkpoint's video preprocessing over the family's video defaults (its image ones
-    where it has none: Qwen2-VL, Qwen2.5-VL); checked as :func:`read_processor`. A file that
-    names the other kind of Qwen video processor (per frame or per clip) is refused."""
+    where it has none: Qwen2-VL, Qwen2.5-VL); checked as :func:`read_processor`. Where the file
+    names the other kind of Qwen video processor (per frame or per clip), the checkpoint loads
+    and its videos are refused (``refused``: the message), its images served."""
     family = family_of(config)
     published = family.video_processor or family.processor
     source = (_nested(files.processors, "video_processor") or _whole(files.video_processor)
@@ -44,7 +46,10 @@ def read_video_processor(files: CheckpointFiles, config) -> ProcessorConfig:
         return _processor(None, published, files.config, config)
     kind = next(name for name, cls in VIDEO_CLASSES.items() if cls.clip_pixels == published.clip_pixels)
     if isinstance(source[1], dict):
-        _check_video_class(source, kind)
+        check_sampling(*source)
+    refusal = _video_class_refusal(source, kind) if isinstance(source[1], dict) else None
+    if refusal is not None:  # the images load; a call given a video is refused with this message
+        return replace(_processor(None, published, files.config, config), refused=refusal)
     return _processor(source, VIDEO_CLASSES[kind], files.config, config)
 
 
@@ -59,16 +64,49 @@ VIDEO_CLASSES = {
 }
 
 
-def _check_video_class(source: tuple[str, dict], kind: str) -> None:
-    """transformers reads videos with the class a file names (``video_processor_type``, else its
-    ``image_processor_type`` with Image -> Video where such a class exists; else the model's)."""
+# Frame sampling. transformers' video processors pick frames from a clip where do_sample_frames
+# is set (Qwen3VLVideoProcessor's default: 2 of each 24 frames, 4 to 768 frames; Qwen2-VL's: off).
+# vitgraph encodes every frame it is given: a caller samples first. These fields are not
+# followed, but a hostile value is refused by name, as transformers would fail on it.
+SAMPLING_COUNTS = ("num_frames", "min_frames", "max_frames")
+
+
+def check_sampling(name: str, raw: dict) -> None:
+    """A video processor file's ``do_sample_frames``, ``fps`` and frame counts: each absent,
+    null or of its kind (a bool; a positive finite number; positive ints, min <= max)."""
+    value = raw.get("do_sample_frames")
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name}: do_sample_frames must be true, false or null, got {value!r}")
+    value = raw.get("fps")
+    if value is not None and not _positive_finite(value):
+        raise ValueError(f"{name}: fps must be a positive finite number or null, got {value!r}")
+    for field in SAMPLING_COUNTS:
+        value = raw.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}: {field} must be a positive int or null, got {value!r}")
+    low, high = raw.get("min_frames"), raw.get("max_frames")
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"{name}: min_frames ({low}) must not exceed max_frames ({high})")
+
+
+def _positive_finite(value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return value > 0 and (isinstance(value, int) or math.isfinite(value))
+
+
+def _video_class_refusal(source: tuple[str, dict], kind: str) -> str | None:
+    """Why vitgraph must not read this checkpoint's videos, or None: transformers reads videos
+    with the class a file names (``video_processor_type``, else its ``image_processor_type``
+    with Image -> Video where such a class exists; else the model's)."""
     name, raw = source
     named = raw.get("video_processor_type") or str(raw.get("image_processor_type") or "").replace(
         "ImageProcessor", "VideoProcessor")
     if named in VIDEO_CLASSES and named != kind:
-        raise ValueError(f"{name}: transformers would read this checkpoint's videos with {named}, which sizes "
-                         f"{'whole clips' if VIDEO_CLASSES[named].clip_pixels else 'each frame'}; vitgraph reads "
-                         f"this family's videos with {kind}. Add a video_preprocessor_config.json for {kind}")
+        return (f"{name}: transformers would read this checkpoint's videos with {named}, which sizes "
+                f"{'whole clips' if VIDEO_CLASSES[named].clip_pixels else 'each frame'}; vitgraph reads "
+                f"this family's videos with {kind}. Add a video_preprocessor_config.json for {kind}")
+    return None
 
 
 def _nested(path: Path | None, key: str) -> tuple[str, Any] | None:

@@ -34,7 +34,7 @@ from ray import serve
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from .decode import check_image_ceiling
+from .decode import MAX_ITEMS_PER_REQUEST, check_image_ceiling
 from .encoder import GraphedVisionEncoder
 from .options import engine_options as check_engine_options
 from .preprocess import check_pixel_arguments, pixel_limits
@@ -43,6 +43,9 @@ from .validation import check_pixels, check_rows, normalize_grid
 # The most pixels an encoded image in a request may declare: refused from its header, before
 # decoding (a small file can inflate to its declared size: 2**26 RGB pixels are 200 MB).
 SERVE_MAX_IMAGE_PIXELS = 1 << 26
+# The largest request body a replica reads (a larger one is answered 413 before it is read on);
+# 128 MiB holds 16384 fp32 rows of Qwen2-VL's 1176 values with room to spare.
+SERVE_MAX_BODY_BYTES = 1 << 27
 # Requests a replica holds at once. Ray's default (5) starves the GPU: a batch then holds at
 # most five requests and the next ones are only sent once it returns (benchmarks/HISTORY.md).
 DEFAULT_MAX_ONGOING = 64
@@ -61,12 +64,26 @@ class _Request:
 class BadRequest(ValueError):
     """A request that cannot be served; the HTTP status is 400."""
 
+    status = 400
 
-def _bad(message: str):
-    """A 400 answer: the message, as plain text."""
+
+class TooLarge(BadRequest):
+    """A request body over the replica's ``max_body_bytes``: 413."""
+
+    status = 413
+
+
+def _bad(message: str, status: int = 400):
+    """A 400 (or ``status``) answer: the message, as plain text."""
     from starlette.responses import Response
 
-    return Response(message, status_code=400, media_type="text/plain")
+    return Response(message, status_code=status, media_type="text/plain")
+
+
+def check_request_caps(max_items_per_request, max_body_bytes) -> None:
+    for name, value in (("max_items_per_request", max_items_per_request), ("max_body_bytes", max_body_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 @serve.deployment
@@ -76,7 +93,8 @@ class VisionEncoderDeployment:
     def __init__(self, model: str | None = None, preset: str | None = None, device: str | None = None,
                  dtype: str | None = None, engine_options: dict | None = None, min_pixels: int | None = None,
                  max_pixels: int | None = None, max_image_pixels: int = SERVE_MAX_IMAGE_PIXELS,
-                 encoder_cache: str | None = None) -> None:
+                 encoder_cache: str | None = None, max_items_per_request: int = MAX_ITEMS_PER_REQUEST,
+                 max_body_bytes: int = SERVE_MAX_BODY_BYTES) -> None:
         options = dict(engine_options or {}, progress=False)
         preset = preset or ("qwen2-vl-2b" if torch.cuda.is_available() else "tiny")
         if model:
@@ -90,6 +108,8 @@ class VisionEncoderDeployment:
         # Images are resized into [min_pixels, max_pixels] (the processor's, unless given).
         self.pixel_limits = pixel_limits(self.encoder.processor, min_pixels, max_pixels)
         self.max_image_pixels = max_image_pixels
+        check_request_caps(max_items_per_request, max_body_bytes)
+        self.max_items, self.max_body_bytes = max_items_per_request, max_body_bytes
         from .handoff import EncoderCache  # POST /encode?store=1 writes here (vitgraph.serve_store)
 
         self.cache = EncoderCache(encoder_cache) if encoder_cache else None
@@ -107,6 +127,7 @@ class VisionEncoderDeployment:
             check_rows(pixels, grids)
         except (TypeError, ValueError) as err:
             raise BadRequest(str(err)) from None
+        self._check_count(len(grids))
         if not grids:
             raise BadRequest("grid_thw holds no item")
         # uint8 rows stay uint8 (normalised on the device); float rows take the encoder's dtype
@@ -177,7 +198,7 @@ class VisionEncoderDeployment:
             ids = await loop.run_in_executor(None, self._store_ids, http_request, kind, payload) if stored else None
             request = await loop.run_in_executor(None, lambda: self._accepted(self._parse(kind, payload, as_json)))
         except BadRequest as err:
-            return _bad(str(err))
+            return _bad(str(err), err.status)
         embeddings = await self._encode(request.submitted)
         if ids is not None:  # written to the cache; the answer names them
             return await loop.run_in_executor(None, self._stored, ids, embeddings, request.grids)
@@ -192,7 +213,7 @@ class VisionEncoderDeployment:
 
         try:
             return store_ids(kind, payload, http_request.query_params.getlist("id"), self.model_identity,
-                             self.encoder.processor, self.pixel_limits)
+                             self.encoder.processor, self.pixel_limits, self.max_items)
         except (TypeError, ValueError) as err:
             raise BadRequest(str(err)) from None
 
@@ -219,18 +240,32 @@ class VisionEncoderDeployment:
         """The request's media type and its raw content: the body's bytes, or a multipart form's
         files' bytes (read here, parsed in a thread)."""
         kind = http_request.headers.get("content-type", "").split(";")[0].strip().lower()  # case-insensitive
+        length = http_request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:  # refused before a byte of it is read
+            raise TooLarge(f"the body is {int(length)} bytes, above the server's max_body_bytes = {self.max_body_bytes}")
         if kind == "multipart/form-data":
             try:
-                form = await http_request.form()
+                form = await http_request.form(max_files=self.max_items, max_fields=self.max_items)
             except Exception as err:  # python-multipart's and starlette's parse errors
-                raise BadRequest(f"multipart body cannot be read: {err}") from None
+                raise BadRequest(f"multipart body cannot be read (at most max_items_per_request = {self.max_items} "
+                                 f"files): {err}") from None
             return kind, [await part.read() for _, part in form.multi_items() if hasattr(part, "read")]
         if kind.startswith("image/"):  # the body is one encoded image, as a newcomer sends it first
-            return "multipart/form-data", [await http_request.body()]
+            return "multipart/form-data", [await self._body(http_request)]
         if kind not in ("application/octet-stream", "application/json"):
             raise BadRequest(f"Content-Type must be application/octet-stream (safetensors), application/json, "
                              f"multipart/form-data or an image type (image/jpeg...), got {kind or 'none'!r}")
-        return kind, await http_request.body()
+        return kind, await self._body(http_request)
+
+    async def _body(self, http_request) -> bytes:
+        """The body's bytes, read no further than ``max_body_bytes`` (a body sent without a length)."""
+        chunks, size = [], 0
+        async for chunk in http_request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise TooLarge(f"the body is over the server's max_body_bytes = {self.max_body_bytes}")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _parse(self, kind: str, payload, as_json: bool = False) -> _Request:
         """A request's content -> a validated request (in a thread: parsing, decoding and checking
@@ -245,6 +280,7 @@ class VisionEncoderDeployment:
             missing = {"pixels", "grid_thw"} - set(tensors)
             if missing:
                 raise BadRequest(f"safetensors payload lacks {sorted(missing)}")
+            self._check_count(tensors["grid_thw"].shape[0] if tensors["grid_thw"].ndim else 1)
             request = self._validated(tensors["pixels"], tensors["grid_thw"])
             if as_json and request.pixels.dtype != torch.uint8 and not torch.isfinite(request.pixels).all():
                 raise BadRequest("pixels hold NaN or inf, and ?format=json cannot carry the embeddings they give "
@@ -257,10 +293,16 @@ class VisionEncoderDeployment:
             images = body["images"]
             if not isinstance(images, list):
                 raise TypeError("images must be a list")
+            self._check_count(len(images))  # before a single image is base64-decoded
             blobs = [base64.b64decode(image, validate=True) for image in images]
         except (ValueError, TypeError, RecursionError) as err:
             raise BadRequest(f"JSON body must be {{\"images\": [base64 image, ...]}}: {err}") from None
         return self._images(blobs)
+
+    def _check_count(self, items: int) -> None:
+        if items > self.max_items:
+            raise BadRequest(f"the request holds {items} items, above the server's max_items_per_request = "
+                             f"{self.max_items}; split it")
 
     def _images(self, images: list) -> _Request:
         """Images (encoded bytes or any form encode_images takes) -> their rows as one request:
@@ -269,8 +311,10 @@ class VisionEncoderDeployment:
             raise BadRequest("no images in the request")
         try:
             low, high = self.pixel_limits
+            self._check_count(len(images))
             rows, grid = self.encoder.image_rows(list(images), min_pixels=low, max_pixels=high,
-                                                 max_image_pixels=self.max_image_pixels)
+                                                 max_image_pixels=self.max_image_pixels,
+                                                 max_items_per_request=self.max_items)
         except (TypeError, ValueError) as err:
             raise BadRequest(str(err)) from None
         return _Request(rows, [tuple(g) for g in grid.tolist()])
@@ -280,7 +324,9 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
               dtype: str | None = None, num_replicas: int | str = 1, num_gpus: float | None = None,
               autoscaling_config: dict | None = None, num_cpus: float | None = None, max_ongoing_requests: int = DEFAULT_MAX_ONGOING,
               min_pixels: int | None = None, max_pixels: int | None = None,
-              max_image_pixels: int = SERVE_MAX_IMAGE_PIXELS, encoder_cache: str | None = None, **engine_options):
+              max_image_pixels: int = SERVE_MAX_IMAGE_PIXELS, encoder_cache: str | None = None,
+              max_items_per_request: int = MAX_ITEMS_PER_REQUEST, max_body_bytes: int = SERVE_MAX_BODY_BYTES,
+              **engine_options):
     """The Ray Serve application: ``num_replicas`` replicas (or ``autoscaling_config``), each
     holding one encoder on ``num_gpus`` GPUs (default: 1 where CUDA is present, else 0). With
     ``num_gpus=1`` Ray places one replica per GPU and gives each only its own device
@@ -293,12 +339,18 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
     checkpoint's processor's); a lower ``max_pixels`` bounds an image request's tokens.
     ``max_image_pixels``: the most pixels an uploaded image may declare (checked before decoding).
     ``encoder_cache``: a directory ``POST /encode?store=1`` writes images' embeddings to
-    (:mod:`vitgraph.serve_store`; vLLM's ``ECExampleConnector`` layout)."""
+    (:mod:`vitgraph.serve_store`; vLLM's ``ECExampleConnector`` layout).
+    ``max_items_per_request``: the most images (or grid rows) in one request, counted before
+    anything is decoded (400 above it); ``max_body_bytes``: the largest body read (413 above it).
+    ``model`` is found and its config and processor files read here, before any replica starts."""
     if encoder_cache is not None and not os.path.isdir(encoder_cache):
         raise ValueError(f"encoder_cache {encoder_cache}: is not an existing directory")
     check_pixel_arguments(min_pixels, max_pixels)  # refused here, not in a replica's start-up
     check_image_ceiling(max_image_pixels)
     check_engine_options(engine_options)  # refused here, not in a replica's start-up
+    check_request_caps(max_items_per_request, max_body_bytes)
+    if model:  # an unreachable Hub id or a broken checkpoint: one error here, not one per replica start
+        check_model(model)
     if num_gpus is None:
         num_gpus = 1 if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else 0
     actor = {"num_gpus": num_gpus}
@@ -310,4 +362,19 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
     return VisionEncoderDeployment.options(ray_actor_options=actor, max_ongoing_requests=max_ongoing_requests,
                                            **scale).bind(
         model=model, preset=preset, device=device, dtype=dtype, engine_options=engine_options, min_pixels=min_pixels, max_pixels=max_pixels,
-        max_image_pixels=max_image_pixels, encoder_cache=None if encoder_cache is None else os.path.abspath(encoder_cache))
+        max_image_pixels=max_image_pixels, encoder_cache=None if encoder_cache is None else os.path.abspath(encoder_cache),
+        max_items_per_request=max_items_per_request, max_body_bytes=max_body_bytes)
+
+
+def check_model(model: str) -> None:
+    """What a replica's start would refuse of ``model``, found and read on the caller's side: a
+    local folder with a config.json, or a Hub id that resolves (its vision shards are downloaded
+    here, into the cache the replicas on this machine read); its config and processor files read
+    and checked."""
+    from .loading import find_checkpoint, read_config
+    from .processor_files import read_processor, read_video_processor
+
+    files = find_checkpoint(model)
+    config = read_config(files)
+    read_processor(files, config)
+    read_video_processor(files, config)

@@ -93,3 +93,22 @@ def check_out(out, rows: int, width: int, device: torch.device, dtype: torch.dty
         raise TypeError(f"out must have dtype {dtype}, got {out.dtype}")
     if out.device != device:
         raise ValueError(f"out must be on {device}, got {out.device}")
+
+
+def check_finite_rows(pixels: torch.Tensor, grids: list[Grid], check: bool) -> None:
+    """With ``check`` (``encode``'s and ``submit``'s ``check_finite=True``), refuse float rows
+    holding a NaN or an inf, naming the items that hold them. Off by default: such rows are
+    encoded, and only their own item's embeddings come back non-finite. The check is one
+    reduction on the rows' device and one read back (uint8 rows are always finite)."""
+    if not isinstance(check, bool):
+        raise TypeError(f"check_finite must be a bool, got {check!r}")
+    if not check or pixels.dtype == torch.uint8 or pixels.shape[0] == 0:
+        return
+    finite = torch.isfinite(pixels).all(dim=1)
+    if bool(finite.all()):
+        return
+    ends = torch.tensor([t * h * w for t, h, w in grids]).cumsum(0)
+    items = torch.searchsorted(ends, (~finite).nonzero().flatten().cpu(), right=True).unique().tolist()
+    shown = ", ".join(f"{i} (grid_thw[{i}] = {grids[i]})" for i in items[:5])
+    more = f" and {len(items) - 5} more" if len(items) > 5 else ""
+    raise ValueError(f"pixels hold NaN or inf in item(s) {shown}{more}; check_finite=True refuses the call")

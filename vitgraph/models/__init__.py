@@ -59,6 +59,17 @@ def _qwen25(out_hidden_size: int) -> Qwen25VisionConfig:
                               out_hidden_size=out_hidden_size, window_size=112, fullatt_block_indexes=(7, 15, 23, 31))
 
 
+# The Qwen3.5 tower of each width (SPEC): 768 wide: 12 blocks of 12 heads, MLP 3072; 1024: 24 of
+# 16, MLP 4096; 1152: 27 of 16, MLP 4304. No deepstack mergers.
+_QWEN35_TOWERS = {768: (12, 12, 3072), 1024: (24, 16, 4096), 1152: (27, 16, 4304)}
+
+
+def _qwen35(width: int, out_hidden_size: int) -> Qwen35VisionConfig:
+    depth, heads, mlp = _QWEN35_TOWERS[width]
+    return Qwen35VisionConfig(depth=depth, hidden_size=width, num_heads=heads, intermediate_size=mlp,
+                              out_hidden_size=out_hidden_size)
+
+
 # Random-weight towers of the released shapes (the 2.5 sizes share one tower and differ in
 # the merger's output width), for demos and benchmarks.
 PRESETS = {"qwen2-vl-2b": VisionConfig(hidden_size=1536),  # the real Qwen2-VL-2B tower
@@ -73,8 +84,14 @@ PRESETS = {"qwen2-vl-2b": VisionConfig(hidden_size=1536),  # the real Qwen2-VL-2
                                              out_hidden_size=5120, deepstack_visual_indexes=(8, 16, 24)),
            # Qwen/Qwen3.6-27B's published config.json (model_type qwen3_5): vision_config depth 27,
            # width 1152, MLP 4304, 16 heads, out_hidden_size 5120, deepstack_visual_indexes [].
-           "qwen3.6-27b": Qwen35VisionConfig(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
-                                             out_hidden_size=5120)}
+           "qwen3.6-27b": _qwen35(1152, 5120),
+           # The Qwen3.5 tower's three widths (SPEC, "The Qwen3 tower's three widths"), named by width:
+           # the merger's output width differs by model and a checkpoint sets its own.
+           "qwen3.5-768": _qwen35(768, 1024),  # Qwen3.5-0.8B's tower
+           "qwen3.5-1024": _qwen35(1024, 2048),  # Qwen3.5-2B/4B's tower (4B: out 2560)
+           "qwen3.5-1152": _qwen35(1152, 5120),  # Qwen3.5-27B's tower
+           # transformers' Qwen4ExpVisionConfig defaults: the 1152-wide tower, out 3584.
+           "qwen4-exp": _qwen35(1152, 3584)}
 
 
 def family_of(config) -> Family:
