@@ -220,9 +220,10 @@ def test_the_cli_serves_until_interrupted(tmp_path, stop):
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err
     assert out == "", out[-3000:]  # no Ray line (its coloured "(raylet) ..." shutdown noise) on stdout either
-    # A quiet start: the status line, and (unless stopped first) the one that says what is served
-    # where; no Ray or Serve log line.
-    assert "random weights of the tiny preset" in err
+    # A quiet start: on a pipe no status line (a terminal's only), and the line that says what is
+    # served where unless the signal came first (a request can succeed before serve.run returns);
+    # no Ray or Serve log line.
+    assert not err.strip() or "random weights of the tiny preset" in err
     assert all(line.startswith(("starting Ray", "vitgraph serving random weights of the tiny preset on http"))
                for line in err.strip().splitlines()), err
 
