@@ -20,6 +20,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .files import read_regular_file
+from .validation import check_int
 
 # The most pixels an encoded image may declare (2**27: 16384 x 8192, 400 MB decoded).
 MAX_IMAGE_PIXELS = 1 << 27
@@ -46,8 +47,7 @@ MAX_ITEMS_PER_REQUEST = 4096
 def check_item_count(images, videos, cap) -> None:
     """Refuse a call of more than ``cap`` items (images plus the frames of every clip), from
     the lists' lengths alone, before any item is looked at."""
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-        raise ValueError(f"max_items_per_request must be a positive int, got {cap!r}")
+    check_int("max_items_per_request", cap)
     count = len(images) if isinstance(images, (list, tuple)) else 0
     if isinstance(videos, (list, tuple)):
         count += len(videos)  # at least a frame each: a cheap bound before the frames are counted

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .validation import check_int
+
 CACHE_FILE = "encoder_cache.safetensors"  # ECExampleConnector._generate_filename_debug
 CACHE_KEY = "ec_cache"  # ECExampleConnector.start_load_caches
 MARK = "vitgraph"  # safetensors metadata key: an entry vitgraph wrote (only those are replaced or evicted)
@@ -220,9 +222,8 @@ class EncoderCache:
     one directory should each keep their own bound in mind (eviction there is best effort)."""
 
     def __init__(self, directory, max_bytes: int | None = None, max_items: int | None = None) -> None:
-        for name, value in (("max_bytes", max_bytes), ("max_items", max_items)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        check_int("max_bytes", max_bytes, optional=True)
+        check_int("max_items", max_items, optional=True)
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise ValueError(f"encoder cache directory {self.directory}: is not an existing directory")

@@ -15,6 +15,7 @@ from .ops import kernels
 from .ops.attention import fa4_short_cap, resolve_backend
 from .ops.gemm import GEMM_BACKENDS, resolve_gemm
 from .tuning import Tuning, check_overrides
+from .validation import check_int
 
 MODES = ("auto", "graph", "eager")
 
@@ -54,11 +55,11 @@ class EngineOptions:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         for name in ("min_budget", "max_budget", "max_items"):
-            _check_int(name, getattr(self, name), minimum=1)
-        _check_int("pool_limit_bytes", self.pool_limit_bytes, minimum=1, optional=True)
-        _check_int("exact_eager_above", self.exact_eager_above, minimum=0, optional=True)
-        _check_int("compile_workers", self.compile_workers, minimum=0, optional=True)
-        _check_int("front_threads", self.front_threads, minimum=1, optional=True)
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("pool_limit_bytes", self.pool_limit_bytes, minimum=1, optional=True)
+        check_int("exact_eager_above", self.exact_eager_above, minimum=0, optional=True)
+        check_int("compile_workers", self.compile_workers, minimum=0, optional=True)
+        check_int("front_threads", self.front_threads, minimum=1, optional=True)
         if self.gemm not in ("auto",) + GEMM_BACKENDS:
             raise ValueError(f"gemm must be 'auto' or one of {GEMM_BACKENDS}, got {self.gemm!r}")
         if self.fuse is not None and not isinstance(self.fuse, bool):
@@ -143,14 +144,6 @@ def buckets_for(tower: VisionTower, options: EngineOptions, attention: str,
 
 def uses_graphs(options: EngineOptions, device: torch.device) -> bool:
     return options.mode == "graph" or (options.mode == "auto" and device.type == "cuda")
-
-
-def _check_int(name: str, value, *, minimum: int, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
 
 
 def resolve_device(device) -> torch.device:

@@ -38,7 +38,7 @@ from .decode import MAX_ITEMS_PER_REQUEST, check_image_ceiling
 from .encoder import GraphedVisionEncoder
 from .options import engine_options as check_engine_options
 from .preprocess import check_pixel_arguments, pixel_limits
-from .validation import check_pixels, check_rows, normalize_grid
+from .validation import check_int, check_pixels, check_rows, normalize_grid
 
 # The most pixels an encoded image in a request may declare: refused from its header, before
 # decoding (a small file can inflate to its declared size: 2**26 RGB pixels are 200 MB).
@@ -81,9 +81,8 @@ def _bad(message: str, status: int = 400):
 
 
 def check_request_caps(max_items_per_request, max_body_bytes) -> None:
-    for name, value in (("max_items_per_request", max_items_per_request), ("max_body_bytes", max_body_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_int("max_items_per_request", max_items_per_request)
+    check_int("max_body_bytes", max_body_bytes)
 
 
 @serve.deployment
@@ -357,8 +356,7 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
     if num_cpus is not None:
         actor["num_cpus"] = num_cpus
     scale = {"autoscaling_config": autoscaling_config} if autoscaling_config else {"num_replicas": num_replicas}
-    if isinstance(max_ongoing_requests, bool) or not isinstance(max_ongoing_requests, int) or max_ongoing_requests < 1:
-        raise ValueError(f"max_ongoing_requests must be a positive int, got {max_ongoing_requests!r}")
+    check_int("max_ongoing_requests", max_ongoing_requests)
     return VisionEncoderDeployment.options(ray_actor_options=actor, max_ongoing_requests=max_ongoing_requests,
                                            **scale).bind(
         model=model, preset=preset, device=device, dtype=dtype, engine_options=engine_options, min_pixels=min_pixels, max_pixels=max_pixels,

@@ -20,6 +20,15 @@ def _is_int(value) -> bool:
     return isinstance(value, np.integer)
 
 
+def check_int(name: str, value, *, minimum: int = 1, optional: bool = False) -> None:
+    """Refuse anything but an int (no bool) of at least ``minimum`` (``optional``: or None), by name."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
+
+
 def normalize_grid(grid_thw, merge_size: int) -> list[Grid]:
     """``grid_thw`` as a list of ``(t, h, w)`` ints, checked."""
     if isinstance(grid_thw, (torch.Tensor, np.ndarray)):
