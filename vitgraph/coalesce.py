@@ -69,6 +69,16 @@ class _Counters:
     alone: int = 0  # requests larger than one replay, each sent alone
     waits_ms: deque = field(default_factory=lambda: deque(maxlen=100_000))
 
+    def report(self, queued: int, in_flight: int, settings: dict[str, Any]) -> dict[str, Any]:
+        """``stats()["front"]``: these counts, the queue and the settings."""
+        waits = np.asarray(self.waits_ms, dtype=np.float64)
+        return {"requests": self.requests, "batches": self.batches, "alone": self.alone, "failed": self.failed,
+                "cancelled": self.cancelled,
+                "requests_per_batch": self.batched_requests / self.batches if self.batches else 0.0,
+                "queue_wait_ms": {"p50": float(np.percentile(waits, 50)) if waits.size else 0.0,
+                                  "p99": float(np.percentile(waits, 99)) if waits.size else 0.0},
+                "queued": queued, "in_flight": in_flight, **settings}
+
 
 def front_settings(encoder) -> dict[str, Any]:
     """What bounds a batch: the wait, and one replay of the largest bucket (its tokens and
@@ -83,8 +93,7 @@ def front_settings(encoder) -> dict[str, Any]:
 
 def idle_front_stats(encoder) -> dict[str, Any]:
     """``stats()["front"]`` of an encoder nobody has submitted to yet."""
-    return {"requests": 0, "batches": 0, "alone": 0, "failed": 0, "cancelled": 0, "requests_per_batch": 0.0,
-            "queue_wait_ms": {"p50": 0.0, "p99": 0.0}, "queued": 0, "in_flight": 0, **front_settings(encoder)}
+    return _Counters().report(0, 0, front_settings(encoder))
 
 
 class CoalescingFront:
@@ -158,12 +167,9 @@ class CoalescingFront:
             if encoder is None:
                 raise EncoderClosed("the encoder was garbage-collected before this request was encoded")
             with torch.inference_mode():
-                rows, grid = encoder.image_rows(images, videos, **kwargs)
-                first_clip = len(images) if images is not None else 0
-                rows = encoder.item_rows(rows, grid, first_clip)
+                rows, grid = encoder.encodable_rows(images, videos, **kwargs)
             grids = [tuple(g) for g in grid.tolist()]
-            counts = [t * h * w // encoder.tower.merge_unit for t, h, w in grids]
-            self._enqueue(encoder, rows, grids, rows.shape[0], future, lambda out: list(out.split(counts)))
+            self._enqueue(encoder, rows, grids, rows.shape[0], future, lambda out: encoder.per_item(out, grids))
         except Exception as err:
             self._fail([future], err)
 
@@ -234,7 +240,7 @@ class CoalescingFront:
         """Whether the queue holds a whole batch: its head and the requests that fit after it
         are followed by one that does not fit."""
         tokens = frames = 0
-        for i, request in enumerate(self._queue):
+        for request in self._queue:
             if request.alone or not self._fits(tokens, frames, request):
                 return True
             tokens, frames = tokens + request.tokens, frames + request.segments
@@ -384,14 +390,7 @@ class CoalescingFront:
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
-            c = self._counters
-            waits = np.asarray(c.waits_ms, dtype=np.float64)
-            return {"requests": c.requests, "batches": c.batches, "alone": c.alone, "failed": c.failed,
-                    "cancelled": c.cancelled,
-                    "requests_per_batch": c.batched_requests / c.batches if c.batches else 0.0,
-                    "queue_wait_ms": {"p50": float(np.percentile(waits, 50)) if waits.size else 0.0,
-                                      "p99": float(np.percentile(waits, 99)) if waits.size else 0.0},
-                    "queued": len(self._queue), "in_flight": self._in_flight, **self.settings()}
+            return self._counters.report(len(self._queue), self._in_flight, self.settings())
 
     def settings(self) -> dict[str, Any]:
         return dict(self._settings)

@@ -63,24 +63,25 @@ class ImageInput:
         ``max_items_per_request``: the most images plus video frames in one call (refused from
         the count, before anything is decoded).
         """
-        rows, grid = self.image_rows(images, videos, min_pixels=min_pixels, max_pixels=max_pixels,
-                                     preprocess=preprocess, decode=decode, max_image_pixels=max_image_pixels,
-                                     max_items_per_request=max_items_per_request)
+        rows, grid = self.encodable_rows(images, videos, min_pixels=min_pixels, max_pixels=max_pixels,
+                                         preprocess=preprocess, decode=decode, max_image_pixels=max_image_pixels,
+                                         max_items_per_request=max_items_per_request)
         if grid.shape[0] == 0:
             return []
-        rows = self.item_rows(rows, grid, len(images) if images is not None else 0)
         return self.per_item(self.encode(rows, grid), grid)
 
-    def item_rows(self, rows: torch.Tensor, grid: torch.Tensor, first_clip: int) -> torch.Tensor:
-        """:meth:`image_rows`' uint8 rows in the encoder's dtype on its device: the images'
-        normalised with the image processor's mean and std, the clips' (items from
-        ``first_clip`` on) with the video processor's where they differ."""
+    def encodable_rows(self, images=None, videos=None, **image_rows_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """What :meth:`encode_images` (and ``submit_images``) encode: :meth:`image_rows`' rows in
+        the encoder's dtype on its device, the images' normalised with the image processor's mean
+        and std, the clips' with the video processor's where they differ; and ``grid_thw``."""
+        rows, grid = self.image_rows(images, videos, **image_rows_kwargs)
+        first_clip = len(images) if images is not None else 0
         if first_clip < grid.shape[0] and self._video_statistics is not None:
             split = int(grid[:first_clip].prod(-1).sum())
             rows = rows.to(self.device, non_blocking=True)
             return torch.cat([self.normalized_rows(rows[:split]),
-                              normalize_rows(rows[split:], *self._video_statistics, self.dtype)])
-        return self.normalized_rows(rows)
+                              normalize_rows(rows[split:], *self._video_statistics, self.dtype)]), grid
+        return self.normalized_rows(rows), grid
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._host_pool is None:
