@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 import re
 import stat
-import tempfile
 from pathlib import Path
+
+from .files import save_atomically
 
 
 def check_out(out: str, inputs: list[Path], force: bool) -> Path:
@@ -66,18 +67,12 @@ def write_atomically(tensors: dict, out: Path, metadata: dict) -> None:
     """Write through a temporary file in ``out``'s folder, then rename it over ``out``: a failed
     write (a full disk) leaves the old file as it was, and is one ValueError naming ``out``."""
     from safetensors import SafetensorError
-    from safetensors.torch import save_file
 
-    fd, name = tempfile.mkstemp(dir=out.resolve().parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
     existed = out.exists()
     try:
         old_mode = stat.S_IMODE(os.stat(out).st_mode) if existed else 0o644
-        save_file(tensors, name, metadata=metadata)
-        os.chmod(name, old_mode)
-        os.replace(name, out)
+        save_atomically(tensors, out.resolve().parent / out.name, metadata, mode=old_mode, suffix=".tmp")
     except BaseException as err:
-        os.unlink(name)
         # safetensors reports a full disk as a SafetensorError (an IoError inside), not an OSError
         if isinstance(err, (OSError, SafetensorError)) or (isinstance(err, Exception) and _names_io(err)):
             what = getattr(err, "strerror", None) or _io_message(err)

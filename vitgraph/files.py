@@ -1,10 +1,11 @@
-"""Bounded reads of regular files named by a path (image files, JSON configs). Standard library
-only, so that any layer may import it."""
+"""Bounded reads of regular files named by a path (image files, JSON configs), and the atomic
+write of a safetensors file. Standard library only at import, so that any layer may import it."""
 
 from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 
@@ -39,3 +40,22 @@ def read_regular_file(path: str | os.PathLike, max_bytes: int, what: str) -> byt
     if len(data) > max_bytes:
         raise ValueError(f"{path}: grew past the {max_bytes}-byte limit while read")
     return data
+
+
+def save_atomically(tensors: dict, target: Path, metadata: dict, *, mode: int, suffix: str) -> None:
+    """Write ``tensors`` as safetensors to a temporary file beside ``target`` (named ``.NAME.*SUFFIX``),
+    fsync it, give it ``mode`` and rename it over ``target``: a reader sees the whole file or the
+    old one. On any failure the temporary file is removed and the error raised as it came."""
+    from safetensors.torch import save_file
+
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=suffix)
+    os.close(fd)
+    try:
+        save_file(tensors, name, metadata=metadata)
+        with open(name, "rb") as f:
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.chmod(name, mode)
+        os.replace(name, target)
+    except BaseException:
+        os.unlink(name)
+        raise

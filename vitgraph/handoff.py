@@ -20,13 +20,13 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import threading
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from .files import save_atomically
 from .validation import check_int
 
 CACHE_FILE = "encoder_cache.safetensors"  # ECExampleConnector._generate_filename_debug
@@ -145,24 +145,15 @@ def write_encoder_cache(directory, item_id: str, embeddings: torch.Tensor) -> Pa
     (safetensors metadata ``{"vitgraph": "1", "item_id": ...}``); a file there without it is
     someone else's and is refused, untouched. ``directory`` must exist; nothing else is written.
     Qwen3-VL into vLLM: keep vLLM's tower on (see the module's docstring)."""
-    from safetensors.torch import save_file
-
     item = check_item_id(item_id)
     tensor = _check_embeddings(item, embeddings)
     folder, made = _item_folder(Path(directory), item)
     target = folder / CACHE_FILE
     if os.path.lexists(target) and not _is_ours(target):
         raise ValueError(f"item {item}: {target} was not written by vitgraph; left untouched")
-    fd, name = tempfile.mkstemp(dir=folder, prefix=f".{CACHE_FILE}.", suffix=TEMP_SUFFIX)
     try:
-        os.close(fd)
-        save_file({CACHE_KEY: tensor}, name, metadata={MARK: "1", "item_id": item})
-        with open(name, "rb") as f:
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.chmod(name, 0o644)
-        os.replace(name, target)
+        save_atomically({CACHE_KEY: tensor}, target, {MARK: "1", "item_id": item}, mode=0o644, suffix=TEMP_SUFFIX)
     except BaseException:
-        os.unlink(name)
         if made:
             os.rmdir(folder)
         raise

@@ -73,11 +73,11 @@ class TooLarge(BadRequest):
     status = 413
 
 
-def _bad(message: str, status: int = 400):
+def _bad(message: str, status: int = 400, headers: dict | None = None):
     """A 400 (or ``status``) answer: the message, as plain text."""
     from starlette.responses import Response
 
-    return Response(message, status_code=status, media_type="text/plain")
+    return Response(message, status_code=status, headers=headers, media_type="text/plain")
 
 
 def check_request_caps(max_items_per_request, max_body_bytes) -> None:
@@ -181,9 +181,9 @@ class VisionEncoderDeployment:
         from starlette.responses import Response
 
         if http_request.url.path.rstrip("/").split("/")[-1] != "encode":
-            return Response("not found: POST /encode", status_code=404, media_type="text/plain")
+            return _bad("not found: POST /encode", 404)
         if http_request.method != "POST":
-            return Response("POST /encode", status_code=405, headers={"Allow": "POST"}, media_type="text/plain")
+            return _bad("POST /encode", 405, {"Allow": "POST"})
         loop = asyncio.get_running_loop()
         answer_format = http_request.query_params.get("format", "safetensors")
         if answer_format not in ("safetensors", "json"):
@@ -204,7 +204,7 @@ class VisionEncoderDeployment:
         try:
             body, media = await loop.run_in_executor(None, self._answer, embeddings, request.grids, as_json)
         except ValueError:  # finite pixels whose embeddings overflowed: strict JSON cannot carry them
-            return Response("the embeddings are not finite; ask for safetensors", status_code=500)
+            return _bad("the embeddings are not finite; ask for safetensors", 500)
         return Response(body, media_type=media, headers={"X-Vitgraph-Replica": self.replica})
 
     def _store_ids(self, http_request, kind: str, payload) -> list[str]:
@@ -224,7 +224,7 @@ class VisionEncoderDeployment:
         try:
             body = store(self.cache, ids, self.encoder.per_item(embeddings, grids), grids)
         except ValueError as err:  # a foreign file at an id's path, non-finite embeddings
-            return Response(str(err), status_code=409)
+            return _bad(str(err), 409)
         return Response(body, media_type="application/json", headers={"X-Vitgraph-Replica": self.replica})
 
     @staticmethod
