@@ -29,9 +29,7 @@ import argparse
 import gc
 import io
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -64,49 +62,32 @@ def make_traffic(name: str, count: int, seed: int) -> list[bytes]:
 
 def closed_loop(send, blobs: list[bytes], callers: int, requests: int) -> dict:
     """``callers`` threads sending ``requests`` requests (image ``i % len(blobs)``) back to back."""
-    latencies: list[float] = []
-    lock = threading.Lock()
-    issued = [0]
-
-    def caller():
-        while True:
-            with lock:
-                i = issued[0]
-                if i >= requests:
-                    return
-                issued[0] += 1
-            start = time.perf_counter()
-            send(blobs[i % len(blobs)])
-            elapsed = time.perf_counter() - start
-            with lock:
-                latencies.append(elapsed)
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(callers) as pool:
-        for future in [pool.submit(caller) for _ in range(callers)]:
-            future.result()
-    wall = time.perf_counter() - start
-    ms = np.asarray(latencies) * 1000
-    return {"images_per_s": requests / wall, "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99)), "requests": requests, "seconds": wall}
+    latencies, wall = common.closed_loop(lambda i: send(blobs[i % len(blobs)]), requests, callers)
+    return _rates(latencies, requests, wall)
 
 
 def grouped(enc, blobs: list[bytes], requests: int) -> dict:
     """One caller, ``GROUP`` requests to a call; each request's latency is its call's."""
-    stream_sync = (lambda: torch.cuda.current_stream(enc.device).synchronize()) if enc.device.type == "cuda" \
-        else (lambda: None)
     latencies = []
     start = time.perf_counter()
     for first in range(0, requests, GROUP):
         group = [blobs[i % len(blobs)] for i in range(first, min(first + GROUP, requests))]
         t0 = time.perf_counter()
         enc.encode_images(group)
-        stream_sync()
-        latencies += [time.perf_counter() - t0] * len(group)
-    wall = time.perf_counter() - start
-    ms = np.asarray(latencies) * 1000
-    return {"images_per_s": requests / wall, "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99)), "requests": requests, "seconds": wall}
+        _stream_sync(enc)
+        latencies += [(time.perf_counter() - t0) * 1e3] * len(group)
+    return _rates(latencies, requests, time.perf_counter() - start)
+
+
+def _rates(latencies_ms: list[float], requests: int, wall: float) -> dict:
+    return {"images_per_s": requests / wall, "p50_ms": float(np.percentile(latencies_ms, 50)),
+            "p99_ms": float(np.percentile(latencies_ms, 99)), "requests": requests, "seconds": wall}
+
+
+def _stream_sync(enc) -> None:
+    """The caller's stream done (not the device: other callers' work may still run)."""
+    if enc.device.type == "cuda":
+        torch.cuda.current_stream(enc.device).synchronize()
 
 
 def gpu_busy(enc, blobs: list[bytes], groups: int) -> float | None:
@@ -136,12 +117,9 @@ def gpu_busy(enc, blobs: list[bytes], groups: int) -> float | None:
 
 
 def senders(enc) -> dict:
-    cuda = enc.device.type == "cuda"
-
     def per_call(blob):
         enc.encode_images([blob])
-        if cuda:
-            torch.cuda.current_stream(enc.device).synchronize()
+        _stream_sync(enc)
 
     def coalesced(blob):
         enc.submit_images([blob]).result(timeout=300)

@@ -10,7 +10,9 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable
@@ -27,6 +29,30 @@ Grid = tuple[int, int, int]
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def closed_loop(send: Callable[[int], object], requests: int, clients: int) -> tuple[list[float], float]:
+    """``clients`` threads calling ``send(i)`` for ``i`` in ``range(requests)``, each its next
+    as soon as its last returns: each call's ms and the loop's wall seconds."""
+    lock, next_index, latencies = threading.Lock(), [0], []
+
+    def client():
+        while True:
+            with lock:
+                i = next_index[0]
+                next_index[0] += 1
+            if i >= requests:
+                return
+            start = time.perf_counter()
+            send(i)
+            with lock:
+                latencies.append((time.perf_counter() - start) * 1e3)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        for future in [pool.submit(client) for _ in range(clients)]:
+            future.result()
+    return latencies, time.perf_counter() - start
 
 
 def call_times_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> list[float]:

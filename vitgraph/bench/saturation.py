@@ -9,11 +9,9 @@ clients post over HTTP and the wall clock is the measure.
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 import urllib.request
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -93,25 +91,7 @@ def handle_closed_loop(handle, pixels_for, grids, clients: int) -> dict:
 
 
 def _threaded_closed_loop(send, grids, clients: int) -> dict:
-    lock, next_index, latencies = threading.Lock(), [0], []
-
-    def client():
-        while True:
-            with lock:
-                i = next_index[0]
-                next_index[0] += 1
-            if i >= len(grids):
-                return
-            start = time.perf_counter()
-            send(i)
-            with lock:
-                latencies.append((time.perf_counter() - start) * 1e3)
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        for future in [pool.submit(client) for _ in range(clients)]:
-            future.result()
-    seconds = time.perf_counter() - start
+    latencies, seconds = common.closed_loop(send, len(grids), clients)
     return _summary(latencies, len(grids), sum(t * h * w for t, h, w in grids), seconds, [])
 
 
