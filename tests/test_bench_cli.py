@@ -373,3 +373,24 @@ def test_the_kernel_profile_sums_time_by_class(tmp_path):
         assert {"gemm", "attention"} <= set(entry["ms_per_class"])
         assert abs(sum(entry["ms_per_class"].values()) - entry["total_ms"]) < 1e-6 and entry["total_ms"] > 0
     # No ordering of the two totals: on a busy CPU the 16x larger case has come out faster.
+
+
+def test_bench_coalesce_writes_the_issues_schema_and_reprints_it(tmp_path, capsys):
+    from vitgraph.bench.coalesce import main as coalesce_main
+
+    out = tmp_path / "coalesce.json"
+    assert coalesce_main(["--callers", "2", "--traffic", "thumbs", "--scale", "0.02", "--images", "3",
+                          "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert isinstance(result["gpu"], str)
+    modes = {(c["mode"], c["callers"]) for c in result["cases"]}
+    assert modes == {("grouped", 1), ("per_call", 2), ("coalesced", 2)}
+    for case in result["cases"]:
+        assert case["model"] == "tiny" and case["traffic"] == "thumbs"
+        assert case["images_per_s"] > 0 and 0 < case["p50_ms"] <= case["p99_ms"]
+    coalesced = next(c for c in result["cases"] if c["mode"] == "coalesced")
+    assert coalesced["requests_per_batch"] >= 1 and coalesced["front_threads"] >= 1
+    capsys.readouterr()
+    assert coalesce_main(["--from-json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "coalesced" in printed and "grouped" in printed
