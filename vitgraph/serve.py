@@ -57,7 +57,6 @@ class _Request:
 
     def __init__(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> None:
         self.pixels, self.grids = pixels, grids
-        self.tokens = pixels.shape[0]
         self.submitted: Future | None = None  # its embeddings, once handed to the encoder's front
 
 
