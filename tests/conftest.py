@@ -51,3 +51,13 @@ def graph_enc(weights):
 def eager_enc(weights):
     from helpers import make
     return make(weights, mode="eager")
+
+
+@pytest.fixture
+def png(tmp_path):
+    """A small PNG file (56 x 84, green) in the test's folder."""
+    from PIL import Image
+
+    path = tmp_path / "x.png"
+    Image.new("RGB", (56, 84), "green").save(path)
+    return path

@@ -260,3 +260,14 @@ def load_frames(bank, bucket, grids):
     pixels = random_pixels(grids, width=bank.static_pixels.shape[1], seed=bucket.tokens).cuda().bfloat16()
     bank.load(bucket, pixels, bank.stage(padded_batch(bank.model, bucket, grids)))
     return grids, tokens
+
+
+def png_bytes(size, color) -> bytes:
+    """An encoded PNG of ``size`` (width, height) in one ``color``."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, "PNG")
+    return buffer.getvalue()

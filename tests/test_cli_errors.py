@@ -17,13 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def png(tmp_path):
-    path = tmp_path / "x.png"
-    Image.new("RGB", (56, 84), "green").save(path)
-    return path
-
-
-@pytest.fixture
 def no_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")

@@ -6,17 +6,9 @@ import errno
 import os
 
 import pytest
-from PIL import Image
 from helpers import write_checkpoint
 
 from vitgraph.cli import main as cli_main
-
-
-@pytest.fixture
-def png(tmp_path):
-    path = tmp_path / "x.png"
-    Image.new("RGB", (56, 84), "green").save(path)
-    return path
 
 
 def run(args, capsys):

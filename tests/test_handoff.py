@@ -3,7 +3,6 @@ key, values equal to encode_images), atomic writes (a writer killed mid-write le
 at the consumer's path), id refusal, foreign files left alone, bounded eviction of vitgraph's
 own entries, the CLI form, and SGLang's precomputed-embedding item."""
 
-import io
 import os
 import signal
 import subprocess
@@ -12,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from PIL import Image
+from helpers import png_bytes as png
 from safetensors.torch import load_file, save_file
 
 from vitgraph import GraphedVisionEncoder
@@ -23,12 +22,6 @@ from vitgraph.handoff import (CACHE_FILE, CACHE_KEY, EncoderCache, clean, encode
 @pytest.fixture(scope="module")
 def enc():
     return GraphedVisionEncoder.from_config("tiny", device="cpu")
-
-
-def png(size, color) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, color).save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def test_files_hold_ec_cache_equal_to_encode_images(enc, tmp_path):

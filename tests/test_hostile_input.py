@@ -328,13 +328,6 @@ def test_truncated_and_unsupported_files_name_the_item(tmp_path):
 
 # -- the CLI ----------------------------------------------------------------------------
 
-@pytest.fixture
-def png(tmp_path):
-    path = tmp_path / "x.png"
-    Image.new("RGB", (56, 84), "green").save(path)
-    return path
-
-
 def run_cli(args, capsys):
     code = cli_main([str(a) for a in args])
     captured = capsys.readouterr()

@@ -3,12 +3,11 @@ embeddings written to the encoder cache (vitgraph.handoff's layout, equal to enc
 the answer their ids and grids as JSON; store=1 refused without a cache, and for rows."""
 
 import base64
-import io
 import json
 import os
 
 import pytest
-from PIL import Image
+from helpers import png_bytes as png
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -35,12 +34,6 @@ def app(tmp_path_factory):
     yield f"http://127.0.0.1:{port}/encode", cache
     serve.shutdown()
     ray.shutdown()
-
-
-def png(size, color) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, color).save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def test_store_writes_the_items_and_answers_ids_and_grids(app):
