@@ -106,6 +106,41 @@ def test_help_and_argument_errors_import_no_torch():
     assert proc.returncode == 0 and "usage: vitgraph" in proc.stdout
 
 
+@pytest.mark.parametrize("args, exit_code, words", [
+    (["bench", "--help"], 0, "usage: vitgraph bench "),
+    (["bench", "--iters", "0"], 2, "argument --iters: must be at least 1, got 0"),
+    (["bench", "--case", "bad"], 2, "--case must look like name=t,h,w+t,h,w, got 'bad'"),
+    (["bench-serving", "--help"], 0, "usage: vitgraph bench-serving"),
+    (["bench-serving", "--loads", "0"], 2, "argument --loads: must be a positive finite number, got 0"),
+    (["bench-images", "--help"], 0, "usage: vitgraph bench-images"),
+    (["bench-images", "--systems", "nope"], 2, "argument --systems: invalid choice: 'nope'"),
+    (["bench-coalesce", "--help"], 0, "usage: vitgraph bench-coalesce"),
+    (["bench-coalesce", "--traffic", "nope"], 2, "argument --traffic: invalid choice: 'nope'"),
+])
+def test_bench_help_and_argument_errors_import_no_torch(args, exit_code, words):
+    code = ("import sys, vitgraph.cli\ntry:\n    vitgraph.cli.main(ARGS)\nexcept SystemExit as e:\n"
+            "    print(e.code, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code.replace("ARGS", repr(args))], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.split()[-2:] == [str(exit_code), "False"], (proc.stdout, proc.stderr)
+    assert words in (proc.stdout if exit_code == 0 else proc.stderr), (proc.stdout, proc.stderr)
+
+
+def test_the_bench_parsers_describe_their_modules():
+    """``--help``'s description (vitgraph.bench.args, read without torch) is the first paragraph
+    of the benchmark module's docstring, and the library uses the torch-free names."""
+    from vitgraph import preprocess
+    from vitgraph.bench import args, coalesce, images, latency, serving
+    from vitgraph.ops import attention, backend_names, gemm
+
+    for command, module in (("bench", latency), ("bench-serving", serving), ("bench-images", images),
+                            ("bench-coalesce", coalesce)):
+        assert args.PARSERS[command]().description == module.__doc__.split("\n\n")[0], command
+    assert attention.BACKENDS is backend_names.BACKENDS and attention.FLASH_BACKENDS is backend_names.FLASH_BACKENDS
+    assert gemm.GEMM_BACKENDS is backend_names.GEMM_BACKENDS and serving.build_parser().get_default("max_pixels") \
+        == preprocess.MAX_PIXELS == preprocess.ProcessorConfig().max_pixels
+
+
 def test_the_cheap_preset_names_are_the_presets():
     from vitgraph.models import PRESETS
     from vitgraph.preset_names import PRESET_NAMES

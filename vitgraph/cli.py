@@ -342,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in benches:  # the benchmarks own their arguments
         import importlib
 
+        from .bench.args import PARSERS
+
+        PARSERS[argv[0]]().parse_args(argv[1:])  # --help and argument errors exit here, before torch is imported
         module = benches[argv[0]]
         _quiet_libraries(verbose=False)
         return _run(argv[0], lambda: importlib.import_module(f".bench.{module}", __package__).main(argv[1:]))

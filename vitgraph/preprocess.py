@@ -18,11 +18,10 @@ from PIL import Image
 
 from .decode import MAX_IMAGE_PIXELS, to_rgb_pil
 from .ops.normalize import column_statistics, normalize_rows
+from .pixel_defaults import MAX_PIXELS, MIN_PIXELS
 
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's
 IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
-MIN_PIXELS = 56 * 56
-MAX_PIXELS = 12845056  # the Hub preprocessor_config.json value for Qwen2-VL
 PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE_SIZE = 14, 2, 2
 # The most pixels min_pixels and max_pixels may ask for (16384 x 16384): above it a resize
 # alone takes gigabytes.

@@ -37,10 +37,8 @@ from PIL import Image
 
 from .. import GraphedVisionEncoder
 from . import common
+from .args import MODES, TRAFFIC, coalesce_parser as build_parser
 
-TRAFFIC = {"thumbs": ((112, 256), (112, 256)), "small": ((112, 640), (112, 480)),
-           "large": ((1280, 1920), (720, 1080))}  # (width range, height range)
-MODES = ("per_call", "coalesced", "grouped")
 SERVE_MODES = ("serve_http", "serve_handle")
 GROUP = 16
 
@@ -242,27 +240,7 @@ def _report(case: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vitgraph bench-coalesce", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=None,
-                        help="random-weight presets (default: qwen2-vl-2b qwen3-vl-8b on CUDA, tiny elsewhere)")
-    parser.add_argument("--traffic", nargs="+", default=list(TRAFFIC), choices=list(TRAFFIC))
-    parser.add_argument("--callers", type=common.positive_int, nargs="+", default=[1, 8, 32, 128])
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--images", type=common.positive_int, default=48, help="distinct JPEGs per traffic")
-    parser.add_argument("--scale", type=common.positive_float, default=1.0, help="requests per case, scaled")
-    parser.add_argument("--max-wait-ms", type=float, default=2.0, help="the front's max_wait_ms (default 2)")
-    parser.add_argument("--front-threads", type=common.positive_int, default=None,
-                        help="the front's preprocessing threads (default: the encoder's)")
-    parser.add_argument("--wait-sweep", type=float, nargs="*", default=[],
-                        help="also run thumbs through fronts with these max_wait_ms (first preset)")
-    parser.add_argument("--serve", action="store_true", help="also vitgraph serve (Ray Serve, one replica)")
-    parser.add_argument("--port", type=common.positive_int, default=8765, help="the Ray Serve app's port (--serve)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write {gpu, cases, ...} here")
-    parser.add_argument("--plot", default=None, help="write a PNG plot of images/s against callers here")
-    parser.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
-                        help="run nothing: print (and --plot) the cases of these result files")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.from_json:
         import json
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import platform
@@ -276,28 +275,6 @@ def case_flops(tower, grids: list[Grid]) -> float:
 
 def floor_ms(flops: float, weight_bytes: int, ceilings: dict[str, float]) -> float:
     return max(flops / (ceilings["gemm_tflops"] * 1e9), weight_bytes / (ceilings["copy_tbps"] * 1e9))
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
 
 
 GPU_SYSTEMS = ("vitgraph_graph", "torch_compile")  # systems that need CUDA

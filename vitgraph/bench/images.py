@@ -24,7 +24,6 @@ client (:mod:`vitgraph.bench.images_serve`).
 
 from __future__ import annotations
 
-import argparse
 import io
 import random
 import sys
@@ -43,8 +42,9 @@ from ..device_preprocess import rows_of, upload
 from ..preprocess import pixel_limits, preprocess_images
 from .. import cli_args
 from . import common
+from .args import CPU_DEFAULTS, GPU_DEFAULTS
+from .args import IMAGES_SYSTEMS as SYSTEMS, images_parser as build_parser
 
-SYSTEMS = ["hf_pil", "hf_torchvision", "vitgraph_host", "vitgraph_device", "vitgraph_gpu_decode"]
 STAGES = ("decode", "preprocess", "copy", "encode")
 # (name, width, height, kind): the serving mix's still images.
 IMAGES = [("thumbnail", 224, 224, "photo"), ("photo 640x480", 640, 480, "photo"),
@@ -225,41 +225,9 @@ def _p(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-# On a CPU (eager, no graphs) the full defaults take many minutes: these finish in about a minute.
-GPU_DEFAULTS = {"repeats": 5, "concurrency": [1, 8], "saturation_images": 64, "max_pixels": None}
-CPU_DEFAULTS = {"repeats": 1, "concurrency": [1, 2], "saturation_images": 14, "max_pixels": 1280 * 28 * 28}
 SATURATION_NOTE = ("img/s C=N: N caller threads, each sending one image per call back to back, over --saturation-images "
                    "images cycled through the same set; images / the run's wall time. At C=1 that is 1000 / the mean "
                    "ms of the mix (not 1000 / p50: the large images weigh in the mean); at C>1 calls overlap.")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vitgraph bench-images", description=__doc__.split("\n\n")[0])
-    cli_args.add_model_args(parser)
-
-    def default(key: str) -> str:
-        gpu, cpu = (" ".join(map(str, d[key])) if isinstance(d[key], list) else d[key]
-                    for d in (GPU_DEFAULTS, CPU_DEFAULTS))
-        return f"default {gpu or 'the processor limit'} on a GPU, {cpu} on a CPU"
-
-    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS, metavar="SYSTEM",
-                        help=f"systems to run (default: all that can run here): {', '.join(SYSTEMS)}")
-    parser.add_argument("--repeats", type=common.positive_int, default=None,
-                        help=f"passes over the image set for the per-image times ({default('repeats')})")
-    parser.add_argument("--concurrency", type=common.positive_int, nargs="+", default=None,
-                        help=f"caller threads for the saturation runs ({default('concurrency')})")
-    parser.add_argument("--saturation-images", type=common.positive_int, default=None,
-                        help=f"images per saturation run ({default('saturation_images')})")
-    parser.add_argument("--max-pixels", type=common.positive_int, default=None,
-                        help=f"resize images to at most this many pixels ({default('max_pixels')})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the image set (default 0)")
-    parser.add_argument("--serve", action="store_true",
-                        help="also start vitgraph serve (Ray Serve, one replica; needs vitgraph[serve]) and measure "
-                             "it at saturation with the JPEGs and with the same images as rows")
-    parser.add_argument("--port", type=common.positive_int, default=8765,
-                        help="the Ray Serve app's port, with --serve (default 8765)")
-    parser.add_argument("--json", default=None, help="write the results to this JSON file (default: none)")
-    return parser
 
 
 def _fill_defaults(args, on_gpu: bool) -> None:

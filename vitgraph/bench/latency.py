@@ -15,7 +15,6 @@ Prints a table of median milliseconds per call; ``--json`` and ``--plot`` write 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import sys
@@ -24,23 +23,11 @@ from pathlib import Path
 
 import torch
 
-from ..ops.attention import BACKENDS
-from ..ops.gemm import GEMM_BACKENDS
 from .. import cli_args
 from . import common
+from .args import CASES, CPU_CASES, ITERS, WARMUP
+from .args import LATENCY_SYSTEMS as SYSTEMS, latency_parser as build_parser
 
-CASES = {
-    "1x256": [(1, 16, 16)],
-    "1x1024": [(1, 32, 32)],
-    "1x4096": [(1, 64, 64)],
-    "4x1024": [(1, 32, 32)] * 4,
-    "16x256": [(1, 16, 16)] * 16,
-    "video-8x16x28": [(8, 16, 28)],
-    "1x9604": [(1, 98, 98)],
-}
-CPU_CASES = ("1x256", "1x1024", "4x1024", "16x256")  # about a minute on 2 cores with the CPU's --iters
-SYSTEMS = ("hf_eager", "vitgraph_eager", "vitgraph_graph", "torch_compile")
-ITERS, WARMUP = {"gpu": 30, "cpu": 10}, {"gpu": 5, "cpu": 2}
 CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
@@ -51,45 +38,6 @@ def select_cases(names: list[str], frames: list[str] = ()) -> dict[str, list[tup
         h, w = (int(v) for v in frame.split("x"))
         cases[f"1 frame {h}x{w}"] = [(1, h, w)]
     return cases
-
-
-def parse_case(text: str) -> tuple[str, list[tuple[int, int, int]]]:
-    """``name=t,h,w+t,h,w`` -> (name, grids)."""
-    try:
-        name, spec = text.split("=", 1)
-        grids = [tuple(int(v) for v in part.split(",")) for part in spec.split("+")]
-        if not name or any(len(g) != 3 for g in grids):
-            raise ValueError
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--case must look like name=t,h,w+t,h,w, got {text!r}") from None
-    return name, grids
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vitgraph bench", description=__doc__.split("\n\n")[0])
-    cli_args.add_model_args(p)
-    p.add_argument("--cases", nargs="*", default=None, choices=list(CASES), metavar="CASE",
-                   help=f"case names from {list(CASES)} (default: all on a GPU, {' '.join(CPU_CASES)} on a CPU)")
-    p.add_argument("--case", action="append", type=parse_case, default=[], help="an extra case: name=t,h,w+t,h,w (default: none)")
-    p.add_argument("--systems", nargs="*", default=None, choices=SYSTEMS, metavar="SYSTEM",
-                   help=f"subset of {SYSTEMS} (default: all on a GPU, the two eager ones on a CPU)")
-    p.add_argument("--attention", default="auto", choices=("auto",) + BACKENDS,
-                   help="the encoders' attention backend (EngineOptions.attention; default auto)")
-    p.add_argument("--gemm", default="auto", choices=("auto",) + GEMM_BACKENDS,
-                   help="the encoders' fc1/qkv GEMM backend (EngineOptions.gemm; default auto)")
-    p.add_argument("--iters", type=common.positive_int, default=None,
-                   help=f"timed calls per case and system (default {ITERS['gpu']} on a GPU, {ITERS['cpu']} on a CPU)")
-    p.add_argument("--warmup", type=common.non_negative_int, default=None,
-                   help=f"untimed calls before them (default {WARMUP['gpu']} on a GPU, {WARMUP['cpu']} on a CPU)")
-    p.add_argument("--preheat", type=float, default=0.0,
-                   help="seconds of back-to-back calls before each system is timed on each case, so that it "
-                        "is timed at the clock a GPU holds under sustained load (default 0: timed in whatever "
-                        "state the system before it left)")
-    p.add_argument("--max-budget", type=common.positive_int, default=16384,
-                   help="the largest bucket's patch tokens (default 16384)")
-    p.add_argument("--json", help="write the full result here (default: none)")
-    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib; default: none)")
-    return p
 
 
 def compiled_system(encoder):

@@ -14,7 +14,6 @@ latency and throughput per system and load; prints a table; ``--json`` writes th
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -26,9 +25,10 @@ from tqdm.auto import tqdm
 
 from ..engine import fit_budgets
 from ..options import EngineOptions
-from ..preprocess import MAX_PIXELS, MIN_PIXELS, smart_resize
+from ..preprocess import MIN_PIXELS, smart_resize
 from .. import cli_args
 from . import common
+from .args import serving_parser as build_parser
 
 # (kind, width, height, frames, weight): photos, screenshots and short clips.
 MIX = [
@@ -105,38 +105,6 @@ def medians_across_seeds(runs: list[dict]) -> list[dict]:
     return [{"load_rps": load, "system": system, "streams": len(group),
              **{key: statistics.median(r[key] for r in group) for key in ("p50_ms", "p90_ms", "p99_ms", "utilisation")}}
             for (load, system), group in groups.items()]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vitgraph bench-serving", description=__doc__.split("\n\n")[0])
-    cli_args.add_model_args(p)
-    p.add_argument("--loads", type=common.positive_float, nargs="*", default=None,
-                   help="offered loads, requests per second")
-    p.add_argument("--requests", type=common.positive_int, default=None, help="requests per load")
-    p.add_argument("--systems", nargs="*", default=None, choices=("hf_eager", "vitgraph_eager", "vitgraph_graph"),
-                   metavar="SYSTEM", help="subset of hf_eager vitgraph_eager vitgraph_graph")
-    p.add_argument("--max-pixels", type=common.positive_int, default=MAX_PIXELS,
-                   help="the largest image area a simulated request asks for")
-    p.add_argument("--seed", type=int, default=0, help="the request stream's random seed")
-    p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
-                   help="run each load on several request streams (instead of --seed) and also report, per "
-                        "system and load, the median of each percentile across them: one stream's p99 is set "
-                        "by a handful of calls, so A/Bs should compare several")
-    p.add_argument("--fit-budgets", type=common.positive_int, metavar="N",
-                   help="give the graph system at most N budgets fitted (vitgraph.engine.fit_budgets) to "
-                        "another sample of the mix, one request per step, instead of the default ladder")
-    p.add_argument("--closed-loop", type=common.positive_int, nargs="+", metavar="C",
-                   help="instead of the open-loop loads: C concurrent clients with no think time each, "
-                        "reporting throughput at saturation (images/s, patch tokens/s) and p50/p99")
-    p.add_argument("--target", choices=("process", "serve"), default="process",
-                   help="with --closed-loop: the in-process systems, or also the Ray Serve app over HTTP and through its handle "
-                        "(needs vitgraph[serve]; started on this machine)")
-    p.add_argument("--port", type=common.positive_int, default=8765, help="the Ray Serve app's port (--target serve)")
-    p.add_argument("--replicas", type=common.positive_int, default=1, help="the Ray Serve app's replicas (--target serve)")
-    p.add_argument("--gpus-per-replica", type=common.positive_float, default=None,
-                   help="GPUs each replica takes (--target serve; default 1 on CUDA, 0.5: two replicas per GPU)")
-    p.add_argument("--json", help="write the full result here")
-    return p
 
 
 def main(argv: list[str] | None = None) -> dict:

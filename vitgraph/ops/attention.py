@@ -32,6 +32,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from .backend_names import BACKENDS, FLASH_BACKENDS  # noqa: F401  (kept importable from here; the names need no torch)
+
 
 class SegmentedBatch(Protocol):
     """What the attention backends read of a batch's metadata (the model's batch type has it)."""
@@ -59,8 +61,6 @@ class SegmentFlags:
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("fa4", "cudnn", "varlen", "flash", "sdpa")
-FLASH_BACKENDS = ("fa4", "cudnn", "varlen", "flash")  # fp16/bf16 only
 FA4_ARCHS = (9, 10)  # compute capability majors FlashAttention 4 has forward kernels for (Hopper, Blackwell)
 FA4_SHORT_TILE_ARCHS = (9,)  # its tiles were measured on Hopper only; elsewhere FA4 keeps its own
 

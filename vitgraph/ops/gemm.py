@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .backend_names import GEMM_BACKENDS
 
 logger = logging.getLogger(__name__)
 
-GEMM_BACKENDS = ("quack", "cublas")
 QUACK_ARCHS = (9,)  # compute capability majors whose quack GEMM configuration was measured (Hopper)
 
 
