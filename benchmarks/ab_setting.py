@@ -81,7 +81,7 @@ def run_order(args, settings, order: tuple[str, ...], cases: dict, device: torch
 
     try:
         keys = ("default", "changed", "control") if "control" in encoders else ("default", "changed")
-        return alternating_ab(encode, keys, cases, encoders["default"].config.patch_width, device,
+        return alternating_ab(encode, keys, cases, encoders["default"].shape.patch_width, device,
                               args.rounds, args.iters, args.preheat)
     finally:
         encoders.clear()  # free the graphs and their pool before the next order builds its own

@@ -26,7 +26,7 @@ from vitgraph.bench.latency import CASES
 
 def profile_case(enc: GraphedVisionEncoder, grids, calls: int) -> dict:
     """ms per call per class, and the costliest kernels, for ``calls`` eager encodes of ``grids``."""
-    pixels = torch.randn(sum(t * h * w for t, h, w in grids), enc.config.patch_width).to(enc.device, enc.dtype)
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), enc.shape.patch_width).to(enc.device, enc.dtype)
     enc.encode(pixels, grids)  # warm: JIT compiles and library plans stay out of the profile
     cuda = enc.device.type == "cuda"
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]

@@ -90,13 +90,14 @@ def test_split_k_partials_summed_by_layernorm_at_every_split_size(long_splits):
     split_k_long slices at split_k_long_rows rows, or there unsplit or in two): the
     add+LayerNorm that sums the partials (one row per program, or several above
     one_row_max_rows) matches the unsplit GEMM plus add and LayerNorm in fp32."""
+    from vitgraph.models import tower_dims
     from vitgraph.tuning import derive_tuning
 
     torch.manual_seed(0)
     width = 1280
     gamma = torch.rand(width, device="cuda", dtype=torch.bfloat16) + 0.5
     beta = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
-    tuning = derive_tuning(PRESETS["qwen2-vl-2b"], torch.device("cuda")).gemm
+    tuning = derive_tuning(tower_dims(PRESETS["qwen2-vl-2b"]), torch.device("cuda")).gemm
     if long_splits is not None:
         tuning = dataclasses.replace(tuning, split_k_long=long_splits)
     for rows in (256, 288, 320, 416, 704, 896):
@@ -397,9 +398,10 @@ QUACK_LAYERS = {
 
 def quack_2b():
     """The GEMM tuning of Qwen2-VL's tower on this GPU, quack's backend."""
+    from vitgraph.models import tower_dims
     from vitgraph.tuning import derive_tuning
 
-    return dataclasses.replace(derive_tuning(PRESETS["qwen2-vl-2b"], torch.device("cuda")).gemm, backend="quack")
+    return dataclasses.replace(derive_tuning(tower_dims(PRESETS["qwen2-vl-2b"]), torch.device("cuda")).gemm, backend="quack")
 
 
 @pytest.mark.skipif(not quack_available("cuda"), reason="needs quack-kernels on a Hopper GPU")
@@ -554,11 +556,12 @@ def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):
     import vitgraph.ops.attention
     from vitgraph.ops.attention import attend, fa4_tile, fa4_tile_kwargs
     from vitgraph.models.qwen2_vl import VisionBatch
+    from vitgraph.models import tower_dims
     from vitgraph.tuning import derive_tuning
 
     if "fa4" not in available_backends("cuda"):
         pytest.skip("flash-attn-4 is not installed")
-    tuning = derive_tuning(PRESETS["qwen2-vl-2b"], torch.device("cuda")).attention
+    tuning = derive_tuning(tower_dims(PRESETS["qwen2-vl-2b"]), torch.device("cuda")).attention
     if not tuning.choose_tiles:
         pytest.skip("FlashAttention 4's tiles follow the batch on Hopper only")
     short, long, tiny = (fa4_tile_kwargs(t) for t in (tuning.short_tile, tuning.long_tile, tuning.tiny_tile))

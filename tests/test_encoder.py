@@ -17,6 +17,7 @@ TINY = PRESETS["tiny"]
 from vitgraph.options import EngineOptions, dense_limit, short_cap_rule
 from vitgraph.ops.attention import attention_tuning
 from vitgraph.ops.gemm import resolve_gemm
+from vitgraph.models import tower_dims
 from vitgraph.tuning import Tuning, apply_overrides, derive_tuning
 
 
@@ -353,13 +354,13 @@ def test_kernel_tuning_holds_only_what_the_family_reads():
     from vitgraph.ops.gemm import GemmTuning
     from vitgraph.tuning import tuning_for
 
-    h200 = {name: tuning_for(PRESETS[name], 9, 132, reads=family_of(PRESETS[name]).tower.tuning_reads)
+    h200 = {name: tuning_for(tower_dims(PRESETS[name]), 9, 132, reads=family_of(PRESETS[name]).tower.tuning_reads)
             for name in ("qwen2-vl-2b", "qwen2.5-vl-7b", "qwen3-vl-8b")}
-    assert h200["qwen2-vl-2b"] == tuning_for(PRESETS["qwen2-vl-2b"], 9, 132)  # reads everything
+    assert h200["qwen2-vl-2b"] == tuning_for(tower_dims(PRESETS["qwen2-vl-2b"]), 9, 132)  # reads everything
     assert h200["qwen2-vl-2b"].gemm.small_rows is not None and GemmTuning().small_rows is None
     assert h200["qwen2.5-vl-7b"].gemm.split_k_max_rows == 896
     assert h200["qwen2.5-vl-7b"].gemm.fc1_tiles == GemmTuning().fc1_tiles  # quack's: never runs there
-    assert tuning_for(PRESETS["qwen2.5-vl-7b"], 9, 132).gemm.fc1_tiles != GemmTuning().fc1_tiles
+    assert tuning_for(tower_dims(PRESETS["qwen2.5-vl-7b"]), 9, 132).gemm.fc1_tiles != GemmTuning().fc1_tiles
     assert h200["qwen3-vl-8b"].gemm == GemmTuning() and h200["qwen3-vl-8b"].gemm.split_k_max_rows == 0
     assert all(t.attention.choose_tiles for t in h200.values())  # attention and norms: every family
     qwen3 = Qwen3VisionConfig(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=16,
@@ -377,7 +378,7 @@ def test_tuning_is_data_each_encoder_holds():
         "gemm.split_k_max_rows": 64, "norms.one_row_max_rows": 8, "plans.cache_entries": 1,
         "attention.tiny_tile": [64, 64]})  # a list, as JSON gives it: read as a tuple
     plain = GraphedVisionEncoder.from_config("tiny", device="cpu")
-    assert plain.tuning == derive_tuning(TINY, torch.device("cpu"))
+    assert plain.tuning == derive_tuning(tower_dims(TINY), torch.device("cpu"))
     assert changed.tuning.gemm.split_k_max_rows == 64 and plain.tuning.gemm.split_k_max_rows == 0
     assert changed.tower.tuning == changed.tuning.kernels and plain.tower.tuning == plain.tuning.kernels
     assert changed.tuning.attention.tiny_tile == (64, 64)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import vitgraph
-from vitgraph.engine.contract import BatchLayout, VisionTower
+from vitgraph.engine.contract import BatchLayout, TowerDims, VisionTower
 
 PACKAGE = Path(vitgraph.__file__).parent
 ROOT = PACKAGE.parent
@@ -126,7 +126,9 @@ class MeanPoolTower(torch.nn.Module):
     It has only what the contract asks."""
 
     input_width, merge_unit, output_width, output_parts = 12, 2, 2 * 8, 2
-    config, gemm_backends, fused = None, ("cublas",), False
+    name, gemm_backends, fused = "mean_pool", ("cublas",), False
+    shape = TowerDims(embed_dim=8, num_heads=2, head_dim=4, mlp_width=16, patch_width=12, spatial_merge_size=1)
+    processor = video_processor = None  # pixel rows only: no images
     tuning_reads = frozenset()  # it runs none of vitgraph's kernels
 
     def configure(self, attention, fused, tuning):
@@ -177,30 +179,18 @@ def test_every_family_and_the_toy_keep_the_contract():
             config = next(c for c in PRESETS.values() if type(c) is family.config)
             assert isinstance(family.tower(config), VisionTower), family.name
     members = {m for m in vars(VisionTower) if not m.startswith("_") or m == "__call__"} | set(VisionTower.__annotations__)
-    assert members == {"config", "input_width", "output_width", "output_parts", "merge_unit", "gemm_backends",
+    assert members == {"name", "shape", "processor", "video_processor", "input_width", "output_width", "output_parts", "merge_unit", "gemm_backends",
                        "tuning_reads", "fused", "configure", "build_batch", "__call__", "warm_up"}, members
 
 
-@dataclass(frozen=True)
-class ToyShape:
-    """The widths the runtime derives its tuning from, for a tower that is not a Qwen family."""
-
-    embed_dim: int = 8
-    num_heads: int = 2
-    head_dim: int = 4
-    mlp_dim: int = 16
-    spatial_merge_size: int = 1
-
-
 def test_the_encoder_runs_a_tower_that_is_not_qwen():
-    """The encoder needs nothing of a tower but the contract (and, for images, a processor)."""
+    """The encoder needs nothing of a tower but the contract: the public constructor, no
+    registry. All but the replay (the CUDA test below replays it)."""
     from vitgraph import GraphedVisionEncoder
-    from vitgraph.preprocess import QWEN2_VL_PROCESSOR
 
     torch.manual_seed(0)
     tower = MeanPoolTower()
-    tower.config = ToyShape()
-    enc = GraphedVisionEncoder(tower, device="cpu", _processor=QWEN2_VL_PROCESSOR, _video_processor=QWEN2_VL_PROCESSOR)
+    enc = GraphedVisionEncoder(tower, device="cpu", budgets=[64, 128])
     grids = [(1, 4, 6), (2, 2, 4), (1, 6, 2)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), 12)
     with torch.inference_mode():
@@ -209,7 +199,35 @@ def test_the_encoder_runs_a_tower_that_is_not_qwen():
     assert got.shape == (exact.shape[0], 16) and torch.allclose(got, exact, atol=1e-6)
     main, parts = enc.split(got)
     assert main.shape == (exact.shape[0], 8) and len(parts) == 1  # output_parts = 2
-    assert enc.stats()["mode"] == "eager" and tower.fused is False
+    assert enc.stats()["mode"] == "eager" and tower.fused is False and repr(enc).startswith("GraphedVisionEncoder(mean_pool")
+    assert {b.tokens for b in enc.requested_buckets} == {64, 128} and enc.plan(grids).steps  # planned by its shape
+    assert torch.equal(enc.submit(pixels, grids).result(), got)  # the coalescing front too
+    with pytest.raises(ValueError, match="mean_pool.*processor="):
+        enc.encode(torch.zeros(pixels.shape, dtype=torch.uint8), grids)  # uint8 rows need a processor's mean/std
+    with pytest.raises(ValueError, match="images and videos need an image processor"):
+        enc.encode_images([torch.zeros(3, 28, 28, dtype=torch.uint8)])
+    enc.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_encoder_replays_a_tower_that_is_not_qwen_from_graphs():
+    """Graph mode through the public constructor: captured, replayed, equal to eager bitwise."""
+    from vitgraph import GraphedVisionEncoder
+
+    torch.manual_seed(0)
+    tower = MeanPoolTower()
+    enc = GraphedVisionEncoder(tower, device="cuda", dtype=torch.float32, budgets=[64, 128], progress=False)
+    assert enc.use_graphs and len(enc.buckets) == 2
+    grids = [(1, 4, 6), (2, 2, 4), (1, 6, 2)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 12, device="cuda")
+    eager = GraphedVisionEncoder(tower, device="cuda", dtype=torch.float32, mode="eager")
+    got, exact = enc.encode(pixels, grids), eager.encode(pixels, grids)
+    assert enc.stats()["buckets"] and sum(b["replays"] for b in enc.stats()["buckets"].values()) >= 1
+    assert torch.allclose(got, exact, atol=1e-5), (got - exact).abs().max()
+    big = [(1, 8, 8)] * 3  # 192 rows: two replays of the largest bucket
+    pixels = torch.randn(192, 12, device="cuda")
+    assert torch.allclose(enc.encode(pixels, big), eager.encode(pixels, big), atol=1e-5)
 
 
 @pytest.mark.cuda

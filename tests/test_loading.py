@@ -243,7 +243,7 @@ def test_loading_a_checkpoint_and_encoding_never_imports_torch_dynamo(checkpoint
     code = ("import sys, torch\n"
             "from vitgraph import GraphedVisionEncoder\n"
             "enc = GraphedVisionEncoder.from_pretrained(sys.argv[1], device='cpu')\n"
-            "enc.encode(torch.randn(64, enc.config.patch_width), [(1, 8, 8)])\n"
+            "enc.encode(torch.randn(64, enc.shape.patch_width), [(1, 8, 8)])\n"
             "enc.tower.state_dict()\n"
             "print('torch._dynamo' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", code, str(checkpoint)], capture_output=True, text=True, timeout=300)

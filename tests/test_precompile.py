@@ -21,6 +21,7 @@ from vitgraph.engine.planner import Bucket
 from vitgraph.models import VisionConfig
 from vitgraph.ops.gemm import gemm_tuning
 from vitgraph.options import EngineOptions, buckets_for
+from vitgraph.models import one_block_recipe, tower_dims
 from vitgraph.tuning import Tuning, tuning_for
 from vitgraph.loading import build_tower
 from vitgraph.precompile import (EARLY_WORKERS, EarlyWorkers, KernelJob, TowerSetup, _persists, _spawn, _spec, _tail,
@@ -46,7 +47,7 @@ def set_fa4_cache(monkeypatch, on: bool) -> None:
 
 def h200(config, gemm="quack") -> Tuning:
     """The tuning an encoder derives on an H200, on any machine, with its GEMM backend."""
-    tuning = tuning_for(config, 9, H200_SMS)
+    tuning = tuning_for(tower_dims(config), 9, H200_SMS)
     return dataclasses.replace(tuning, gemm=dataclasses.replace(tuning.gemm, backend=gemm))
 
 
@@ -326,11 +327,11 @@ def test_kernel_files_are_counted_in_each_cache_that_loads(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_a_worker_runs_its_jobs_and_reports_what_failed():
     t = tower(attention="sdpa", gemm="cublas", fused=False)  # attention runs on the CPU
-    proc, log = _spawn(_spec(t.config, setup_of(t), [KernelJob("attention", (), Bucket(64, 4)), KernelJob("attention", (), Bucket(128, 1))],
+    proc, log = _spawn(_spec(t.one_block_recipe(), setup_of(t), [KernelJob("attention", (), Bucket(64, 4)), KernelJob("attention", (), Bucket(128, 1))],
                              torch.device("cpu")))
     assert proc.wait(timeout=120) == 0, _tail(log)
     assert json.loads(_tail(log))["dynamo_imported"] is False
-    proc, log = _spawn(_spec(t.config, setup_of(t), [KernelJob("attention", (), Bucket(64, 4)), KernelJob("fc2", (), Bucket(64, 4))],
+    proc, log = _spawn(_spec(t.one_block_recipe(), setup_of(t), [KernelJob("attention", (), Bucket(64, 4)), KernelJob("fc2", (), Bucket(64, 4))],
                              torch.device("cpu")))
     assert proc.wait(timeout=120) == 1
     assert "op must be one of" in _tail(log) and "'fc2'" in _tail(log)
@@ -359,7 +360,7 @@ def empty_caches(tmp_path, monkeypatch):
 
 
 def start(workers=None, device="cuda", dtype=torch.bfloat16, **options):
-    return start_early(VisionConfig(), torch.device(device), dtype,
+    return start_early(one_block_recipe(VisionConfig()), torch.device(device), dtype,
                        dataclasses.asdict(EngineOptions(compile_workers=workers, **options)))
 
 
@@ -368,7 +369,7 @@ def test_workers_start_with_the_encoder_only_where_no_kernel_is_on_disk(empty_ca
     early = start(workers=3)
     assert len(early.procs) == 3 and early.roots == roots
     assert [spec["share"] for spec in specs] == [[0, 3], [1, 3], [2, 3]]
-    assert specs[0]["config"]["depth"] == 1 and specs[0]["dtype"] == "bfloat16" and specs[0]["device"] == "cuda"
+    assert specs[0]["recipe"]["kwargs"]["config"]["depth"] == 1 and specs[0]["dtype"] == "bfloat16" and specs[0]["device"] == "cuda"
     assert specs[0]["options"] == dataclasses.asdict(EngineOptions(compile_workers=3))
     monkeypatch.setattr(vitgraph.precompile, "_usable_cpus", lambda: 64)
     assert len(start().procs) == EARLY_WORKERS
@@ -432,8 +433,8 @@ def test_an_early_worker_compiles_its_share_of_the_kernels_the_encoder_will_run(
     ran = []
     monkeypatch.setattr(vitgraph.models.qwen2_vl.Qwen2VisionTower, "run_jit_kernel",
                         lambda self, op, batch: ran.append((op, batch.positions.shape[0])))
-    spec = {"started": 0.0, "family": "qwen2_vl", "config": dataclasses.asdict(VisionConfig(depth=1)), "dtype": "bfloat16",
-            "device": "cpu", "options": dataclasses.asdict(options)}
+    spec = {"started": 0.0, "recipe": one_block_recipe(VisionConfig()), "dtype": "bfloat16", "device": "cpu",
+            "options": dataclasses.asdict(options)}
     for index in range(3):
         ran.clear()
         worker_main(json.dumps({**spec, "share": [index, 3]}))
@@ -526,7 +527,8 @@ def test_from_pretrained_starts_the_workers_before_the_weights_load_and_stops_th
     monkeypatch.setattr(early, "stop", lambda: events.append("stop"))
     monkeypatch.setattr(vitgraph.encoder, "uses_graphs", lambda options, device: True)
     monkeypatch.setattr(vitgraph.encoder, "start_early",
-                        lambda config, *args: events.append(("start_early", config.depth)) or early)
+                        lambda recipe, *args: events.append(("start_early", recipe["kwargs"]["config"]["depth"]))
+                        or early)
 
     def failing_load(files, config, device, dtype, *rest):
         events.append("load_tower")
@@ -535,8 +537,7 @@ def test_from_pretrained_starts_the_workers_before_the_weights_load_and_stops_th
     monkeypatch.setattr(vitgraph.encoder, "load_tower", failing_load)
     with pytest.raises(_Sentinel):
         vitgraph.encoder.GraphedVisionEncoder.from_pretrained(checkpoint, device="cpu")
-    assert events == [("start_early", vitgraph.encoder.read_config(vitgraph.encoder.find_checkpoint(checkpoint)).depth),
-                      "load_tower", "stop"]
+    assert events == [("start_early", 1), "load_tower", "stop"]  # a one-block tower of its shape
 
 
 def test_workers_handed_to_an_eager_encoder_are_stopped(checkpoint, monkeypatch):

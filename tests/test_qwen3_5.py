@@ -81,7 +81,7 @@ def test_matches_each_transformers_class(pair, case):
 def test_one_tower_no_deepstack_split_and_width(pair):
     model_type, _, encoder = pair
     assert type(encoder.tower) is Qwen3VisionTower and len(encoder.tower.deepstack_merger_list) == 0
-    assert type(encoder.config) is Qwen35VisionConfig and encoder.config.deepstack_visual_indexes == ()
+    assert type(encoder.tower.config) is Qwen35VisionConfig and encoder.tower.config.deepstack_visual_indexes == ()
     assert family_for(model_type).config is Qwen35VisionConfig and encoder.output_width == 32
     grids = GRIDS["mixed"]
     out = encoder.encode(pixels_for(grids, seed=3), grids)

@@ -41,7 +41,7 @@ def cmd_demo(args) -> None:
 
     enc = _load(args)
     grids = [(1, 16, 16), (1, 32, 44), (4, 16, 28), (1, 64, 64)]
-    pixels = torch.randn(sum(t * h * w for t, h, w in grids), enc.config.patch_width)
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), enc.shape.patch_width)
     pixels = pixels.to(enc.device, enc.dtype)
     with status(f"encoding {len(grids)} items ({pixels.shape[0]} patches), the first call"):
         start = time.perf_counter()

@@ -134,7 +134,7 @@ class CoalescingFront:
         encoder = self._encoder()
         try:
             check_pixels(pixels, encoder.tower.input_width)
-            grids = normalize_grid(grid_thw, encoder.config.spatial_merge_size)
+            grids = normalize_grid(grid_thw, encoder.shape.spatial_merge_size)
             tokens = check_rows(pixels, grids)
             check_finite_rows(pixels, grids, check_finite)
             with torch.inference_mode():

@@ -15,7 +15,7 @@ import torch
 
 from .coalesce import CoalescingFront, EncoderClosed
 from .decode import MAX_IMAGE_PIXELS, MAX_ITEMS_PER_REQUEST
-from .models import FAMILIES, PRESETS, family_for, family_of
+from .models import FAMILIES, PRESETS, family_for, family_of, one_block_recipe
 from .engine.contract import Precompiled, VisionTower
 from .engine.graphs import GraphBank
 from .engine.planner import Bucket, Plan, Step, padded_batch, plan_call
@@ -28,18 +28,16 @@ from .plans import PlanCache, PreparedPlan
 from .processor_files import read_processor, read_video_processor
 from .precompile import PrecompileReport, TowerSetup, precompile, start_early
 from .tuning import Tuning, check_reads, derive_tuning
-from .preprocess import check_same_rows, statistics
 from .encoder_images import ImageInput
 from .validation import check_finite_rows, check_out, check_pixels, check_rows, normalize_grid
 
 logger = logging.getLogger(__name__)
 
 
-def _start_early(config, device: torch.device, dtype: torch.dtype, options: EngineOptions):
-    """Kernel-compiling workers for a family whose forward compiles kernels (else None)."""
-    if not issubclass(family_of(config).tower, Precompiled):
-        return None
-    return start_early(config, device, dtype, asdict(options))
+def _start_early(recipe: dict | None, device: torch.device, dtype: torch.dtype, options: EngineOptions):
+    """Kernel-compiling workers for a tower whose forward compiles kernels (``recipe``: its
+    :meth:`Precompiled.one_block_recipe`; None: it compiles none)."""
+    return None if recipe is None else start_early(recipe, device, dtype, asdict(options))
 
 
 class GraphedVisionEncoder(ImageInput):
@@ -58,11 +56,14 @@ class GraphedVisionEncoder(ImageInput):
     produced on the caller's current stream. Eager steps run outside the lock.
 
     The encoder takes ownership of ``tower``: it moves it, sets its attention backend and
-    fusion, and captures graphs that read its weights in place.
+    fusion, and captures graphs that read its weights in place. Any tower that keeps the
+    contract (:class:`vitgraph.engine.contract.VisionTower`) runs, in graph mode too.
+    ``processor`` / ``video_processor`` (:class:`vitgraph.preprocess.ProcessorConfig`): how
+    ``encode_images`` makes rows; default: the tower's (its family's, or the checkpoint's files).
     """
 
-    def __init__(self, tower: VisionTower, *, device=None, dtype=None, _early_workers=None, _processor=None,
-                 _video_processor=None, **options: Any) -> None:
+    def __init__(self, tower: VisionTower, *, device=None, dtype=None, processor=None, video_processor=None,
+                 _early_workers=None, **options: Any) -> None:
         try:
             self.options = engine_options(options)
             self.device = resolve_device(device)
@@ -71,13 +72,14 @@ class GraphedVisionEncoder(ImageInput):
                 raise ValueError(f"mode='graph' needs a CUDA device, got {self.device}")
             self.use_graphs = uses_graphs(self.options, self.device)
             # Every threshold, tile and switch this encoder runs by (see vitgraph.tuning).
-            self.tuning: Tuning = derive_tuning(tower.config, self.device, self.options.tuning,
+            self.tuning: Tuning = derive_tuning(tower.shape, self.device, self.options.tuning,
                                                 tower=tower)
             # With no compiled kernel on disk, kernel-compiling workers start now (or started
             # as from_pretrained read the checkpoint's config), before this process loads the
             # kernel libraries, so that their start-up overlaps its own.
             if _early_workers is None and self.use_graphs:
-                _early_workers = _start_early(tower.config, self.device, self.dtype, self.options)
+                recipe = tower.one_block_recipe() if isinstance(tower, Precompiled) else None
+                _early_workers = _start_early(recipe, self.device, self.dtype, self.options)
             elif _early_workers is not None and not self.use_graphs:  # nothing will wait for them
                 _early_workers.stop()
                 _early_workers = None
@@ -91,20 +93,13 @@ class GraphedVisionEncoder(ImageInput):
                 _early_workers.stop()
             raise
         self._early_workers = _early_workers
-        self.config = tower.config  # the family's config: its shape
+        self.shape = tower.shape  # the widths: patch_width (values per pixel row), spatial_merge_size, ...
         # How encode_images turns images into rows: the checkpoint's processor files
-        # (from_pretrained; vitgraph.processor_files), else the family's defaults.
-        self.processor = _processor or family_of(tower.config).processor
-        # And videos: the checkpoint's video processor, else the family's video defaults, else
-        # the image processor.
-        self.video_processor = _video_processor or family_of(tower.config).video_processor or self.processor
-        check_same_rows(self.processor, self.video_processor)
-        # uint8 rows are normalised on the device with these (vitgraph.ops.normalize); a clip's
-        # with the video processor's where they differ.
-        self._pixel_statistics = statistics(self.processor, self.device)
-        same = (self.video_processor.image_mean, self.video_processor.image_std) == (self.processor.image_mean,
-                                                                                     self.processor.image_std)
-        self._video_statistics = None if same else statistics(self.video_processor, self.device)
+        # (from_pretrained; vitgraph.processor_files), else the tower's defaults; none: float rows only.
+        self.processor = processor or tower.processor
+        # And videos: the checkpoint's video processor, else the tower's, else the image processor.
+        self.video_processor = video_processor or tower.video_processor or self.processor
+        self._set_statistics()
         self._host_pool: ThreadPoolExecutor | None = None  # decodes and preprocesses images
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
@@ -145,15 +140,16 @@ class GraphedVisionEncoder(ImageInput):
         video_processor = read_video_processor(files, config)
         # Cold kernel caches: the workers need only the shapes, so they compile while the
         # weights load (seconds for a 2B tower's shards).
-        early = _start_early(config, device, dtype, engine) if uses_graphs(engine, device) else None
+        recipe = one_block_recipe(config) if issubclass(family_of(config).tower, Precompiled) else None
+        early = _start_early(recipe, device, dtype, engine) if uses_graphs(engine, device) else None
         try:
             tower = load_tower(files, config, device, dtype, allow_nonfinite_weights)
         except BaseException:
             if early is not None:
                 early.stop()
             raise
-        return cls(tower, device=device, dtype=dtype, _early_workers=early, _processor=processor,
-                   _video_processor=video_processor, **options)
+        return cls(tower, device=device, dtype=dtype, processor=processor, video_processor=video_processor,
+                   _early_workers=early, **options)
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config, *,
@@ -208,7 +204,7 @@ class GraphedVisionEncoder(ImageInput):
             self.bank.capture(pool_limit_bytes=self.options.pool_limit_bytes, progress=self.options.progress)
             if self.bank.buckets != before:  # else the timings still hold
                 start = time.perf_counter()
-                merge = self.config.spatial_merge_size
+                merge = self.shape.spatial_merge_size
 
                 def frame(tokens: int) -> tuple[int, int, int]:  # one frame of that many tokens
                     return 1, merge, tokens // merge
@@ -233,7 +229,7 @@ class GraphedVisionEncoder(ImageInput):
 
     def plan(self, grid_thw) -> Plan:
         """The host-side plan ``encode`` would follow (no GPU work)."""
-        grids = normalize_grid(grid_thw, self.config.spatial_merge_size)
+        grids = normalize_grid(grid_thw, self.shape.spatial_merge_size)
         return copy.deepcopy(self._prepare(grids).plan)
 
     def _prepare(self, grids, cache: bool = True) -> PreparedPlan:
@@ -270,7 +266,7 @@ class GraphedVisionEncoder(ImageInput):
         ``check_finite``: refuse float rows holding NaN or inf, naming the items (off: encoded as they are).
         """
         check_pixels(pixels, self.tower.input_width)
-        grids = normalize_grid(grid_thw, self.config.spatial_merge_size)
+        grids = normalize_grid(grid_thw, self.shape.spatial_merge_size)
         tokens = check_rows(pixels, grids)
         check_finite_rows(pixels, grids, check_finite)
         if out is not None:
@@ -382,7 +378,7 @@ class GraphedVisionEncoder(ImageInput):
             pool.shutdown(wait=True)
 
     def __repr__(self) -> str:
-        return (f"GraphedVisionEncoder({family_of(self.config).name}, {self.device}, "
+        return (f"GraphedVisionEncoder({self.tower.name}, {self.device}, "
                 f"{str(self.dtype).replace('torch.', '')}, {'graph' if self.use_graphs else 'eager'}, "
                 f"{len(self.buckets)} buckets captured)")
 

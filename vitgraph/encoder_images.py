@@ -11,6 +11,7 @@ import torch
 
 from .decode import MAX_IMAGE_PIXELS, MAX_ITEMS_PER_REQUEST
 from .ops.normalize import normalize_rows
+from .preprocess import check_same_rows, statistics
 from .validation import check_pixels
 
 
@@ -18,6 +19,22 @@ class ImageInput:
     """A mixin of the encoder: it holds ``processor``, ``video_processor``, ``device``, ``dtype``,
     the processors' column statistics and a lazily made thread pool. Also the forms of its
     output: per item (:meth:`per_item`) and per output (:meth:`split`)."""
+
+    def _set_statistics(self) -> None:
+        """uint8 rows are normalised on the device with these (vitgraph.ops.normalize); a clip's
+        with the video processor's where they differ. None: no processor, float rows only."""
+        self._pixel_statistics = self._video_statistics = None
+        if self.processor is None:
+            return
+        check_same_rows(self.processor, self.video_processor)
+        self._pixel_statistics = statistics(self.processor, self.device)
+        video, image = self.video_processor, self.processor
+        if (video.image_mean, video.image_std) != (image.image_mean, image.image_std):
+            self._video_statistics = statistics(video, self.device)
+
+    def _no_processor(self, what: str) -> ValueError:
+        return ValueError(f"{what} need an image processor, and this encoder's tower ({self.tower.name}) has "
+                          "none: pass processor= (a vitgraph.preprocess.ProcessorConfig) to the encoder")
 
     def device_rows(self, pixels: torch.Tensor) -> torch.Tensor:
         """Rows on the encoder's device in its dtype; uint8 rows normalised there with
@@ -29,6 +46,8 @@ class ImageInput:
         """:meth:`device_rows` of rows already checked (``encode``'s, a server's validated ones)."""
         pixels = pixels.to(self.device, non_blocking=True)
         if pixels.dtype == torch.uint8:
+            if self._pixel_statistics is None:
+                raise self._no_processor("pixels: uint8 rows (normalised with its mean and std)")
             return normalize_rows(pixels, *self._pixel_statistics, self.dtype)
         return pixels.to(self.dtype)
 
@@ -41,6 +60,8 @@ class ImageInput:
         ``encode`` normalises uint8 rows with the image processor's mean and std."""
         from .images import image_rows
 
+        if self.processor is None:
+            raise self._no_processor("images and videos")
         return image_rows(images, videos, processor=self.processor, video_processor=self.video_processor,
                           device=self.device, min_pixels=min_pixels, max_pixels=max_pixels, preprocess=preprocess,
                           decode=decode, executor=self._pool(), max_image_pixels=max_image_pixels,

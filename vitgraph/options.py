@@ -138,7 +138,7 @@ def buckets_for(tower: VisionTower, options: EngineOptions, attention: str,
         budgets = budget_ladder(options.min_budget, options.max_budget, align=tower.merge_unit)
     limit = dense_limit(options, attention, tuning)
     return make_buckets(list(budgets), options.max_items, tower.merge_unit, dense=limit != 0, dense_up_to=limit,
-                        short_cap=short_cap_rule(options, attention, tower.config.num_heads, device,
+                        short_cap=short_cap_rule(options, attention, tower.shape.num_heads, device,
                                                  tower.merge_unit, tuning))
 
 

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -38,7 +38,6 @@ from .ops import kernels
 from .ops.attention import FA4_CACHE_SWITCH, _has_fa4
 from .engine.contract import Precompiled, VisionTower
 from .engine.planner import Bucket, padded_batch
-from .models import family_of
 from .ops.gemm import quack_available
 
 logger = logging.getLogger(__name__)
@@ -115,19 +114,17 @@ class TowerSetup:
     dtype: torch.dtype
 
 
-def _base_spec(config, device: torch.device, dtype: torch.dtype) -> dict:
-    """What every worker's spec holds: a one-block tower of the family's shape, where it runs,
-    and when it was started. (Only Qwen2-VL precompiles: a family with block-index fields, such
-    as Qwen2.5-VL's full-attention blocks, must map them to its one block before it can.)"""
+def _base_spec(recipe: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """What every worker's spec holds: how to build a one-block tower of the encoder's shape
+    (:meth:`Precompiled.one_block_recipe`), where it runs, and when it was started."""
     return {"started": time.time(),  # the worker reports how long its start and imports took
-            "family": family_of(config).name, "config": asdict(replace(config, depth=1)),
-            "dtype": str(dtype).removeprefix("torch."), "device": str(device)}
+            "recipe": recipe, "dtype": str(dtype).removeprefix("torch."), "device": str(device)}
 
 
-def _spec(config, setup: TowerSetup, jobs: Sequence[KernelJob], device: torch.device) -> str:
+def _spec(recipe: dict, setup: TowerSetup, jobs: Sequence[KernelJob], device: torch.device) -> str:
     """A worker's spec for ``jobs``, with the encoder's backends."""
     return json.dumps({
-        **_base_spec(config, device, setup.dtype),
+        **_base_spec(recipe, device, setup.dtype),
         "attention": setup.attention, "gemm": setup.kernel_tuning.gemm.backend, "fused": setup.fused,
         "kernel_tuning": base64.b64encode(pickle.dumps(setup.kernel_tuning)).decode(),  # from this process: trusted
         "jobs": [[j.op, j.bucket.tokens, j.bucket.max_segments, j.bucket.max_seqlen] for j in jobs],
@@ -186,7 +183,7 @@ def _start(tower: VisionTower, setup: TowerSetup, shares: list[list[KernelJob]],
     procs = []
     for share in shares:
         try:
-            procs.append(_spawn(_spec(tower.config, setup, share, device)))
+            procs.append(_spawn(_spec(tower.one_block_recipe(), setup, share, device)))
         except OSError as err:  # no processes to be had here: capture compiles instead
             report.failures.append(f"could not start a worker: {err}")
             break
@@ -235,7 +232,7 @@ def _early_caches(device: torch.device, dtype: torch.dtype, options: dict) -> li
     return caches
 
 
-def start_early(config, device: torch.device, dtype: torch.dtype, options: dict) -> EarlyWorkers | None:
+def start_early(recipe: dict, device: torch.device, dtype: torch.dtype, options: dict) -> EarlyWorkers | None:
     """Where no compiled kernel of FlashAttention 4's or quack's is on disk, start the workers
     now, before the encoder loads those libraries (seconds of imports each process spends,
     workers included): each works out the encoder's kernels from ``options`` (the encoder's,
@@ -251,7 +248,7 @@ def start_early(config, device: torch.device, dtype: torch.dtype, options: dict)
     if count == 0:
         return None
     early = EarlyWorkers([], roots)
-    spec = {**_base_spec(config, device, dtype), "options": options}
+    spec = {**_base_spec(recipe, device, dtype), "options": options}
     for index in range(count):
         try:
             early.procs.append(_spawn(json.dumps({**spec, "share": [index, count]})))

@@ -1,6 +1,6 @@
 """A kernel-compiling worker process (:mod:`vitgraph.precompile` starts them): builds a
-one-block tower of the encoder's family and shape, configured as the encoder's, and runs each
-kernel of its share once, so that the kernel lands in its library's disk cache."""
+one-block tower of the encoder's shape (by its tower's recipe), configured as the encoder's,
+and runs each kernel of its share once, so that the kernel lands in its library's disk cache."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from .precompile import _persists, _synchronize, kernel_jobs
 
 def worker_main(spec_json: str) -> None:
     """A worker: compile (or load) each job's kernel of the spec :func:`precompile` wrote."""
-    from .loading import build_tower
-    from .models import FAMILIES
+    import importlib
 
     spec = json.loads(spec_json)
     timings = {"start_s": round(time.time() - spec["started"], 2)}  # Python, torch and vitgraph imports
@@ -28,8 +27,8 @@ def worker_main(spec_json: str) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = getattr(torch, spec["dtype"])
-    family = next(f for f in FAMILIES if f.name == spec["family"])
-    tower = build_tower(family.config.from_dict(spec["config"]), device, dtype)
+    module, _, function = spec["recipe"]["builder"].partition(":")  # from this package's own encoder: trusted
+    tower = getattr(importlib.import_module(module), function)(**spec["recipe"]["kwargs"], device=device, dtype=dtype)
     from .options import EngineOptions, buckets_for, configure_tower
     from .tuning import derive_tuning
 
@@ -37,7 +36,7 @@ def worker_main(spec_json: str) -> None:
         # The tuning as the encoder derives it: from the device and the widths (which a
         # one-block tower shares), with the encoder's changes by name.
         options = EngineOptions(**spec["options"])
-        tuning = derive_tuning(tower.config, device, options.tuning, tower=tower)  # as the encoder's
+        tuning = derive_tuning(tower.shape, device, options.tuning, tower=tower)  # as the encoder's
         attention, tuning = configure_tower(tower, options, tuning, device, dtype)
         index, count = spec["share"]
         every = [j for j in kernel_jobs(tower, buckets_for(tower, options, attention, device, tuning))

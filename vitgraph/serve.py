@@ -121,7 +121,7 @@ class VisionEncoderDeployment:
             if not isinstance(pixels, torch.Tensor):
                 raise TypeError(f"pixels must be a tensor, got {type(pixels).__name__}")
             check_pixels(pixels, enc.tower.input_width)
-            grids = normalize_grid(grid_thw, enc.config.spatial_merge_size)
+            grids = normalize_grid(grid_thw, enc.shape.spatial_merge_size)
             check_rows(pixels, grids)
         except (TypeError, ValueError) as err:
             raise BadRequest(str(err)) from None

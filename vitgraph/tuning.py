@@ -65,18 +65,14 @@ def device_arch(device: torch.device) -> tuple[int | None, int | None]:
     return arch_and_sm_count(device)
 
 
-def mlp_width(config) -> int:
-    return getattr(config, "mlp_dim", None) or config.intermediate_size
-
-
-def derive_tuning(config, device: torch.device, overrides: Mapping[str, Any] | None = None,
+def derive_tuning(shape, device: torch.device, overrides: Mapping[str, Any] | None = None,
                   tower=None) -> Tuning:
-    """The tuning for a tower of ``config``'s widths on ``device``, with ``overrides`` applied
-    (see :func:`apply_overrides`). The GEMM backend is cuBLAS until the encoder resolves its own.
-    ``tower``: the kernel settings it does not read (its ``tuning_reads``) keep their defaults,
+    """The tuning for a tower of ``shape``'s widths (its contract's ``TowerDims``) on ``device``,
+    with ``overrides`` applied (see :func:`apply_overrides`). The GEMM backend is cuBLAS until
+    the encoder resolves its own. ``tower``: the kernel settings it does not read (its ``tuning_reads``) keep their defaults,
     and changing one is a ``ValueError``."""
     reads = getattr(tower, "tuning_reads", None)
-    return tuning_for(config, *device_arch(device), overrides, reads=reads, owner=_owner(tower))
+    return tuning_for(shape, *device_arch(device), overrides, reads=reads, owner=_owner(tower))
 
 
 def check_reads(overrides: Mapping[str, Any] | None, tower) -> None:
@@ -98,13 +94,13 @@ def _owner(tower) -> str:
     return tower.__name__ if isinstance(tower, type) else type(tower).__name__
 
 
-def tuning_for(config, arch: int | None, sm_count: int | None, overrides: Mapping[str, Any] | None = None,
+def tuning_for(shape, arch: int | None, sm_count: int | None, overrides: Mapping[str, Any] | None = None,
                reads: frozenset[str] | None = None, owner: str = "the tower") -> Tuning:
     """:func:`derive_tuning` for a GPU of compute capability major ``arch`` with ``sm_count``
     SMs (None, None: not a GPU), whichever device this process has; ``reads`` as a tower's
     ``tuning_reads`` (None: every setting)."""
-    tuning = Tuning(gemm=gemm_tuning("cublas", arch, sm_count, config.embed_dim, mlp_width(config)),
-                    norms=norm_tuning(arch), attention=attention_tuning(arch, sm_count, config.head_dim))
+    tuning = Tuning(gemm=gemm_tuning("cublas", arch, sm_count, shape.embed_dim, shape.mlp_width),
+                    norms=norm_tuning(arch), attention=attention_tuning(arch, sm_count, shape.head_dim))
     overrides = overrides or {}
     tuning = apply_overrides(tuning, overrides)  # unknown names and bad values first
     if reads is not None:

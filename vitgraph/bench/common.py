@@ -314,7 +314,7 @@ def build_systems(args, systems: list[str], max_budget: int, **engine_options):
 def hf_tower_like(encoder: GraphedVisionEncoder):
     """transformers' tower of the encoder's family (sdpa) holding the same weights, or None
     without transformers."""
-    return transformers_tower(encoder.config, encoder.tower.state_dict(), encoder.tower.inv_freq)
+    return transformers_tower(encoder.tower.config, encoder.tower.state_dict(), encoder.tower.inv_freq)
 
 
 def hf_call(model, device: torch.device):

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                          gemm=args.gemm)
     # Capture of every bucket, including the first-call JIT of vitgraph's Triton kernels.
     capture_s = graph_enc.stats()["capture_seconds"] if graph_enc else None
-    device, dtype, cfg = eager_enc.device, eager_enc.dtype, eager_enc.config
+    device, dtype, cfg = eager_enc.device, eager_enc.dtype, eager_enc.shape
     weight_bytes = sum(p.numel() * p.element_size() for p in eager_enc.tower.parameters())
     ceilings = common.measure_ceilings(device)
     compile_seconds = {}

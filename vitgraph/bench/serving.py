@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def pixels_for(grid):
         if grid not in cache:
-            cache[grid] = torch.randn(grid[0] * grid[1] * grid[2], eager_enc.config.patch_width,
+            cache[grid] = torch.randn(grid[0] * grid[1] * grid[2], eager_enc.shape.patch_width,
                                       generator=gen).to(device, dtype)
         return cache[grid]
 

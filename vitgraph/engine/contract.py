@@ -31,6 +31,18 @@ class BatchLayout:
         return replace(self, **moved)
 
 
+@dataclass(frozen=True)
+class TowerDims:
+    """The widths the runtime sizes its kernels' tuning and its inputs by."""
+
+    embed_dim: int  # the blocks' width
+    num_heads: int
+    head_dim: int
+    mlp_width: int  # the blocks' MLP hidden width
+    patch_width: int  # values per pixel row (the tower's ``input_width``)
+    spatial_merge_size: int  # a grid's h and w are multiples of it
+
+
 @runtime_checkable
 class VisionTower(Protocol):
     """What the runtime (the graph bank, the encoder, its options and the kernel precompile)
@@ -42,7 +54,12 @@ class VisionTower(Protocol):
     item's rows stay contiguous.
     """
 
-    config: Any  # the family's shape: num_heads, head_dim, spatial_merge_size, ... (models.config_parsing)
+    name: str  # what repr and stats call it ("qwen2_vl", ...)
+    shape: TowerDims
+    # The image (video) preprocessing encode_images and uint8 rows use (vitgraph.preprocess.
+    # ProcessorConfig); None: float rows only (the video one: the image one).
+    processor: Any
+    video_processor: Any
     input_width: int  # values per pixel row
     output_width: int  # values per output row, every output side by side
     output_parts: int  # outputs side by side in each row (1, or 1 + deepstack features)
@@ -81,3 +98,8 @@ class Precompiled(Protocol):
 
     def run_triton_kernels(self, batch: BatchLayout) -> None:
         """Run vitgraph's Triton kernels at ``batch``'s shapes (compiling them)."""
+
+    def one_block_recipe(self) -> dict:
+        """How a worker process builds a random-weight one-block tower of this shape (JSON):
+        ``{"builder": "module:function", "kwargs": {...}}``; the function takes ``device`` and
+        ``dtype`` besides ``kwargs`` (see :func:`vitgraph.models.one_block_tower`)."""

@@ -4,54 +4,57 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from dataclasses import replace
 from typing import Callable
 
-from ..preprocess import QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR, ProcessorConfig
+from ..preprocess import ProcessorConfig
 from . import qwen2_5_vl, qwen3_vl
 from .qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTower
-from .qwen3_vl import Qwen35VisionConfig, Qwen3VisionConfig, Qwen3VisionTower
+from .qwen3_vl import QWEN3_VL_VIDEO_PROCESSOR, Qwen35VisionConfig, Qwen3VisionConfig, Qwen3VisionTower
 from .qwen2_vl import Qwen2VisionTower, VisionBatch, VisionConfig, expected_shapes
+from .tower_base import one_block_recipe, tower_dims
 
 
 @dataclass(frozen=True)
 class Family:
     """Everything the rest of vitgraph knows of a family: one row of :data:`FAMILIES`."""
 
-    name: str
     model_types: tuple[str, ...]  # config.json's model_type values it serves
-    config: type  # parses the vision_config block
+    config: type  # parses the vision_config block; names the family and its default preprocessing
     tower: type  # the nn.Module, built on the meta device and loaded with assign=True
     expected_shapes: Callable[[VisionConfig], dict[str, tuple[int, ...]]]  # checkpoint names and shapes
     # transformers' tower and its config class ("module:Class"): the numerical oracle of tests and benchmarks
     reference: tuple[str, str]
-    processor: ProcessorConfig = QWEN2_VL_PROCESSOR  # image preprocessing where a checkpoint has no config of its own
-    video_processor: ProcessorConfig | None = None  # video preprocessing defaults; None: the image processor's
     prefixes: tuple[str, ...] = ("model.visual.", "visual.")  # where checkpoints keep the tower's weights, longest first
 
+    @property
+    def name(self) -> str:
+        return self.config.FAMILY
 
-# Qwen3-VL's (and Qwen3.5's, Qwen3.6's) published video_preprocessor_config.json: size
-# {shortest_edge: 4096, longest_edge: 25165824}, patch 16, temporal 2, merge 2, mean/std 0.5;
-# its video processor reads the size as a whole clip's pixels.
-QWEN3_VL_VIDEO_PROCESSOR = replace(QWEN3_VL_PROCESSOR, min_pixels=4096, max_pixels=25165824, clip_pixels=True,
-                                   max_video_tokens=768)
+    @property
+    def processor(self) -> ProcessorConfig:
+        """Image preprocessing where a checkpoint has no config of its own."""
+        return self.config.PROCESSOR
+
+    @property
+    def video_processor(self) -> ProcessorConfig | None:
+        """Video preprocessing defaults; None: the image processor's."""
+        return self.config.VIDEO_PROCESSOR
+
 
 _HF = "transformers.models."
-FAMILIES = (Family("qwen2_vl", ("qwen2_vl",), VisionConfig, Qwen2VisionTower, expected_shapes,
+FAMILIES = (Family(("qwen2_vl",), VisionConfig, Qwen2VisionTower, expected_shapes,
                    (_HF + "qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel",
                     _HF + "qwen2_vl.configuration_qwen2_vl:Qwen2VLVisionConfig")),
-            Family("qwen2_5_vl", ("qwen2_5_vl",), Qwen25VisionConfig, Qwen25VisionTower, qwen2_5_vl.expected_shapes,
+            Family(("qwen2_5_vl",), Qwen25VisionConfig, Qwen25VisionTower, qwen2_5_vl.expected_shapes,
                    (_HF + "qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
                     _HF + "qwen2_5_vl.configuration_qwen2_5_vl:Qwen2_5_VLVisionConfig")),
-            Family("qwen3_vl", ("qwen3_vl", "qwen3_vl_moe"), Qwen3VisionConfig, Qwen3VisionTower,
+            Family(("qwen3_vl", "qwen3_vl_moe"), Qwen3VisionConfig, Qwen3VisionTower,
                    qwen3_vl.expected_shapes, (_HF + "qwen3_vl.modeling_qwen3_vl:Qwen3VLVisionModel",
-                                              _HF + "qwen3_vl.configuration_qwen3_vl:Qwen3VLVisionConfig"),
-                   QWEN3_VL_PROCESSOR, QWEN3_VL_VIDEO_PROCESSOR),
+                                              _HF + "qwen3_vl.configuration_qwen3_vl:Qwen3VLVisionConfig")),
             # Qwen3-VL's tower with no deepstack mergers: the same module, an empty deepstack list.
-            Family("qwen3_5", ("qwen3_5", "qwen3_5_moe", "qwen4_exp"), Qwen35VisionConfig, Qwen3VisionTower,
+            Family(("qwen3_5", "qwen3_5_moe", "qwen4_exp"), Qwen35VisionConfig, Qwen3VisionTower,
                    qwen3_vl.expected_shapes, (_HF + "qwen3_5.modeling_qwen3_5:Qwen3_5VisionModel",
-                                              _HF + "qwen3_5.configuration_qwen3_5:Qwen3_5VisionConfig"),
-                   QWEN3_VL_PROCESSOR, QWEN3_VL_VIDEO_PROCESSOR))
+                                              _HF + "qwen3_5.configuration_qwen3_5:Qwen3_5VisionConfig")))
 
 
 def _qwen25(out_hidden_size: int) -> Qwen25VisionConfig:
@@ -105,6 +108,17 @@ def family_of(config) -> Family:
     raise TypeError(f"config must be one of {[f.config.__name__ for f in FAMILIES]}, got {type(config).__name__}")
 
 
+def one_block_tower(family: str, config: dict, device, dtype):
+    """The tower :func:`one_block_recipe` (:mod:`vitgraph.models.tower_base`) describes, with
+    random weights, on ``device``."""
+    import torch
+
+    family = next(f for f in FAMILIES if f.name == family)
+    with torch.device(device):
+        tower = family.tower(family.config.from_dict(config))
+    return tower.to(dtype=dtype).eval().requires_grad_(False)
+
+
 def transformers_tower(config, state_dict, inv_freq=None):
     """transformers' tower of ``config``'s family (sdpa) holding ``state_dict`` (the tower's
     own names), or None without transformers: the one way tests and benchmarks build the oracle."""
@@ -141,4 +155,4 @@ def family_for(model_type: str | None) -> Family:
 
 __all__ = ["FAMILIES", "PRESETS", "Family", "Qwen25VisionConfig", "Qwen25VisionTower", "Qwen35VisionConfig",
            "Qwen3VisionConfig", "Qwen3VisionTower", "Qwen2VisionTower", "VisionBatch", "VisionConfig",
-           "family_for", "family_of", "transformers_tower"]
+           "family_for", "family_of", "one_block_recipe", "one_block_tower", "tower_dims", "transformers_tower"]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..files import read_regular_file
+from ..preprocess import QWEN2_VL_PROCESSOR, ProcessorConfig
 
 _ALIASES = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
 
@@ -98,6 +99,11 @@ class FamilyConfig:
     the tower's width: ``hidden_size`` unless a family names it otherwise) and reading from
     ``config.json``. Subclasses set ``CEILINGS``, ``REQUIRED`` and ``TUPLES`` and add their own
     checks in ``check``."""
+
+    FAMILY: ClassVar[str]  # its family's name (vitgraph.models.FAMILIES)
+    # The preprocessing where a checkpoint has no config of its own (video: None, the image one's).
+    PROCESSOR: ClassVar[ProcessorConfig] = QWEN2_VL_PROCESSOR
+    VIDEO_PROCESSOR: ClassVar[ProcessorConfig | None] = None
 
     CEILINGS: dict[str, int] = {}
     REQUIRED: tuple[str, ...] = ()

@@ -48,6 +48,7 @@ class Qwen25VisionConfig(FamilyConfig, TowerShape):
     tower's width; ``out_hidden_size`` the merger's output (the LLM's width)."""
 
     CEILINGS, REQUIRED, TUPLES = _CEILINGS, _REQUIRED, ("fullatt_block_indexes",)
+    FAMILY = "qwen2_5_vl"
 
     depth: int = 32
     hidden_size: int = 1280

@@ -43,6 +43,7 @@ class VisionConfig(FamilyConfig, TowerShape):
     tower's width, ``hidden_size`` the merger's output (the LLM's width)."""
 
     CEILINGS, REQUIRED = _CEILINGS, ("depth", "embed_dim", "num_heads", "hidden_size")
+    FAMILY = "qwen2_vl"
 
     depth: int = 32
     embed_dim: int = 1280

@@ -16,7 +16,7 @@ like every other tensor of the batch, and the deepstack features leave in the on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Sequence
 
@@ -29,6 +29,7 @@ from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import DEFAULT_ATTENTION, SegmentFlags
 from .config_parsing import FamilyConfig, TowerShape, check_block_indexes
+from ..preprocess import QWEN3_VL_PROCESSOR
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
 from .reference_tower import ReferenceTower, rotary_attention
@@ -41,11 +42,19 @@ _REQUIRED = ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidd
              "deepstack_visual_indexes")
 
 
+# Qwen3-VL's (and Qwen3.5's, Qwen3.6's) published video_preprocessor_config.json: size
+# {shortest_edge: 4096, longest_edge: 25165824}, patch 16, temporal 2, merge 2, mean/std 0.5;
+# its video processor reads the size as a whole clip's pixels.
+QWEN3_VL_VIDEO_PROCESSOR = replace(QWEN3_VL_PROCESSOR, min_pixels=4096, max_pixels=25165824, clip_pixels=True,
+                                   max_video_tokens=768)
+
+
 @dataclass(frozen=True)
 class Qwen3VisionConfig(FamilyConfig, TowerShape):
     """Shape of a Qwen3-VL vision tower (``vision_config``; ``qwen3_vl`` and ``qwen3_vl_moe``)."""
 
     CEILINGS, REQUIRED, TUPLES = _CEILINGS, _REQUIRED, ("deepstack_visual_indexes",)
+    FAMILY, PROCESSOR, VIDEO_PROCESSOR = "qwen3_vl", QWEN3_VL_PROCESSOR, QWEN3_VL_VIDEO_PROCESSOR
 
     depth: int = 27
     hidden_size: int = 1152
@@ -77,6 +86,8 @@ class Qwen35VisionConfig(Qwen3VisionConfig):
     """The Qwen3-VL tower without deepstack mergers (``qwen3_5``, ``qwen3_5_moe`` for Qwen3.5 and
     Qwen3.6, ``qwen4_exp``): one merger, output ``[N / 4, out_hidden_size]``. Checkpoints carry
     ``deepstack_visual_indexes: []`` or no such field."""
+
+    FAMILY = "qwen3_5"
 
     REQUIRED = tuple(name for name in _REQUIRED if name != "deepstack_visual_indexes")
 
