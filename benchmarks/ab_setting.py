@@ -33,7 +33,7 @@ import torch
 from vitgraph import GraphedVisionEncoder
 from vitgraph.bench.common import PREHEAT_SECONDS, alternating_ab, print_table
 from vitgraph.bench.latency import CASES, select_cases
-from vitgraph.models import PRESETS
+from vitgraph.models import PRESETS, tower_dims
 from vitgraph.tuning import derive_tuning
 
 
@@ -44,8 +44,8 @@ def parse_settings(texts: list[str], preset: str, device: torch.device) -> dict:
         name, value = text.split("=", 1)
         base, _, power = value.partition("**")
         settings[name] = ast.literal_eval(base) ** int(power) if power else ast.literal_eval(value)
-    derived = derive_tuning(PRESETS[preset], device)
-    changed = derive_tuning(PRESETS[preset], device, settings)  # refuses unknown names
+    derived = derive_tuning(tower_dims(PRESETS[preset]), device)
+    changed = derive_tuning(tower_dims(PRESETS[preset]), device, settings)  # refuses unknown names
     for name in settings:
         group, field = name.split(".")
         print(f"{name}: default {getattr(getattr(derived, group), field)!r}, "
