@@ -12,9 +12,14 @@ Producer: ``vitgraph.handoff.encode_to_cache`` (or ``vitgraph encode IMAGES --en
 or ``POST /encode?store=1`` of ``vitgraph serve --encoder-cache DIR``) writes
 ``DIR/{id}/encoder_cache.safetensors`` (key ``ec_cache``), atomically, in the encoder's dtype
 (bf16 on CUDA, vLLM's too). Consumer: ``start_load_caches`` loads that file for an id once
-``os.path.exists`` finds it; an id with no file fails inside vLLM (an assertion), with no fallback,
-so write first. vLLM uses the request's ``multi_modal_uuids`` entry verbatim as the id when the
-request carries no other hash factors (only ``image_grid_thw``, as here).
+``os.path.exists`` finds it; an id with no file stops the whole vLLM engine (an assertion in its
+worker, then ``EngineDeadError``), with no fallback, so write first. vLLM uses the request's
+``multi_modal_uuids`` entry verbatim as the id when the request carries no other hash factors
+(only ``image_grid_thw``, as here; ``mm_processor_kwargs`` would make it hash the id). Each lookup
+makes ``DIR/{id}/``, so a missing id leaves an empty folder there.
+
+Run against a real vLLM (0.32, its CPU build, fp32) by ``tests/test_vllm_consumer.py``: tokens and
+logprobs equal to passing the same rows as ``image_embeds``, tokens equal to vLLM's own tower.
 
 Qwen3-VL: keep vLLM's tower on (an image limit above 0, as here): with it off vLLM drops
 deepstack and refuses vitgraph's ``[main | deepstack]`` rows.
