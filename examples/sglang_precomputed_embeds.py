@@ -1,22 +1,29 @@
 """Send vitgraph's embeddings to SGLang as precomputed embeddings (offline ``sglang.Engine``).
 
-The item is ``vitgraph.handoff.sglang_request(embeddings, grid_thw)``:
-``{"format": "precomputed_embedding", "feature": [N, width], "image_grid_thw": [k, 3]}``, the
-form sglang 0.5.23 parses (``entrypoints/engine.py`` ``Engine.generate``: "a dict containing field
-`format`: 'precomputed_embedding' and `feature`"; ``multimodal/processors/base_processor.py``
-``process_and_combine_mm_data`` takes the tensor by ``dict_item.pop("feature")``). One such dict
-per request and modality (``_validate_one_modality``). The prompt carries one ``<|image_pad|>``
-per embedding row (SGLang tokenizes the text as given for precomputed items and finds the
-rows' span by that token), so the rows and the prompt agree.
+The item is ``vitgraph.handoff.sglang_request(embeddings, grid_thw)``: ``{"format":
+"processor_output", "precomputed_embeddings": [N, width], "image_grid_thw": [k, 3]}``. In sglang
+0.5.23 (``python/sglang/srt/``) ``multimodal/processors/base_processor.py``
+``collect_mm_items_from_processor_output`` puts the rows on the item's ``precomputed_embeddings``,
+which ``managers/mm_schedule.py`` ``_get_precomputed_embedding`` places as they are: no vision tower
+runs. (The ``{"format": "precomputed_embedding", "feature": ...}`` form is not that: its rows go to
+the model's ``get_image_feature``, and Qwen2-VL's and Qwen3-VL's run their tower on them.) One such
+dict per request and modality (``_validate_one_modality``). The prompt is text: it carries one
+``<|image_pad|>`` per embedding row between ``<|vision_start|>`` and ``<|vision_end|>``; SGLang
+tokenizes it and finds each image's span by that token, and takes the mrope positions from
+``image_grid_thw``.
 
 Qwen3-VL: vitgraph's rows are ``[main | deepstack...]``, which SGLang's Qwen3-VL splits itself
-(``separate_deepstack_embeds`` in ``models/qwen3_vl.py``).
+(``separate_deepstack_embeds`` in ``models/qwen3_vl.py``, called from ``managers/mm_utils.py``
+``embed_mm_inputs``).
 
 Why the offline Engine: over HTTP (``POST /generate`` with ``image_data``) the item is JSON, and
 the tensor would travel as nested lists; in process it stays a tensor.
 
-Needs a CUDA device and ``pip install "sglang==0.5.23"``. Not run in vitgraph's CI; written from
-SGLang's source, not yet run against a real SGLang (see the hand-off note).
+Needs a CUDA device and ``pip install "sglang==0.5.23"``. vitgraph's tests do not run this
+example. What they run, on a CPU where sglang is installed (tests/test_handoff.py): this item
+through SGLang's own request object, Qwen VL processor, scheduler-side inputs and
+``embed_mm_inputs``, for tiny Qwen2-VL and Qwen3-VL checkpoints: the rows land exactly at the image
+positions and the tower is never called. The engine's model forward and generation are not run.
 
     python examples/sglang_precomputed_embeds.py cat.png --model Qwen/Qwen2.5-VL-3B-Instruct
 """
@@ -59,7 +66,7 @@ def main(argv: list[str]) -> None:
     try:
         for path, (embeddings, grid) in zip(args.images, items):
             item = sglang_request([embeddings], grid, merge_size=merge)  # one image per request
-            out = engine.generate(prompt=prompt_for(item["feature"].shape[0]), image_data=[item],
+            out = engine.generate(prompt=prompt_for(item["precomputed_embeddings"].shape[0]), image_data=[item],
                                   sampling_params={"max_new_tokens": 64, "temperature": 0})
             print(f"{path}: {out['text']}")
     finally:

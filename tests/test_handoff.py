@@ -3,18 +3,22 @@ key, values equal to encode_images), atomic writes (a writer killed mid-write le
 at the consumer's path), id refusal, foreign files left alone, bounded eviction of vitgraph's
 own entries, the CLI form, and SGLang's precomputed-embedding item."""
 
+import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from array import array
 
 import pytest
 import torch
-from helpers import png_bytes as png
+from helpers import TINY_FAMILIES, png_bytes as png
 from safetensors.torch import load_file, save_file
 
 from vitgraph import GraphedVisionEncoder
+from vitgraph.models.qwen3_vl import Qwen3VisionConfig
 from vitgraph.handoff import (CACHE_FILE, CACHE_KEY, EncoderCache, clean, encode_to_cache, item_id,
                               sglang_request, write_encoder_cache)
 
@@ -194,15 +198,16 @@ def test_the_sglang_item_follows_sglangs_rules(enc):
     rows, grid = enc.image_rows(images)
     items = enc.encode_images(images=images)
     request = sglang_request(items, grid)
-    # base_processor.py: format "precomputed_embedding", the tensor under "feature"; qwen_vl.py: grid [k, 3]
-    assert set(request) == {"format", "feature", "image_grid_thw"}
-    assert request["format"] == "precomputed_embedding"
-    feature, thw = request["feature"], request["image_grid_thw"]
-    assert feature.dim() == 2 and feature.shape[1] == enc.output_width and feature.dtype == items[0].dtype
+    # base_processor.py collect_mm_items_from_processor_output: "precomputed_embeddings" becomes the
+    # item's precomputed_embeddings, "image_grid_thw" its grid ([k, 3], qwen_vl.py)
+    assert set(request) == {"format", "precomputed_embeddings", "image_grid_thw"}
+    assert request["format"] == "processor_output"
+    embeds, thw = request["precomputed_embeddings"], request["image_grid_thw"]
+    assert embeds.dim() == 2 and embeds.shape[1] == enc.output_width and embeds.dtype == items[0].dtype
     assert thw.dtype == torch.int64 and list(thw.shape) == [2, 3] and thw.tolist() == grid.tolist()
-    assert feature.shape[0] == int((thw.prod(-1) // 4).sum())  # build_input_ids: t*h*w / merge**2 per image
-    assert feature.equal(torch.cat(items)) and feature.is_contiguous() and feature.device.type == "cpu"
-    assert sglang_request(torch.cat(items), grid)["feature"].equal(feature)
+    assert embeds.shape[0] == int((thw.prod(-1) // 4).sum())  # t*h*w / merge**2 <|image_pad|> per image
+    assert embeds.equal(torch.cat(items)) and embeds.is_contiguous() and embeds.device.type == "cpu"
+    assert sglang_request(torch.cat(items), grid)["precomputed_embeddings"].equal(embeds)
     with pytest.raises(ValueError, match="rows"):
         sglang_request(items[::-1], grid)
     with pytest.raises(ValueError, match="rows"):
@@ -211,17 +216,173 @@ def test_the_sglang_item_follows_sglangs_rules(enc):
         sglang_request([torch.full_like(items[0], float("inf")), items[1]], grid)
 
 
-def test_sglangs_own_parser_accepts_the_item(enc):
-    pytest.importorskip("sglang")
-    from sglang.srt.multimodal.modality import MultimodalInputFormat
-    from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor
+# SGLang's own code on a CPU, from the request Engine.generate(prompt=..., image_data=[item]) builds
+# to the input embeddings of the model's forward: a tiny hub-layout checkpoint built here (no
+# network), SGLang's QwenVLImageProcessor built as its tokenizer manager builds it, and SGLang's
+# model class with a vision tower that refuses to run (no weights, no GPU).
+QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+               "<|image_pad|>", "<|video_pad|>")
 
-    rows, grid = enc.image_rows([png((64, 48), "red")])
-    request = sglang_request(enc.encode_images(images=[png((64, 48), "red")]), grid)
-    BaseMultimodalProcessor.validate_mm_data(image_data=[request])
-    assert BaseMultimodalProcessor._get_preprocessed_input_format(request) == MultimodalInputFormat.PRECOMPUTED_EMBEDDING
-    with pytest.raises(ValueError):
-        BaseMultimodalProcessor.validate_mm_data(image_data=[request, request])  # one dict per modality
+
+def tiny_checkpoint(directory, model_type: str, width: int, processor) -> None:
+    """config.json from transformers' config class (a one-layer language model ``width`` wide),
+    preprocessor_config.json of vitgraph's ``processor``, and a one-character-a-token tokenizer
+    holding Qwen's special tokens at the config's ids."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Qwen2VLConfig, Qwen3VLConfig
+
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    ids = {token: len(chars) + i for i, token in enumerate(QWEN_TOKENS)}
+    tokenizer = Tokenizer(models.WordLevel({**{c: i for i, c in enumerate(chars)}, **ids}, unk_token="?"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_TOKENS])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    text = dict(vocab_size=len(chars) + len(ids), hidden_size=width, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, bos_token_id=None, eos_token_id=ids["<|im_end|>"])
+    vision = dict(patch_size=processor.patch_size, temporal_patch_size=processor.temporal_patch_size,
+                  spatial_merge_size=processor.merge_size)
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if model_type == "qwen2_vl":
+        config = Qwen2VLConfig(text_config=dict(text, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+                               vision_config=dict(vision, depth=1, embed_dim=32, num_heads=2, hidden_size=width),
+                               architectures=["Qwen2VLForConditionalGeneration"], **tokens)
+    else:
+        rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+        config = Qwen3VLConfig(text_config=dict(text, head_dim=16, rope_scaling=rope),
+                               vision_config=dict(vision, depth=3, hidden_size=32, num_heads=2, intermediate_size=64,
+                                                  out_hidden_size=width, deepstack_visual_indexes=[0, 2]),
+                               architectures=["Qwen3VLForConditionalGeneration"], **tokens)
+    config.save_pretrained(directory)
+    settings = {k: getattr(processor, k) for k in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels",
+                                                   "max_pixels", "image_mean", "image_std")}
+    settings["size"] = {"shortest_edge": processor.min_pixels, "longest_edge": processor.max_pixels}
+    (directory / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "Qwen2VLImageProcessor",
+                                                                    **settings}))
+
+
+class RefusingTower(torch.nn.Module):
+    """A vision tower that fails the test if SGLang calls it."""
+
+    dtype, device = torch.float32, torch.device("cpu")
+
+    def forward(self, pixel_values, grid_thw):
+        raise AssertionError(f"tower ran on {tuple(pixel_values.shape)}")
+
+
+def sglang_of(directory):
+    """SGLang's QwenVLImageProcessor of ``directory`` (ServerArgs published, get_processor_wrapper,
+    one worker, as TokenizerManager.init_tokenizer_and_processor builds it) and SGLang's model
+    class of the checkpoint on a refusing tower, without its __init__ (no weights)."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.environ import envs
+    from sglang.srt.managers import mm_schedule
+    from sglang.srt.managers.schedule_batch import Modality
+    from sglang.srt.managers.tokenizer_manager import get_processor_wrapper
+    from sglang.srt.models.qwen2_vl import Qwen2VLForConditionalGeneration
+    from sglang.srt.models.qwen3_vl import Qwen3VLForConditionalGeneration
+    from sglang.srt.multimodal.processors.qwen_vl import QwenVLImageProcessor
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_tokenizer
+
+    server_args = ServerArgs(model_path=str(directory), device="cpu", mm_processor_worker_num=1)
+    set_global_server_args_for_tokenizer(server_args)
+    if mm_schedule.embedding_cache is None:  # as kv_cache_builder does, so that a tower may be reached
+        mm_schedule.init_mm_embedding_cache(envs.SGLANG_VLM_CACHE_SIZE_MB.get() * 1024 * 1024)
+    config = ModelConfig.from_server_args(server_args).hf_config
+    processor = QwenVLImageProcessor(config, server_args, get_processor_wrapper(), "default")
+    cls = Qwen3VLForConditionalGeneration if config.model_type == "qwen3_vl" else Qwen2VLForConditionalGeneration
+    model = cls.__new__(cls)
+    torch.nn.Module.__init__(model)
+    model.config, model.visual, model.use_data_parallel = config, RefusingTower(), False
+    if config.model_type == "qwen3_vl":
+        model.deepstack_visual_indexes = config.vision_config.deepstack_visual_indexes
+        model.num_deepstack_embeddings = len(model.deepstack_visual_indexes)
+        model.use_deepstack = {Modality.IMAGE: True, Modality.VIDEO: True}
+    return processor, model
+
+
+def sglang_process(processor, image_data, prompt: str):
+    """The processor's output for ``image_data`` with a text ``prompt``, sent as GenerateReqInput
+    (Engine.generate's request) to process_mm_data_async (as TokenizerManager does)."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    request = GenerateReqInput(text=prompt, image_data=image_data)
+    request.normalize_batch_and_arguments()
+    return asyncio.run(processor.process_mm_data_async(image_data=request.image_data, input_text=request.text,
+                                                       request_obj=request))
+
+
+def sglang_embeds(processor, model, image_data, prompt: str, table):
+    """:func:`sglang_process`, then MultimodalInputs.from_processor_output, the model's pad_input_ids
+    and mm_utils.embed_mm_inputs (``table`` embeds the text tokens): (processor output, input
+    embeddings, deepstack embeddings or None)."""
+    from sglang.srt.managers import mm_utils
+    from sglang.srt.managers.schedule_batch import MultimodalInputs
+
+    out = sglang_process(processor, image_data, prompt)
+    inputs = MultimodalInputs.from_processor_output(out)
+    ids = torch.tensor(list(model.pad_input_ids(array("q", out.input_ids), inputs)))
+    embeds, other = mm_utils.embed_mm_inputs([inputs], [0], [len(ids)], ids, table, model,
+                                             use_deepstack=getattr(model, "use_deepstack", {}))
+    return out, embeds, other.get("input_deepstack_embeds")
+
+
+def chat(spans) -> str:
+    return f"<|im_start|>user\n{''.join(spans)}Describe the images.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture
+def restored_environ():
+    """Importing SGLang sets cache paths and flags in os.environ and quiets transformers' logger;
+    put both back for the tests after."""
+    import logging
+
+    environ, level = dict(os.environ), logging.getLogger("transformers").level
+    yield
+    os.environ.clear()
+    os.environ.update(environ)
+    logging.getLogger("transformers").setLevel(level)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])
+def test_sglang_places_the_rows_as_given_and_runs_no_tower(model_type, tmp_path, restored_environ):
+    pytest.importorskip("sglang.srt.multimodal.processors.qwen_vl")
+    enc = GraphedVisionEncoder.from_config("tiny" if model_type == "qwen2_vl" else
+                                           Qwen3VisionConfig.from_dict(TINY_FAMILIES["qwen3_vl"].cpu), device="cpu")
+    images = [png((64, 48), "red"), png((40, 90), "teal")]
+    _, grid = enc.image_rows(images)
+    items = enc.encode_images(images=images)
+    request = sglang_request(items, grid)
+    main, deepstack = enc.split(torch.cat(items))
+    tiny_checkpoint(tmp_path, model_type, main.shape[1], enc.processor)
+    processor, model = sglang_of(tmp_path)
+    try:
+        table = torch.nn.Embedding(len(processor._tokenizer), main.shape[1])
+        spans = [f"<|vision_start|>{'<|image_pad|>' * int(n)}<|vision_end|>" for n in grid.prod(-1) // 4]
+        out, embeds, deepstack_embeds = sglang_embeds(processor, model, [request], chat(spans), table)
+        (item,) = out.mm_items  # one item, two spans: the rows SGLang keeps are vitgraph's, untouched
+        assert item.feature is None and item.precomputed_embeddings.equal(torch.cat(items))
+        ids = torch.tensor(out.input_ids)
+        image = ids == processor.mm_tokens.image_token_id
+        assert embeds[image].equal(main) and embeds[~image].equal(table(ids[~image]))
+        if model_type == "qwen3_vl":  # separate_deepstack_embeds put the rest beside the image tokens
+            assert len(deepstack) == 2 and deepstack_embeds[image].equal(torch.cat(deepstack, 1))
+            assert not deepstack_embeds[~image].any()
+        else:
+            assert deepstack == [] and deepstack_embeds is None
+        # the same images sent as files (SGLang's own HF processor): the same tokens and mrope positions
+        raw = sglang_process(processor, images, chat(["<|vision_start|><|image_pad|><|vision_end|>"] * 2))
+        assert raw.input_ids == out.input_ids and raw.mrope_positions.equal(out.mrope_positions)
+        assert raw.mrope_position_delta.equal(out.mrope_position_delta)
+        # the other form SGLang documents puts the rows on item.feature: the model's tower runs on them
+        old = {"format": "precomputed_embedding", "feature": torch.cat(items), "image_grid_thw": grid}
+        with pytest.raises(AssertionError, match="tower ran"):
+            sglang_embeds(processor, model, [old], chat(spans), table)
+    finally:
+        processor.shutdown()
 
 
 def test_vllms_consumer_loads_the_file(enc, tmp_path):

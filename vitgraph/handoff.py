@@ -11,7 +11,8 @@ are ``[main | deepstack...]`` side by side, the layout both engines take, but **
 tower off** (``limit_mm_per_prompt={"image": 0, "video": 0}``) turns deepstack off and refuses
 that layout (``Error during index put operation``); main rows alone then give other tokens. Keep
 vLLM's tower on (an image limit above 0) for Qwen3-VL. SGLang splits the layout itself
-(``separate_deepstack_embeds`` in ``models/qwen3_vl.py``) without the tower.
+(``separate_deepstack_embeds`` in ``models/qwen3_vl.py``) and runs no tower, given the
+``processor_output`` item :func:`sglang_request` builds.
 """
 
 from __future__ import annotations
@@ -289,30 +290,40 @@ def encode_to_cache(encoder, images, directory, ids=None, *, model: str | None =
     return ids
 
 
-# SGLang's precomputed embeddings (rules read from sglang 0.5.23's wheel, python/sglang/srt/):
-# - entrypoints/engine.py, Engine.generate: image_data may be "a dict containing field `format`:
-#   'precomputed_embedding' and `feature`: the precomputed embedding".
-# - multimodal/processors/base_processor.py, _get_preprocessed_input_format: format is
-#   "precomputed_embedding" (or the enum's name "PRECOMPUTED_EMBEDDING").
-# - base_processor.py, _validate_one_modality / validate_mm_data: a modality holding such a dict
-#   holds exactly one item, so every image of a request goes in one dict, rows concatenated.
-# - base_processor.py, process_and_combine_mm_data: the tensor is taken by dict_item.pop("feature")
-#   (a dict without "feature" raises KeyError); the other keys (image_grid_thw) become the item's
-#   model_specific_data. The modality is the list's (image_data), not a key of the dict.
-# - multimodal/processors/qwen_vl.py, _as_grid_batch / _compute_image_only_mrope_positions_from_offsets:
-#   image_grid_thw is [k, 3] (t, h, w); image i spans t * (h / merge) * (w / merge) prompt tokens,
-#   the rows BaseMultimodalProcessor.build_input_ids expands it to.
-# - base_processor.py, _validate_precomputed_embedding_layout (the encoder-disaggregation path,
-#   get_validated_mm_data): rows must equal the prompt tokens of their items, all rows consumed.
-# - models/qwen3_vl.py, separate_deepstack_embeds: the width is out_hidden * (1 + deepstack), main
-#   rows first (asserted divisible), which is vitgraph's layout.
+# SGLang's precomputed embeddings, sglang 0.5.23 (python/sglang/srt/; tests/test_handoff.py runs
+# this path of SGLang's own code on a CPU, from Engine.generate's request to the input embeddings):
+# - multimodal/processors/base_processor.py, process_and_combine_mm_data: a dict of format
+#   "processor_output" goes to collect_mm_items_from_processor_output, which puts its
+#   "precomputed_embeddings" on MultimodalDataItem.precomputed_embeddings (modality IMAGE unless a
+#   "modality" key says otherwise) and "image_grid_thw" in the item's model_specific_data. A dict of
+#   format "precomputed_embedding" instead has dict_item.pop("feature") put on MultimodalDataItem.feature,
+#   which the model takes for pixels (below); vitgraph no longer sends that form.
+# - managers/mm_schedule.py, get_embedding_and_mask: _get_precomputed_embedding returns the items'
+#   precomputed_embeddings and no tower runs; where they are None, _get_chunked_prefill_embedding calls
+#   the model's get_image_feature on item.feature: models/qwen2_vl.py runs self.visual on the rows,
+#   models/qwen3_vl.py too (_get_visual_feature); models/qwen2_5_vl.py alone hands back rows whose
+#   width is not 1176 unchanged.
+# - base_processor.py, _validate_one_modality: such a dict is the modality's only item, so every image
+#   of a request goes in one dict, rows concatenated in prompt order.
+# - A text prompt is enough: with no input_ids in the request or the dict, process_and_combine_mm_data
+#   tokenizes the prompt's text, and get_mm_item_offsets finds the images' spans by <|image_pad|>,
+#   t * h * w / merge**2 of them per image (the rows of each).
+# - multimodal/processors/qwen_vl.py, _process_mm_data_uncached / _get_grid_from_output_or_items: the
+#   mrope positions come from the dict's image_grid_thw ([k, 3] of t, h, w).
+# - managers/mm_utils.py, embed_mm_inputs: Qwen3-VL's use_deepstack calls models/qwen3_vl.py
+#   separate_deepstack_embeds, which takes the first config.hidden_size columns as the main rows and the
+#   rest as deepstack rows: vitgraph's [main | deepstack...] layout.
 def sglang_request(embeddings, grid_thw, *, merge_size: int = 2) -> dict:
-    """SGLang's precomputed-embedding image item for one request: ``{"format":
-    "precomputed_embedding", "feature": [N, width], "image_grid_thw": [k, 3] int64}``, pass it
-    as ``image_data=[item]`` (one dict for all the request's images, in prompt order).
+    """SGLang's image item of precomputed embeddings for one request: ``{"format":
+    "processor_output", "precomputed_embeddings": [N, width], "image_grid_thw": [k, 3] int64}``;
+    pass it as ``image_data=[item]`` (one dict for all the request's images, in prompt order) with a
+    prompt holding, per image, ``<|vision_start|>``, one ``<|image_pad|>`` per row, ``<|vision_end|>``.
+    SGLang places these rows as they are and runs no vision tower for them, for every Qwen VL family
+    (the ``precomputed_embedding`` / ``feature`` form runs Qwen2-VL's and Qwen3-VL's tower on them:
+    the source locations are in the comment above).
     ``embeddings``: one ``[rows, width]`` tensor (all images) or a list of them (one per image),
     rows as ``encode`` gives them (Qwen3-VL: main and deepstack side by side). Checked: each
-    image's rows are ``t * h * w / merge_size**2``, one width, finite floats."""
+    image's rows are ``t * h * w / merge_size**2``, one width, finite floats; sent on the CPU, contiguous."""
     parts = list(embeddings) if isinstance(embeddings, (list, tuple)) else [embeddings]
     if not parts:
         raise ValueError("embeddings: no item")
@@ -330,7 +341,7 @@ def sglang_request(embeddings, grid_thw, *, merge_size: int = 2) -> dict:
     rows = (grid.prod(-1) // merge_size ** 2).tolist()
     if len(parts) > 1 and [p.shape[0] for p in parts] != rows:
         raise ValueError(f"embeddings: items have {[p.shape[0] for p in parts]} rows; grid_thw gives {rows}")
-    feature = torch.cat([p.detach().to("cpu") for p in parts]).contiguous()
-    if feature.shape[0] != sum(rows):
-        raise ValueError(f"embeddings: {feature.shape[0]} rows; grid_thw gives {sum(rows)} ({rows})")
-    return {"format": "precomputed_embedding", "feature": feature, "image_grid_thw": grid}
+    stacked = torch.cat([p.detach().to("cpu") for p in parts]).contiguous()
+    if stacked.shape[0] != sum(rows):
+        raise ValueError(f"embeddings: {stacked.shape[0]} rows; grid_thw gives {sum(rows)} ({rows})")
+    return {"format": "processor_output", "precomputed_embeddings": stacked, "image_grid_thw": grid}
