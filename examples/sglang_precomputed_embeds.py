@@ -58,7 +58,7 @@ def main(argv: list[str]) -> None:
 
     encoder = GraphedVisionEncoder.from_pretrained(args.model, device="cuda")
     items = [(encoder.encode_images([path])[0], encoder.image_rows([path])[1]) for path in args.images]
-    merge = encoder.config.spatial_merge_size
+    merge = encoder.shape.spatial_merge_size
     del encoder
     torch.cuda.empty_cache()
 
