@@ -2,7 +2,8 @@
 
 Only ``config.json``, the shard index and the shards that hold vision keys are
 read or downloaded. Weights are safetensors only (no pickle) and go straight to
-the target device and dtype, one tensor at a time.
+the target device and dtype, one tensor at a time; FP8 linears (:mod:`vitgraph.fp8`)
+with their scales, dequantized on load.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .fp8 import Fp8Reader
 from .models import FAMILIES, PRESETS, family_for, family_of
 from .models.config_parsing import read_json
 
@@ -30,7 +32,6 @@ PROCESSOR_FILE = "preprocessor_config.json"
 VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
 PROCESSORS_FILE = "processor_config.json"  # transformers 5 saves each processor nested in it
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names; anything else is refused, not cast
 
 
 @dataclass
@@ -315,6 +316,8 @@ def check_finite(state: Mapping[str, torch.Tensor], where: str) -> None:
 
 def load_tower(files: CheckpointFiles, config, device: torch.device, dtype: torch.dtype,
                allow_nonfinite_weights: bool = False) -> torch.nn.Module:
+    """The tower of ``files``: float weights cast to ``dtype``, FP8 linears dequantized to it."""
+    fp8 = Fp8Reader(files.config)  # refuses a malformed quantization_config before any shard is opened
     all_keys = [k for keys in files.shards.values() for k in keys]
     names = _strip_prefixes(all_keys)
     shapes: dict[str, tuple[int, ...]] = {}
@@ -329,11 +332,10 @@ def load_tower(files: CheckpointFiles, config, device: torch.device, dtype: torc
                     kind, shape = view.get_dtype(), tuple(view.get_shape())
                 except (SafetensorError, RuntimeError, ValueError) as err:
                     raise ValueError(f"{shard}: tensor {key!r} cannot be read ({err})") from None
-                if kind not in FLOAT_DTYPES:
-                    raise ValueError(f"{shard}: tensor {key!r} is {kind}; vision weights must be floating point "
-                                     f"({', '.join(FLOAT_DTYPES)})")
-                shapes[names[key]] = shape
+                if not fp8.sort(shard, key, names[key], kind, shape):  # a scale: fp8 checks its shape
+                    shapes[names[key]] = shape
     _check_names_and_shapes(config, shapes)
+    fp8.check()
 
     # safe_open(device=...) places each tensor directly on the target device.
     open_device = "cpu" if device.type == "cpu" else str(device)
@@ -342,9 +344,12 @@ def load_tower(files: CheckpointFiles, config, device: torch.device, dtype: torc
         with _open(shard, open_device) as f:
             for key in keys:
                 try:
-                    state[names[key]] = f.get_tensor(key).to(dtype)
+                    tensor = f.get_tensor(key)
                 except (SafetensorError, RuntimeError, OSError) as err:  # e.g. a file truncated mid-tensor
                     raise ValueError(f"{shard}: tensor {key!r} cannot be read ({err})") from None
+                if not fp8.holds(names[key], tensor):
+                    state[names[key]] = tensor.to(dtype)
+    state.update({name: linear.dequantize(dtype) for name, linear in fp8.linears().items()})
     if not allow_nonfinite_weights:
         check_finite(state, f"checkpoint {files.config.parent}")
     with torch.device("meta"):
@@ -354,7 +359,8 @@ def load_tower(files: CheckpointFiles, config, device: torch.device, dtype: torc
 
 def tower_from_state_dict(state_dict: Mapping[str, torch.Tensor], config, device: torch.device,
                           dtype: torch.dtype) -> torch.nn.Module:
-    """Build from tensors already in memory; keys may carry ``visual.`` / ``model.visual.`` or no prefix."""
+    """Build from tensors already in memory; keys may carry ``visual.`` / ``model.visual.`` or no prefix.
+    Float weights only: an FP8 checkpoint loads through :func:`load_tower`."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}")
     for key in state_dict:
@@ -371,8 +377,9 @@ def tower_from_state_dict(state_dict: Mapping[str, torch.Tensor], config, device
         if value.is_meta or value.layout != torch.strided:  # a sparse weight loaded, then every encode raised
             raise TypeError(f"state_dict[{name!r}] must be a dense tensor with data, got "
                             f"{'a meta tensor' if value.is_meta else f'layout {value.layout}'}")
-        if not value.is_floating_point():
-            raise ValueError(f"state_dict[{name!r}] is {value.dtype}; vision weights must be floating point")
+        if not value.is_floating_point() or value.element_size() < 2:  # FP8 would be cast with no scale
+            raise ValueError(f"state_dict[{name!r}] is {value.dtype}; vision weights must be floating point, "
+                             "16 bits or more (an FP8 checkpoint loads, dequantized, through from_pretrained)")
     _check_names_and_shapes(config, {n: tuple(t.shape) for n, t in state.items()})
     with torch.device("meta"):
         tower = family_of(config).tower(config)
