@@ -21,7 +21,9 @@ ROOT = HERE.parent
 
 
 def run_script(args, timeout, cwd=HERE):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The scripts import vitgraph from this checkout, installed or not.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
     print(proc.stdout[-3000:], proc.stderr[-3000:])

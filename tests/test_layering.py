@@ -259,7 +259,7 @@ import torch
 import torch.nn.functional
 
 def public(module):
-    return {k: id(v) for k, v in vars(module).items() if not k.startswith("__")}
+    return {k: v for k, v in vars(module).items() if not k.startswith("__")}
 
 watched = {"torch": torch, "torch.compiler": torch.compiler, "torch.cuda": torch.cuda,
            "torch.cuda.graphs": torch.cuda.graphs, "torch.nn.functional": torch.nn.functional}
@@ -282,7 +282,15 @@ enc = GraphedVisionEncoder.from_config("tiny" if device == "cpu" else "qwen2-vl-
 grids = [(1, 16, 16), (2, 8, 8)]
 enc.encode(torch.randn(sum(t * h * w for t, h, w in grids), 1176, device=device, dtype=enc.dtype), grids)
 
-changed = {name: sorted(k for k in before[name] if before[name][k] != id(vars(m).get(k)))
+# A change torch makes itself: state CUDA's lazy init sets (a flag, a count, the generators), or
+# torch wrapping its own function as it imports its compiler (torch._dynamo wraps manual_seed).
+def torch_own(old, new):
+    if not (callable(old) or isinstance(old, types.ModuleType)):
+        return True
+    return getattr(new, "__wrapped__", None) is old and getattr(new, "__module__", "").startswith("torch")
+
+changed = {name: sorted(k for k in before[name] if before[name][k] is not vars(m).get(k)
+                        and not (name.startswith("torch") and torch_own(before[name][k], vars(m).get(k))))
            for name, m in watched.items()}
 new_acts = set(getattr(watched.get("quack.activation"), "act_fn_map", {})) - acts
 print(json.dumps({"watched": sorted(watched), "changed": {k: v for k, v in changed.items() if v},
