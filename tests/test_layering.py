@@ -218,7 +218,7 @@ def test_the_encoder_replays_a_tower_that_is_not_qwen_from_graphs():
     torch.manual_seed(0)
     tower = MeanPoolTower()
     enc = GraphedVisionEncoder(tower, device="cuda", dtype=torch.float32, budgets=[64, 128], progress=False)
-    assert enc.use_graphs and len(enc.buckets) == 2
+    assert enc.use_graphs and {b.tokens for b in enc.buckets} == {64, 128}
     grids = [(1, 4, 6), (2, 2, 4), (1, 6, 2)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), 12, device="cuda")
     eager = GraphedVisionEncoder(tower, device="cuda", dtype=torch.float32, mode="eager")
