@@ -193,6 +193,25 @@ def test_the_cli_writes_the_cache_and_prints_the_ids(tmp_path, capsys, enc):
     assert sorted(os.listdir(cache)) == sorted(ids + ["mine"])
 
 
+def test_the_cli_bounds_the_cache_it_writes(tmp_path, capsys):
+    from vitgraph.cli import main
+
+    paths = [tmp_path / f"{i}.png" for i in range(3)]
+    for i, path in enumerate(paths):
+        path.write_bytes(png((32 + 8 * i, 40), "navy"))
+    cache = tmp_path / "cache"
+    (cache / "foreign").mkdir(parents=True)  # not vitgraph's: never evicted
+    assert main(["encode", *map(str, paths), "--encoder-cache", str(cache), "--cache-max-items", "2",
+                 "--preset", "tiny", "--device", "cpu"]) == 0
+    ids = capsys.readouterr().out.split()
+    assert len(ids) == 3 and sorted(os.listdir(cache)) == sorted(ids[1:] + ["foreign"])  # the oldest went
+    for argv, words in [(["--encoder-cache", str(cache), "--cache-max-items", "0"], "--cache-max-items must be"),
+                        (["--encoder-cache", str(cache), "--cache-max-bytes", "-5"], "--cache-max-bytes must be"),
+                        (["--out", str(tmp_path / "o.st"), "--cache-max-items", "3"], "give --encoder-cache")]:
+        assert main(["encode", str(paths[0]), "--preset", "tiny", *argv]) == 2
+        assert words in capsys.readouterr().err.strip().splitlines()[-1], argv
+
+
 def test_the_sglang_item_follows_sglangs_rules(enc):
     images = [png((64, 48), "red"), png((40, 90), "teal")]
     rows, grid = enc.image_rows(images)

@@ -86,8 +86,34 @@ def test_store_without_a_cache_is_a_400():
     assert response.status_code == 400 and b"--encoder-cache" in response.body
 
 
-def test_build_app_refuses_a_missing_cache_directory(tmp_path):
+def test_build_app_refuses_a_missing_cache_directory_and_a_bad_bound(tmp_path):
     from vitgraph.serve import build_app
 
     with pytest.raises(ValueError, match="encoder_cache"):
         build_app(preset="tiny", device="cpu", encoder_cache=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="encoder_cache_max_items must be a positive int"):
+        build_app(preset="tiny", device="cpu", encoder_cache=str(tmp_path), encoder_cache_max_items=0)
+    with pytest.raises(ValueError, match="encoder_cache_max_bytes bounds encoder_cache"):
+        build_app(preset="tiny", device="cpu", encoder_cache_max_bytes=1 << 20)
+
+
+def test_a_bounded_replica_keeps_the_newest_entries(tmp_path):
+    import asyncio
+
+    from starlette.requests import Request
+
+    from vitgraph.serve import VisionEncoderDeployment
+
+    deployment = VisionEncoderDeployment.func_or_class(preset="tiny", device="cpu", encoder_cache=str(tmp_path),
+                                                       encoder_cache_max_items=2)
+    answers = []
+    for ident in ("a", "b", "c"):
+        body = json.dumps({"images": [base64.b64encode(png((84, 56), "red")).decode()]}).encode()
+        scope = {"type": "http", "method": "POST", "path": "/encode", "query_string": f"store=1&id={ident}".encode(),
+                 "headers": [(b"content-type", b"application/json")]}
+
+        async def receive(body=body):
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        answers.append(asyncio.run(deployment(Request(scope, receive))).status_code)
+    assert answers == [200, 200, 200] and sorted(os.listdir(tmp_path)) == ["b", "c"]

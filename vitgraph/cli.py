@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import __version__  # torch is imported inside the commands: --help and argument errors stay instant
 from .cli_args import add_model_args, describe, make_encoder, resolve_model_args, status
+from .cli_handoff import add_cache_bounds, check_cache_bounds
 from .cli_output import check_out, check_out_is_not_the_checkpoint, write_atomically
 
 
@@ -215,6 +216,7 @@ def _check_serve_args(args) -> None:
             raise ValueError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA GPU(s)")
     if args.encoder_cache is not None and not os.path.isdir(args.encoder_cache):
         raise ValueError(f"--encoder-cache {args.encoder_cache}: is not an existing directory")
+    check_cache_bounds(args)
     if args.model:
         from .loading import find_checkpoint, read_config
         from .processor_files import read_processor
@@ -244,7 +246,8 @@ def cmd_serve(args) -> None:
     from .serve_cluster import check_app_name, start_http, url
 
     app = build_app(args.model, preset=args.preset, device=args.device, dtype=args.dtype, num_replicas=args.replicas,
-                    encoder_cache=args.encoder_cache, max_items_per_request=args.max_items_per_request,
+                    encoder_cache=args.encoder_cache, encoder_cache_max_items=args.cache_max_items,
+                    encoder_cache_max_bytes=args.cache_max_bytes, max_items_per_request=args.max_items_per_request,
                     max_body_bytes=args.max_body_bytes)
     previous, deployed, started = None, False, False
     try:
@@ -300,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "per image (vLLM's ECExampleConnector); prints the ids")
     p.add_argument("--id", action="append", help="an image's id in --encoder-cache (one per file; "
                    "default: vitgraph.handoff.item_id of its bytes)")
+    add_cache_bounds(p)
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--min-pixels", type=int, default=None,
                    help="resize smaller images up to this area (default: the model's preprocessor_config.json)")
@@ -321,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the server answers 408 to a request not done in this time (default 60)")
     p.add_argument("--encoder-cache", metavar="DIR", help="POST /encode?store=1 writes images' embeddings here "
                    "(vLLM's ECExampleConnector layout) and answers their ids")
+    add_cache_bounds(p)
     p.add_argument("--app-name", default="vitgraph", help="the Serve application's name; on exit only it is "
                    "deleted (with RAY_ADDRESS, on that cluster) (default vitgraph)")
     p.add_argument("--max-items-per-request", type=int, default=4096,

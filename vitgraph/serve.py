@@ -92,7 +92,8 @@ class VisionEncoderDeployment:
                  dtype: str | None = None, engine_options: dict | None = None, min_pixels: int | None = None,
                  max_pixels: int | None = None, max_image_pixels: int = SERVE_MAX_IMAGE_PIXELS,
                  encoder_cache: str | None = None, max_items_per_request: int = MAX_ITEMS_PER_REQUEST,
-                 max_body_bytes: int = SERVE_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = SERVE_MAX_BODY_BYTES, encoder_cache_max_items: int | None = None,
+                 encoder_cache_max_bytes: int | None = None) -> None:
         options = dict(engine_options or {}, progress=False)
         preset = preset or ("qwen2-vl-2b" if torch.cuda.is_available() else "tiny")
         if model:
@@ -110,7 +111,8 @@ class VisionEncoderDeployment:
         self.max_items, self.max_body_bytes = max_items_per_request, max_body_bytes
         from .handoff import EncoderCache  # POST /encode?store=1 writes here (vitgraph.serve_store)
 
-        self.cache = EncoderCache(encoder_cache) if encoder_cache else None
+        self.cache = (EncoderCache(encoder_cache, max_bytes=encoder_cache_max_bytes, max_items=encoder_cache_max_items)
+                      if encoder_cache else None)
         self.model_identity = model or f"preset:{preset}"  # the model part of default ids (handoff.item_id)
 
     # -- validation (before batching) ------------------------------------------------
@@ -324,6 +326,7 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
               min_pixels: int | None = None, max_pixels: int | None = None,
               max_image_pixels: int = SERVE_MAX_IMAGE_PIXELS, encoder_cache: str | None = None,
               max_items_per_request: int = MAX_ITEMS_PER_REQUEST, max_body_bytes: int = SERVE_MAX_BODY_BYTES,
+              encoder_cache_max_items: int | None = None, encoder_cache_max_bytes: int | None = None,
               **engine_options):
     """The Ray Serve application: ``num_replicas`` replicas (or ``autoscaling_config``), each
     holding one encoder on ``num_gpus`` GPUs (default: 1 where CUDA is present, else 0). With
@@ -337,12 +340,18 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
     checkpoint's processor's); a lower ``max_pixels`` bounds an image request's tokens.
     ``max_image_pixels``: the most pixels an uploaded image may declare (checked before decoding).
     ``encoder_cache``: a directory ``POST /encode?store=1`` writes images' embeddings to
-    (:mod:`vitgraph.serve_store`; vLLM's ``ECExampleConnector`` layout).
+    (:mod:`vitgraph.serve_store`; vLLM's ``ECExampleConnector`` layout), bounded by
+    ``encoder_cache_max_items`` / ``encoder_cache_max_bytes`` (:class:`vitgraph.handoff.EncoderCache`).
     ``max_items_per_request``: the most images (or grid rows) in one request, counted before
     anything is decoded (400 above it); ``max_body_bytes``: the largest body read (413 above it).
     ``model`` is found and its config and processor files read here, before any replica starts."""
     if encoder_cache is not None and not os.path.isdir(encoder_cache):
         raise ValueError(f"encoder_cache {encoder_cache}: is not an existing directory")
+    for name, bound in (("encoder_cache_max_items", encoder_cache_max_items),
+                        ("encoder_cache_max_bytes", encoder_cache_max_bytes)):
+        check_int(name, bound, optional=True)
+        if bound is not None and encoder_cache is None:
+            raise ValueError(f"{name} bounds encoder_cache; give encoder_cache too")
     check_pixel_arguments(min_pixels, max_pixels)  # refused here, not in a replica's start-up
     check_image_ceiling(max_image_pixels)
     check_engine_options(engine_options)  # refused here, not in a replica's start-up
@@ -360,7 +369,8 @@ def build_app(model: str | None = None, *, preset: str | None = None, device: st
                                            **scale).bind(
         model=model, preset=preset, device=device, dtype=dtype, engine_options=engine_options, min_pixels=min_pixels, max_pixels=max_pixels,
         max_image_pixels=max_image_pixels, encoder_cache=None if encoder_cache is None else os.path.abspath(encoder_cache),
-        max_items_per_request=max_items_per_request, max_body_bytes=max_body_bytes)
+        max_items_per_request=max_items_per_request, max_body_bytes=max_body_bytes,
+        encoder_cache_max_items=encoder_cache_max_items, encoder_cache_max_bytes=encoder_cache_max_bytes)
 
 
 def check_model(model: str) -> None:
