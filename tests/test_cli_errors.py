@@ -136,7 +136,7 @@ def test_the_bench_parsers_describe_their_modules():
     for command, module in (("bench", latency), ("bench-serving", serving), ("bench-images", images),
                             ("bench-coalesce", coalesce)):
         assert args.PARSERS[command]().description == module.__doc__.split("\n\n")[0], command
-    assert attention.BACKENDS is backend_names.BACKENDS and attention.FLASH_BACKENDS is backend_names.FLASH_BACKENDS
+    assert attention.BACKENDS is backend_names.BACKENDS == tuple(backend_names.ATTENTION)
     assert gemm.GEMM_BACKENDS is backend_names.GEMM_BACKENDS and serving.build_parser().get_default("max_pixels") \
         == preprocess.MAX_PIXELS == preprocess.ProcessorConfig().max_pixels
 

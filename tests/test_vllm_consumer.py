@@ -1,8 +1,9 @@
 """A real vLLM ``ec_consumer`` serving images that vitgraph encoded (CPU, float32, tiny random
 Qwen2-VL and Qwen3-VL checkpoints built here: language model, vision tower, processor, tokenizer).
 
-vitgraph encodes the images and writes them with ``encode_to_cache``; a vLLM ``LLM`` with
-``ECExampleConnector`` as ``ec_consumer`` gets requests that carry only each image's grid and id,
+vitgraph encodes the images and writes them as the README says (``vitgraph encode FILES
+--encoder-cache DIR --model MODEL``, the ids it prints; ``encode_to_cache`` gives the same); a
+vLLM ``LLM`` with ``ECExampleConnector`` as ``ec_consumer`` gets requests that carry only each image's grid and id,
 and must generate what a vLLM without the connector generates from the same images through its
 own tower (pixels) and from vitgraph's tensor as ``image_embeds``. An entry written with other
 rows changes the output (vLLM used the file), and an id with no file fails (vLLM looked there).
@@ -27,6 +28,7 @@ from helpers import randomize_  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from vitgraph import GraphedVisionEncoder  # noqa: E402
+from vitgraph.cli import main as cli_main  # noqa: E402
 from vitgraph.handoff import CACHE_FILE, encode_to_cache, write_encoder_cache  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -89,6 +91,9 @@ def build_checkpoint(folder, family: str):
     return folder
 
 
+PNG = b"\x89PNG"
+
+
 def image(width: int, height: int, seed: int, kind: str) -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     buffer = io.BytesIO()
@@ -117,7 +122,7 @@ def shut(llm):
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
-def test_an_ec_consumer_serves_what_vitgraph_encoded(family, tmp_path, monkeypatch):
+def test_an_ec_consumer_serves_what_vitgraph_encoded(family, tmp_path, monkeypatch, capsys):
     from vllm import LLM
     from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -133,7 +138,15 @@ def test_an_ec_consumer_serves_what_vitgraph_encoded(family, tmp_path, monkeypat
     # torchvision, vitgraph as transformers' PIL processor); the last image is resized.
     images = [image(3 * factor, 2 * factor, 0, "PNG"), image(5 * factor, 4 * factor, 1, "JPEG"),
               image(100, 70, 2, "PNG")]
-    ids = encode_to_cache(encoder, images, cache, model=str(folder))
+    # The README's step: vitgraph encode FILES --encoder-cache DIR --model MODEL, the ids printed.
+    files = [tmp_path / f"image{i}{'.png' if blob.startswith(PNG) else '.jpg'}" for i, blob in enumerate(images)]
+    for path, blob in zip(files, images):
+        path.write_bytes(blob)
+    assert cli_main(["encode", *map(str, files), "--encoder-cache", str(cache), "--model", str(folder),
+                     "--device", "cpu", "--dtype", "fp32"]) == 0
+    ids = capsys.readouterr().out.split()
+    (tmp_path / "api").mkdir()
+    assert ids == encode_to_cache(encoder, images, tmp_path / "api", model=str(folder))  # the API's ids
     grids = encoder.image_rows(images)[1]
     embeds = encoder.encode_images(images=images)
     assert [e.shape[0] for e in embeds] == (grids.prod(-1) // 4).tolist()

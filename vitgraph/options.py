@@ -13,6 +13,7 @@ from .engine.planner import Bucket, budget_ladder, make_buckets
 from .engine.contract import VisionTower
 from .ops import kernels
 from .ops.attention import fa4_short_cap, resolve_backend
+from .ops.backend_names import attention_backend
 from .ops.gemm import GEMM_BACKENDS, resolve_gemm
 from .tuning import Tuning, check_overrides
 from .validation import check_int
@@ -97,16 +98,16 @@ def engine_options(options: Mapping[str, Any]) -> EngineOptions:
 def dense_limit(options: EngineOptions, attention: str, tuning: Tuning) -> int | None:
     """Tokens of the largest dense bucket to capture (None: no limit; 0: none)."""
     chosen = tuning.buckets.dense_max_tokens
-    if not tuning.buckets.dense or (chosen is None and attention == "fa4"):
-        return 0  # fa4's packed buckets win for single frames
+    if not tuning.buckets.dense or (chosen is None and attention_backend(attention).tiles):
+        return 0  # FA4's packed buckets (its tiles) win for single frames
     limits = [n for n in (options.exact_eager_above, chosen) if n is not None]
     return min(limits) if limits else None
 
 
-def short_cap_rule(options: EngineOptions, attention_backend: str, heads: int, device: torch.device,
+def short_cap_rule(options: EngineOptions, backend: str, heads: int, device: torch.device,
                    unit: int, tuning: Tuning) -> Callable[[int], int | None] | None:
     """``budget -> frame cap`` of the short-frame bucket to capture for it (None: none)."""
-    if (not tuning.buckets.short_frames or attention_backend != "fa4" or device.type != "cuda"
+    if (not tuning.buckets.short_frames or not attention_backend(backend).tiles or device.type != "cuda"
             or not tuning.attention.choose_tiles):
         return None
     return lambda budget: fa4_short_cap(budget, heads, unit, tuning.attention)

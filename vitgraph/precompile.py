@@ -36,6 +36,7 @@ import torch
 
 from .ops import kernels
 from .ops.attention import FA4_CACHE_SWITCH, _has_fa4
+from .ops.backend_names import ATTENTION
 from .engine.contract import Precompiled, VisionTower
 from .engine.planner import Bucket, padded_batch
 from .ops.gemm import quack_available
@@ -223,7 +224,8 @@ def _early_caches(device: torch.device, dtype: torch.dtype, options: dict) -> li
     """The cache modules whose kernels an encoder with ``options`` may compile, judged without
     importing the libraries (as the encoder's backend choice will be, barring a broken install)."""
     caches = []
-    if (options["attention"] in ("auto", "fa4") and dtype in (torch.float16, torch.bfloat16) and _persists("attention")
+    named = ATTENTION.get(options["attention"])  # None: "auto" (or a name the encoder refuses later)
+    if ((options["attention"] == "auto" or (named is not None and named.compiles)) and dtype in (torch.float16, torch.bfloat16) and _persists("attention")
             and _has_fa4(device)):
         caches.append(_FA4_CACHE[0])
     if (options["gemm"] in ("auto", "quack") and dtype == torch.bfloat16 and options["fuse"] is not False

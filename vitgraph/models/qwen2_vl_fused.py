@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from ..ops import cudnn_attention, kernels
 from ..ops.activations import ACTIVATIONS
-from ..ops.attention import (FLASH_BACKENDS, LANE_PAD, SegmentedBatch, attend, dense_masked, fa4_kernel,
+from ..ops.backend_names import attention_backend
+from ..ops.attention import (LANE_PAD, SegmentedBatch, attend, dense_masked, fa4_kernel,
                              finite_values_)
 from ..ops.gemm import (bias_free_stream, fc1_kernel, linear_qkv, linear_qkv_rope, linear_quick_gelu, linear_split_k,
                         qkv_kernel, qkv_rope_kernel, rope_in_gemm)
@@ -67,12 +68,13 @@ class FusedForward:
         """The kernels :meth:`forward_fused` takes for ``batch`` (a Python-level choice, fixed
         per layout)."""
         rows, backend = batch.positions.shape[0], self.blocks[0].attn.backend
-        lane = self.config.head_dim + LANE_PAD if batch.dense and batch.padded and backend in FLASH_BACKENDS else None
+        traits = attention_backend(backend)
+        lane = self.config.head_dim + LANE_PAD if batch.dense and batch.padded and traits.lane_pad else None
         return FusedPaths(
             lane=lane,
             rope_epilogue=lane is None and rope_in_gemm(rows, self.blocks[0].attn.qkv.weight, self.tuning.gemm),
-            ragged=batch.padded and not batch.dense and backend == "cudnn",
-            zero_padding=batch.padded and lane is None and backend == "fa4",
+            ragged=batch.padded and not batch.dense and traits.ragged,
+            zero_padding=batch.padded and lane is None and traits.reads_past_segments,
             bias_free=bias_free_stream(rows, self.tuning.gemm))
 
     def jit_kernels(self, batch: VisionBatch) -> list[tuple[str, tuple]]:
@@ -88,7 +90,7 @@ class FusedForward:
             found.append(("qkv_rope", qkv_rope_kernel(rows, weight, self.tuning.gemm)))
         elif self.fused and (key := qkv_kernel(rows, weight, self.tuning.gemm)) is not None:
             found.append(("qkv", key))
-        if attn.backend == "fa4" and paths.lane is None and not paths.ragged:
+        if attention_backend(attn.backend).compiles and paths.lane is None and not paths.ragged:
             found.append(("attention", fa4_kernel(batch.max_seqlen, self.config.num_heads, rows, weight.dtype,
                                                   self.tuning.attention)))
         if self.fused and block.act_name == "quick_gelu":

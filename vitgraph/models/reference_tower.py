@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..ops import kernels
 from ..ops.attention import AttentionTuning, attend
+from ..ops.backend_names import attention_backend
 from ..ops.tuning import KernelTuning
 from .qwen2_vl import apply_rotary
 from .tower_base import TowerBase
@@ -32,7 +33,7 @@ def fused_attention(h: torch.Tensor, attn: nn.Module, heads: int, cos: torch.Ten
     rows and v's non-finite values where FlashAttention 4 reads them past a segment's end),
     attention on views of qkv."""
     qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias)
-    zero = segments.padded and backend == "fa4"
+    zero = segments.padded and attention_backend(backend).reads_past_segments
     q, k, v = kernels.rotary_(qkv, cos, sin, heads, segments.segment_ids if zero else None, zero_padding=zero)
     return attend(backend, q, k, v, segments, padding_zeroed=zero, tuning=tuning,
                   values_finite=zero).reshape(h.shape[0], -1)

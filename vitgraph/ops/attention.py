@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from .backend_names import BACKENDS, FLASH_BACKENDS  # noqa: F401  (kept importable from here; the names need no torch)
+from .backend_names import BACKENDS, attention_backend  # noqa: F401  (the traits need no torch)
 
 
 class SegmentedBatch(Protocol):
@@ -263,7 +263,7 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype = 
     """
     available = available_backends(device)
     if dtype not in (torch.float16, torch.bfloat16):
-        available = [b for b in available if b == "sdpa"]
+        available = [b for b in available if not attention_backend(b).half_only]
     if name == "auto":
         return available[0]
     if name not in BACKENDS:
@@ -335,7 +335,7 @@ def attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batc
     ``values_finite``: and every non-finite value of ``v`` (the rotary kernel's ``zero_padding``,
     qkv's rope epilogue).
     ``tuning``: the tower's (FlashAttention 4's tiles)."""
-    if backend == "fa4":
+    if attention_backend(backend).reads_past_segments:  # FA4
         if not batch.dense and not values_finite:  # FA4 weighs the next segment's values 0: finite only
             v = finite_values(v)
         if batch.padded and not padding_zeroed:
