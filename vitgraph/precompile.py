@@ -343,16 +343,20 @@ def precompile(tower: VisionTower, setup: TowerSetup, buckets: Sequence[Bucket],
             _wait(proc, log, report, max(0.0, deadline - time.monotonic()))
     finally:
         _stop(procs or ())
+    report.seconds = time.perf_counter() - start
+    _log(report)
+    return report
+
+
+def _log(report: PrecompileReport) -> None:
     for failure in report.failures:
         logger.warning("vitgraph: a kernel-compiling worker failed (%s); capture compiles its kernels", failure)
-    report.seconds = time.perf_counter() - start
     how = (f"none on disk when the encoder started (cold caches): {report.workers} worker(s) started with it"
            if report.early else f"the first took {report.first_kernel_seconds:.2f} s here, so "
            f"{'cold' if report.cold else 'warm'} caches; {report.workers} worker(s)")
     logger.info("vitgraph: %d JIT kernels; %s%s; %.1f s", report.kernels, how,
                 f"; Triton kernels {report.triton_seconds:.1f} s here meanwhile" if report.triton_seconds else "",
                 report.seconds)
-    return report
 
 
 # Not ``-m vitgraph.precompile``: importing the package imports this module first, and runpy

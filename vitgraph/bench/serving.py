@@ -119,12 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     max_budget = 16384
     max_pixels = args.max_pixels if on_gpu else min(args.max_pixels, 200704)  # keep the CPU run short
     seeds = args.seeds or [args.seed]
-    engine = {}
-    if args.fit_budgets:
-        eager_above = EngineOptions().exact_eager_above  # single frames above it never replay
-        sample = request_grids(2000, max(seeds) + 1, max_pixels)  # none of the measured streams
-        engine["budgets"] = fit_budgets([t * h * w for t, h, w in sample if t > 1 or h * w <= eager_above],
-                                        args.fit_budgets, max_budget)
+    engine = _fitted_budgets(args.fit_budgets, seeds, max_pixels, max_budget) if args.fit_budgets else {}
     runners, eager_enc, _ = common.build_systems(args, systems, max_budget, **engine)
     device, dtype = eager_enc.device, eager_enc.dtype
 
@@ -169,6 +164,14 @@ def main(argv: list[str] | None = None) -> dict:
     _print_runs(result, n, seeds)
     common.write_json(result, args.json)
     return result
+
+
+def _fitted_budgets(count: int, seeds: list[int], max_pixels: int, max_budget: int) -> dict:
+    """``{"budgets": ...}`` fitted to another sample of the mix (none of the measured streams)."""
+    eager_above = EngineOptions().exact_eager_above  # single frames above it never replay
+    sample = request_grids(2000, max(seeds) + 1, max_pixels)
+    return {"budgets": fit_budgets([t * h * w for t, h, w in sample if t > 1 or h * w <= eager_above],
+                                   count, max_budget)}
 
 
 def _checked(runners: dict, eager_enc, probe: list, pixels_for, dtype) -> dict[str, float]:

@@ -243,13 +243,7 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
         frame = h * w
         if frame > cap_tokens:  # larger than every bucket: eager, beside the oversize items before it
             flush()
-            last = plan.steps[-1] if plan.steps else None
-            if last is not None and last.bucket is None and last.reason == "oversize":
-                last.grids.append((t, h, w))
-                last.tokens += t * frame
-                last.segments += t
-            else:
-                plan.steps.append(Step([(t, h, w)], None, t * frame, t, offset, "oversize"))
+            _add_oversize(plan, (t, h, w), offset)
             offset += t * frame
             continue
         left = t
@@ -263,6 +257,19 @@ def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_abov
             left -= take
     flush()
     return plan
+
+
+def _add_oversize(plan: Plan, grid: Grid, offset: int) -> None:
+    """An item with a frame larger than every bucket: an eager step, shared with the oversize
+    items just before it."""
+    t, h, w = grid
+    last = plan.steps[-1] if plan.steps else None
+    if last is not None and last.bucket is None and last.reason == "oversize":
+        last.grids.append(grid)
+        last.tokens += t * h * w
+        last.segments += t
+    else:
+        plan.steps.append(Step([grid], None, t * h * w, t, offset, "oversize"))
 
 
 @dataclass

@@ -69,8 +69,7 @@ def _gemm_rope_class():
 
         @cute.jit
         def epi_visit_subtile(self, params, epi_loop_tensors, tRS_rD: cute.Tensor, tRS_rC=None):
-            bias = epi_loop_tensors["mBias"]
-            freq_h, freq_w = epi_loop_tensors["mFreqH"], epi_loop_tensors["mFreqW"]
+            bias, freq_h, freq_w = epi_loop_tensors["mBias"], epi_loop_tensors["mFreqH"], epi_loop_tensors["mFreqW"]
             pos_h, pos_w = epi_loop_tensors["mPosH"], epi_loop_tensors["mPosW"]
             # Registers 2i and 2i + 1 hold adjacent columns of one row: one rotated pair.
             for i in cutlass.range(cute.size(tRS_rD) // 2, unroll_full=True):
@@ -83,8 +82,7 @@ def _gemm_rope_class():
                 rotated = freq_h[a] + freq_w[a] > 0.0  # q's and k's columns; v's have no frequency
                 cos = Float32(cute.math.cos(reduced, fastmath=True))
                 sin = Float32(cute.math.sin(reduced, fastmath=True))
-                # v's columns keep their finite values only (x - x is 0 only for finite x):
-                # FlashAttention 4 weighs values past a segment's end 0, and 0 * NaN is NaN.
+                # v keeps finite values only (x - x is 0 only then): FA4 weighs 0 past a segment, 0 * NaN is NaN.
                 y0 = Float32(cutlass.select_(rotated, x0 * cos - x1 * sin,
                                              cutlass.select_(x0 - x0 == 0.0, x0, Float32(0.0))))
                 y1 = Float32(cutlass.select_(rotated, x1 * cos + x0 * sin,
