@@ -19,6 +19,12 @@ Qwen3-VL: vitgraph's rows are ``[main | deepstack...]``, which SGLang's Qwen3-VL
 Why the offline Engine: over HTTP (``POST /generate`` with ``image_data``) the item is JSON, and
 the tensor would travel as nested lists; in process it stays a tensor.
 
+SGLang's own encoder disaggregation (``srt/disaggregation/encoder/http_server.py``: an encode
+server's ``POST /encode`` takes ``req_id``, ``modality``, ``mm_items``, ``num_parts`` and
+``part_idx``, runs the model's tower, and moves the embeddings to the prefill scheduler over ZMQ
+or Mooncake after ``/scheduler_receive_url``) is not this: vitgraph does not speak that protocol;
+precomputed embeddings are its hand-off to SGLang.
+
 Needs a CUDA device and ``pip install "sglang==0.5.23"``. vitgraph's tests do not run this
 example. What they run, on a CPU where sglang is installed (tests/test_handoff.py): this item
 through SGLang's own request object, Qwen VL processor, scheduler-side inputs and
