@@ -86,9 +86,9 @@ def test_smart_resize_rules():
 
 @pytest.mark.parametrize("bad, error, words", [
     (np.zeros((0, 10, 3), np.uint8), ValueError, "empty"),
-    (np.zeros((10, 10, 4), np.uint8), ValueError, "HxWx3"),
+    (np.zeros((10, 10, 5), np.uint8), ValueError, "HxWx3"),  # 4 channels: RGBA, taken
     (np.zeros((10, 10, 3), np.float32), TypeError, "uint8"),
-    (torch.zeros(4, 10, 10, dtype=torch.uint8), ValueError, "3xHxW"),
+    (torch.zeros(2, 10, 10, dtype=torch.uint8), ValueError, "3xHxW"),
     (np.zeros((1, 300, 3), np.uint8), ValueError, "aspect ratio"),
     ("no-such-cat.png", ValueError, "no such file"),
     (3.5, TypeError, "PIL image"),

@@ -1,8 +1,10 @@
-"""Images in every form a caller holds, to RGB uint8 pixels: PIL images, ``HxWx3`` uint8 arrays,
-``3xHxW`` uint8 tensors (on any device), encoded bytes (JPEG, PNG, WebP, ...) and file paths.
+"""Images in every form a caller holds, to RGB uint8 pixels: PIL images, ``HxWx3`` / ``HxWx4``
+uint8 arrays, ``3xHxW`` / ``4xHxW`` uint8 tensors (on any device; the forms: :mod:`vitgraph.pixel_forms`),
+encoded bytes (JPEG, PNG, WebP, ...) and file paths. RGBA is composited onto white (:func:`as_rgb`).
 
 Encoded images are decoded by PIL on the host, after their header is checked against
-:data:`MAX_IMAGE_PIXELS` (a 30000 x 30000 PNG is refused before a byte of it is decoded), and
+:data:`MAX_IMAGE_PIXELS` (a 30000 x 30000 PNG is refused before a byte of it is decoded) and
+against their own length (:data:`PIXELS_PER_BYTE`: a header that declares 132 MP over 19 KB), and
 turned upright by their EXIF orientation, as transformers' ``load_image`` does. A JPEG can
 instead be decoded on the GPU by torchvision's nvJPEG binding (:func:`decode_jpeg_on`).
 """
@@ -20,6 +22,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .files import read_regular_file
+from .pixel_forms import check_image_form, frame_count
 from .validation import check_int
 
 # The most pixels an encoded image may declare (2**27: 16384 x 8192, 400 MB decoded).
@@ -52,7 +55,7 @@ def check_item_count(images, videos, cap) -> None:
     if isinstance(videos, (list, tuple)):
         count += len(videos)  # at least a frame each: a cheap bound before the frames are counted
         if count <= cap:
-            count += sum(len(clip) - 1 for clip in videos if isinstance(clip, (list, tuple)) and clip)
+            count += sum(frame_count(clip) - 1 for clip in videos)
     if count > cap:
         raise ValueError(f"the call holds {count} items (images and video frames), above max_items_per_request "
                          f"= {cap}; split it, or raise the cap")
@@ -75,7 +78,7 @@ def check_header(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
 MAX_FILE_BYTES = 1 << 30
 
 Encoded = Union[bytes, bytearray, memoryview]
-Pixels = Union[np.ndarray, torch.Tensor]  # HxWx3 uint8 array, or 3xHxW uint8 tensor
+Pixels = Union[np.ndarray, torch.Tensor]  # HxWx3 (or 4) uint8 array, or 3xHxW (or 4) uint8 tensor
 
 
 def is_encoded(item) -> bool:
@@ -111,7 +114,28 @@ def open_encoded(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -
     if width * height > max_pixels:
         raise ValueError(f"{name}: declares {width}x{height} = {width * height} pixels, above the limit of "
                          f"{max_pixels}; refused before decoding")
+    check_declared_size(image, data.nbytes if isinstance(data, memoryview) else len(data), name)
     return image
+
+
+# The most pixels an encoded image may declare per byte it holds, by PIL format (else the default),
+# 2x above what each format can hold at all (benchmarks/HISTORY.md, "Encoded bytes per declared pixel").
+PIXELS_PER_BYTE = {"JPEG": 1024, "MPO": 1024}  # Huffman: >= 1 bit per 8x8 block, so <= 512 pixels per byte
+PIXELS_PER_BYTE_DEFAULT = 16384  # deflate (PNG, TIFF) <= 1032:1 on 1-bit pixels: <= 8256; GIF's LZW less
+# Arithmetic-coded formats: their flattest real files hold 12,000-44,000 pixels a byte at 16 MP, and more above.
+NO_BYTE_BOUND = ("WEBP", "AVIF", "JPEG2000")
+BYTE_BOUND_FLOOR = 1 << 20  # pixels: an image this small is cheap to decode, whatever its header says
+
+
+def check_declared_size(image: Image.Image, nbytes: int, name: str) -> None:
+    """Refuse a header that declares more pixels than its file's bytes could hold (a few KB that
+    declare 132 MP: PIL would fill grey what is missing, then it is resized), before decoding."""
+    pixels, per_byte = image.width * image.height, PIXELS_PER_BYTE.get(image.format, PIXELS_PER_BYTE_DEFAULT)
+    if image.format in NO_BYTE_BOUND or pixels <= max(BYTE_BOUND_FLOOR, per_byte * nbytes):
+        return
+    raise ValueError(f"{name}: declares {image.width}x{image.height} = {pixels} pixels in {nbytes} bytes, more "
+                     f"than a {image.format or 'file'} holds (at most {per_byte} pixels a byte here): a truncated "
+                     "file or a false header; refused before decoding")
 
 
 def decode_pil(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
@@ -126,7 +150,8 @@ def decode_pil(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> 
 
 
 def as_rgb(image: Image.Image) -> Image.Image:
-    """RGB as transformers' ``convert_to_rgb`` makes it: transparency composited onto white."""
+    """RGB with transparency composited onto white, as vLLM's loader (``rgba_to_rgb``) feeds its
+    processors and transformers 5's ``convert_to_rgb`` does; 4.x dropped alpha (``convert("RGB")``)."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
@@ -149,40 +174,36 @@ def to_rgb_pil(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Ima
     array = as_pixels(item, name)
     if isinstance(array, torch.Tensor):
         array = array.permute(1, 2, 0).cpu().numpy()
-    return Image.fromarray(np.ascontiguousarray(array), mode="RGB")
+    image = Image.fromarray(np.ascontiguousarray(array))  # RGB, or RGBA for 4 channels
+    return image if image.mode == "RGB" else as_rgb(image)
 
 
 def as_pixels(item, name: str) -> Pixels:
-    """An ``HxWx3`` uint8 array or a ``3xHxW`` uint8 tensor, checked; anything else refused."""
-    if isinstance(item, torch.Tensor):
-        if item.ndim != 3 or item.shape[0] != 3:
-            raise ValueError(f"{name} tensor must be 3xHxW (RGB), got shape {list(item.shape)}")
-        if item.dtype != torch.uint8:
-            raise TypeError(f"{name} tensor must be uint8 (0-255), got {item.dtype}")
-        if item.device.type == "meta":
-            raise ValueError(f"{name} tensor is on the meta device and holds no data")
-        if item.layout != torch.strided:
-            raise ValueError(f"{name} tensor must be dense (strided), got layout {item.layout}")
-        if item.shape[1] == 0 or item.shape[2] == 0:
-            raise ValueError(f"{name} is empty ({item.shape[2]}x{item.shape[1]})")
+    """An ``HxWx3`` / ``HxWx4`` uint8 array or a ``3xHxW`` / ``4xHxW`` uint8 tensor, checked
+    (:func:`vitgraph.pixel_forms.check_image_form`); anything else refused, with what is taken."""
+    if isinstance(item, (torch.Tensor, np.ndarray)):
+        check_image_form(item, name)
         return item
-    if isinstance(item, np.ndarray):
-        if item.ndim != 3 or item.shape[2] != 3:
-            raise ValueError(f"{name} array must be HxWx3 (RGB), got shape {list(item.shape)}")
-        if item.dtype != np.uint8:
-            raise TypeError(f"{name} array must be uint8 (0-255), got {item.dtype}")
-        if item.shape[0] == 0 or item.shape[1] == 0:
-            raise ValueError(f"{name} is empty ({item.shape[1]}x{item.shape[0]})")
-        return item
-    raise TypeError(f"{name} must be a PIL image, an HxWx3 uint8 array, a 3xHxW uint8 tensor, encoded image "
-                    f"bytes or a file path, got {type(item).__name__}")
+    hint = "; a list of frames is a clip: pass it in videos" if isinstance(item, (list, tuple)) else ""
+    raise TypeError(f"{name} must be a PIL image, an HxWx3 or HxWx4 uint8 array, a 3xHxW or 4xHxW uint8 tensor, "
+                    f"encoded image bytes or a file path, got {type(item).__name__}{hint}")
+
+
+def opaque(pixels: Pixels) -> Pixels:
+    """Checked pixels with 3 channels as they are; RGBA composited onto white as an RGBA PIL
+    image is (:func:`as_rgb`), as an ``HxWx3`` array on the host."""
+    if (pixels.shape[0] if isinstance(pixels, torch.Tensor) else pixels.shape[2]) == 3:
+        return pixels
+    if isinstance(pixels, torch.Tensor):
+        pixels = pixels.permute(1, 2, 0).cpu().numpy()
+    return np.asarray(as_rgb(Image.fromarray(np.ascontiguousarray(pixels))))
 
 
 def load_pixels(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Pixels:
-    """Any accepted form as pixels: a tensor stays where it is (no copy); the rest become an
-    ``HxWx3`` uint8 array on the host (encoded ones decoded here)."""
+    """Any accepted form as pixels: an RGB tensor stays where it is (no copy); the rest become an
+    ``HxWx3`` uint8 array on the host (encoded ones decoded here, RGBA ones composited)."""
     if isinstance(item, (torch.Tensor, np.ndarray)):
-        return as_pixels(item, name)
+        return opaque(as_pixels(item, name))
     return np.asarray(to_rgb_pil(item, name, max_pixels))
 
 

@@ -74,8 +74,11 @@ class ImageInput:
         """Images and clips -> one tensor of embeddings per item (images first, then videos, each
         in the order given), encoded in one call.
 
-        An image is a PIL image, an ``HxWx3`` uint8 array, a ``3xHxW`` uint8 tensor (any device),
-        encoded bytes (JPEG, PNG, ...) or a file path; a clip is a list of them. ``preprocess``:
+        An image is a PIL image, an ``HxWx3`` / ``HxWx4`` uint8 array, a ``3xHxW`` / ``4xHxW`` uint8
+        tensor (any device; 4 channels: RGBA, composited onto white), encoded bytes (JPEG, PNG, ...)
+        or a file path; a clip is a list of them, or one ``[T, H, W, C]`` or ``[T, C, H, W]`` uint8
+        array or tensor as decoders give (:mod:`vitgraph.pixel_forms`). Both are lists: a lone
+        image or clip, which transformers would take, is refused with the list to pass. ``preprocess``:
         ``"device"`` (torch on the encoder's device, as transformers' torchvision processors),
         ``"pil"`` (PIL on the host, as ``Qwen2VLImageProcessorPil``), ``"auto"``: device on
         CUDA, else PIL. ``decode``: ``"host"`` (PIL, in a thread pool) or ``"gpu"`` (JPEGs by

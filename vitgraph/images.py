@@ -22,13 +22,15 @@ import torch
 
 from . import decode as decoding
 from .device_preprocess import frame_size, rows_of
+from .pixel_forms import clip_frames
 from .preprocess import (ProcessorConfig, check_list, check_pixel_arguments, clip_max_pixels, image_rows_pil,
                          pixel_limits, video_rows_pil)
 
 PREPROCESS = ("auto", "device", "pil")
 DECODE = ("host", "gpu")
 
-_IMAGE_FORMS = "images (PIL images, HxWx3 uint8 arrays, 3xHxW uint8 tensors, encoded bytes or file paths)"
+_IMAGE_FORMS = "images (PIL images, HxWx3 or HxWx4 uint8 arrays, 3xHxW or 4xHxW uint8 tensors, encoded bytes or paths)"
+_CLIP_FORMS = "clips (each a list of frames or one [T, H, W, C] uint8 array or tensor)"
 
 
 def check_choices(preprocess: str, decode: str) -> None:
@@ -41,7 +43,8 @@ def check_choices(preprocess: str, decode: str) -> None:
 def _items(images, videos, image_limits: tuple | None, video_limits: tuple | None, video: ProcessorConfig
            ) -> list[tuple[str, object, tuple[int, int, bool]]]:
     """``(name, image, pixel limits)`` for each image and ``(name, _Clip(frames), limits)`` for
-    each clip, images first (a list among the images is not a clip: it is refused by name);
+    each clip, images first (a list among the images is not a clip: it is refused by name; a 4-D
+    array among the clips is one, split into its frames: :func:`vitgraph.pixel_forms.clip_frames`);
     limits are ``(min_pixels, max_pixels, whether they bound a whole clip)``, a clip's
     ``max_pixels`` capped by its frame count where ``video`` asks (:func:`clip_max_pixels`)."""
     items: list[tuple[str, object, tuple[int, int, bool]]] = []
@@ -49,9 +52,9 @@ def _items(images, videos, image_limits: tuple | None, video_limits: tuple | Non
         check_list(images, "images", _IMAGE_FORMS)
         items += [(f"images[{i}]", image, image_limits) for i, image in enumerate(images)]
     if videos is not None:
-        check_list(videos, "videos", "videos (each a list of frames)")
-        for i, frames in enumerate(videos):
-            check_list(frames, f"videos[{i}]", "frames")
+        check_list(videos, "videos", _CLIP_FORMS)
+        for i, clip in enumerate(videos):
+            frames = clip_frames(clip, f"videos[{i}]")
             if not frames:
                 raise ValueError(f"videos[{i}] must have at least one frame")
             low, high, whole = video_limits

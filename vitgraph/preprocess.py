@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from .decode import MAX_IMAGE_PIXELS, to_rgb_pil
+from .pixel_forms import clip_frames as frames_of, described, list_advice
 from .ops.normalize import column_statistics, normalize_rows
 from .pixel_defaults import MAX_PIXELS, MIN_PIXELS
 
@@ -260,8 +261,8 @@ def named_resize(name: str, height: int, width: int, proc: ProcessorConfig, low:
 
 
 def to_pil(image, name: str = "image", max_image_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """Any accepted image form (PIL, ``HxWx3`` uint8 array, ``3xHxW`` uint8 tensor, encoded bytes,
-    a file path) as an RGB PIL image."""
+    """Any accepted image form (PIL, ``HxWx3`` / ``HxWx4`` uint8 array, ``3xHxW`` / ``4xHxW`` uint8
+    tensor, encoded bytes, a file path) as an RGB PIL image (RGBA composited onto white)."""
     return to_rgb_pil(image, name, max_image_pixels)
 
 
@@ -299,12 +300,11 @@ def _rows(rows: np.ndarray, proc: ProcessorConfig, normalize: bool) -> torch.Ten
 
 
 def check_list(items, name: str, what: str) -> None:
-    """``items`` must be a list or tuple: a lone image (or array) is refused, not iterated."""
+    """``items`` must be a list or tuple: a lone image (or array) is refused, not iterated, with
+    the list to pass (:func:`vitgraph.pixel_forms.list_advice`)."""
     if not isinstance(items, (list, tuple)):
-        kind = type(items).__name__
-        if isinstance(items, (np.ndarray, torch.Tensor)):
-            kind += f" of shape {list(items.shape)}"
-        raise TypeError(f"{name} must be a list of {what}, got a {kind}; wrap a single one in a list")
+        advice = list_advice(items, name)
+        raise TypeError(f"{name} must be a list of {what}, got {described(items)}" + (f": {advice}" if advice else ""))
 
 
 def check_pixel_arguments(min_pixels, max_pixels) -> None:
@@ -329,8 +329,9 @@ def image_rows_pil(image, name: str, proc: ProcessorConfig, low: int, high: int,
 
 def video_rows_pil(frames: Sequence, name: str, proc: ProcessorConfig, low: int, high: int,
                    max_image_pixels: int = MAX_IMAGE_PIXELS) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """One clip (a list of frames in any accepted form) -> its uint8 rows and grid, by PIL on the host."""
-    check_list(frames, name, "frames")
+    """One clip (a list of frames in any accepted form, or a 4-D array) -> its uint8 rows and grid,
+    by PIL on the host."""
+    frames = frames_of(frames, name)
     pils = [to_pil(f, f"{name}[{i}]", max_image_pixels) for i, f in enumerate(frames)]
     if not pils:
         raise ValueError(f"{name} must have at least one frame")
@@ -349,7 +350,8 @@ def preprocess_images(images: Sequence, *, min_pixels: int | None = None, max_pi
     """Images (a list) -> ``(pixels [N, C*T*P*P], grid_thw [k, 3] int64)``, one grid row per
     image: float32 rows, or with ``normalize=False`` the uint8 rows ``encode`` normalises on its
     device (8x fewer bytes to copy). ``min_pixels`` / ``max_pixels``: the processor's unless given."""
-    check_list(images, "images", "images (PIL images, HxWx3 uint8 arrays, 3xHxW uint8 tensors, bytes or paths)")
+    check_list(images, "images", "images (PIL images, HxWx3 or HxWx4 uint8 arrays, 3xHxW or 4xHxW uint8 tensors, "
+               "bytes or paths)")
     low, high = pixel_limits(processor, min_pixels, max_pixels)
     parts = [image_rows_pil(image, f"images[{i}]", processor, low, high) for i, image in enumerate(images)]
     if not parts:
@@ -362,7 +364,8 @@ def preprocess_images(images: Sequence, *, min_pixels: int | None = None, max_pi
 def preprocess_video(frames: Sequence, *, min_pixels: int | None = None, max_pixels: int | None = None,
                      name: str = "video", processor: ProcessorConfig = QWEN2_VL_PROCESSOR, normalize: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A clip (a list of frames) -> ``(pixels, grid_thw [1, 3])``. Every frame is resized to the
+    """A clip (a list of frames, or one ``[T, H, W, C]`` / ``[T, C, H, W]`` uint8 array or tensor)
+    -> ``(pixels, grid_thw [1, 3])``. Every frame is resized to the
     first frame's ``smart_resize`` size (the whole clip's where the processor has ``clip_pixels``,
     as ``vitgraph.models.QWEN3_VL_VIDEO_PROCESSOR``); the count is padded to a multiple of the temporal patch
     by repeating the last frame; ``t = frames / temporal_patch_size``. ``name`` names the clip in
@@ -370,6 +373,6 @@ def preprocess_video(frames: Sequence, *, min_pixels: int | None = None, max_pix
     if processor.refused:
         raise ValueError(processor.refused)
     low, high = pixel_limits(processor, min_pixels, max_pixels)
-    check_list(frames, name, "frames")
+    frames = frames_of(frames, name)
     rows, grid = video_rows_pil(frames, name, processor, low, clip_max_pixels(processor, max(len(frames), 1), low, high))
     return _rows(rows, processor, normalize), torch.tensor([grid], dtype=torch.long)
