@@ -138,13 +138,15 @@ def check_declared_size(image: Image.Image, nbytes: int, name: str) -> None:
                      "file or a false header; refused before decoding")
 
 
-def decode_pil(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """Encoded bytes -> an upright RGB PIL image (decoded here)."""
+def decode_pil(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS, convert=None) -> Image.Image:
+    """Encoded bytes -> an upright RGB PIL image (decoded here); ``convert``: what makes it RGB
+    (:func:`as_rgb`; :func:`keep_alpha` leaves transparency for the device to composite)."""
     image = open_encoded(data, name, max_pixels)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # checked above
-            return as_rgb(ImageOps.exif_transpose(image))
+            ImageOps.exif_transpose(image, in_place=True)  # our own image: turned upright without a copy
+            return (convert or as_rgb)(image)
     except _BROKEN_FILE as err:
         raise ValueError(f"{name}: cannot be decoded ({err})") from None
 
@@ -158,17 +160,29 @@ def as_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def to_rgb_pil(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """Any accepted form as an RGB PIL image (a tensor is brought to the host)."""
+def keep_alpha(image: Image.Image) -> Image.Image:
+    """:func:`as_rgb` short of its blend: an image with transparency as RGBA (LA stays LA: its grey
+    is R, G and B), loaded, for :func:`vitgraph.alpha.composite_on_white` to blend on the device."""
+    if image.mode == "RGBA" or (image.mode == "LA" and "transparency" not in image.info):
+        image.load()  # decoded here, under the caller's lock, not in a later np.asarray
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        return image.convert("RGBA")
+    return as_rgb(image)
+
+
+def to_rgb_pil(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS, convert=None) -> Image.Image:
+    """Any accepted form as an RGB PIL image (a tensor is brought to the host); ``convert`` as
+    :func:`decode_pil`'s."""
     if is_encoded(item):
         data = read_file(item, name) if isinstance(item, (str, os.PathLike)) else item
-        return decode_pil(data, name, max_pixels)
+        return decode_pil(data, name, max_pixels, convert)
     if isinstance(item, Image.Image):
         if item.width == 0 or item.height == 0:
             raise ValueError(f"{name} is empty ({item.width}x{item.height})")
         try:  # decoding happens here for a lazily opened file: one thread at a time per image
             with _PIL_LOCKS[(id(item) >> 4) % len(_PIL_LOCKS)]:
-                return as_rgb(item)
+                return (convert or as_rgb)(item)
         except _BROKEN_FILE as err:
             raise ValueError(f"{name} ({item.mode} image) cannot be decoded as RGB: {err}") from None
     array = as_pixels(item, name)
@@ -199,12 +213,14 @@ def opaque(pixels: Pixels) -> Pixels:
     return np.asarray(as_rgb(Image.fromarray(np.ascontiguousarray(pixels))))
 
 
-def load_pixels(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> Pixels:
+def load_pixels(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS, alpha: bool = False) -> Pixels:
     """Any accepted form as pixels: an RGB tensor stays where it is (no copy); the rest become an
-    ``HxWx3`` uint8 array on the host (encoded ones decoded here, RGBA ones composited)."""
+    ``HxWx3`` uint8 array on the host (encoded ones decoded here, RGBA arrays composited).
+    ``alpha``: an encoded or PIL image with transparency comes unblended, ``HxWx4`` RGBA or
+    ``HxWx2`` LA (:func:`keep_alpha`), for the device to composite."""
     if isinstance(item, (torch.Tensor, np.ndarray)):
         return opaque(as_pixels(item, name))
-    return np.asarray(to_rgb_pil(item, name, max_pixels))
+    return np.asarray(to_rgb_pil(item, name, max_pixels, keep_alpha if alpha else None))
 
 
 def gpu_jpeg_decoder():

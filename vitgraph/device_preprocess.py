@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .alpha import composite_on_white
 from .preprocess import ProcessorConfig, named_resize
 
 Grid = tuple[int, int, int]
@@ -46,12 +47,16 @@ def patchify_into(frames: torch.Tensor, proc: ProcessorConfig, out: torch.Tensor
 
 
 def upload(pixels, device: torch.device) -> torch.Tensor:
-    """An ``HxWx3`` uint8 array or a ``3xHxW`` uint8 tensor -> ``[1, 3, H, W]`` uint8 on ``device``."""
+    """An ``HxWx3`` uint8 array or a ``3xHxW`` uint8 tensor -> ``[1, 3, H, W]`` uint8 on ``device``;
+    an ``HxWx4`` RGBA or ``HxWx2`` LA array is uploaded as it is and composited onto white there
+    (:func:`vitgraph.alpha.composite_on_white`: the host's bits)."""
     if isinstance(pixels, np.ndarray):
         with warnings.catch_warnings():  # a PIL image's array is read-only; nothing writes to it
             warnings.simplefilter("ignore", UserWarning)
             host = torch.from_numpy(np.ascontiguousarray(pixels))
         pixels = host.to(device, non_blocking=True).permute(2, 0, 1)
+        if pixels.shape[0] != 3:
+            pixels = composite_on_white(pixels)
     return pixels.to(device, non_blocking=True).contiguous()[None]
 
 

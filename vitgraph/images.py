@@ -145,9 +145,10 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
 
 
 def _load(item, name: str, gpu: torch.device | None, max_pixels: int):
-    """One frame as uint8 pixels; a JPEG decoded on ``gpu`` where that is given and possible."""
+    """One frame as uint8 pixels; a JPEG decoded on ``gpu`` where that is given and possible; an
+    image with transparency unblended (RGBA or LA), for ``upload`` to composite on the device."""
     if gpu is not None and decoding.is_encoded(item):
         data = decoding.read_file(item, name) if not isinstance(item, (bytes, bytearray, memoryview)) else item
         decoded = decoding.decode_jpeg_on(data, name, gpu, max_pixels)
-        return decoded if decoded is not None else decoding.load_pixels(data, name, max_pixels)
-    return decoding.load_pixels(item, name, max_pixels)
+        return decoded if decoded is not None else decoding.load_pixels(data, name, max_pixels, alpha=True)
+    return decoding.load_pixels(item, name, max_pixels, alpha=True)  # alpha blended on the device

@@ -157,7 +157,7 @@ def build(systems: list[str], enc, low: int, high: int) -> dict[str, Staged]:
                 from ..decode import decode_jpeg_on
                 decode = lambda b: decode_jpeg_on(b, "image", device)  # noqa: E731
             else:
-                decode = lambda b: load_pixels(b, "image")  # noqa: E731
+                decode = lambda b: load_pixels(b, "image", alpha=True)  # noqa: E731
             stages = [("decode", decode), ("copy", lambda p: upload(p, device)[0]),
                       ("preprocess", lambda p: rows_of([("image", [p], (low, high, False))], enc.processor, device)),
                       ("encode", lambda item: enc.encode(*item))]
