@@ -22,15 +22,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def hf_model():
-    from helpers import hf_tower
-    return hf_tower(seed=0)
+def tiny_checkpoints(tmp_path_factory):
+    """helpers.TINY_CHECKPOINTS' towers, checkpoint folders and CPU encoders, each built once a session."""
+    from helpers import TinyCheckpoints
+    return TinyCheckpoints(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="session")
-def checkpoint(hf_model, tmp_path_factory):
-    from helpers import write_checkpoint
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt"), hf_model, shards=2)
+def hf_model(tiny_checkpoints):
+    """The tiny Qwen2-VL tower of transformers (seed 0)."""
+    return tiny_checkpoints.model("qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tiny_checkpoints):
+    """hf_model as a two-shard checkpoint under visual., the language model's keys in the second shard."""
+    return tiny_checkpoints.checkpoint("qwen2_vl")
 
 
 # The CUDA suites' encoders of one tiny family: each module names it with a ``family`` fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -108,13 +108,20 @@ def hf_forward(model, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
     return getattr(out, "pooler_output", out)
 
 
-def hub_config(vision: dict | None = None) -> dict:
-    """A whole-model config.json as on the Hub: hub key spellings (in_chans, spatial_patch_size)."""
-    v = dict(vision or TINY_VISION)
+QWEN2_TYPES = ("qwen2_vl", "qwen2_5_vl")  # their hub configs spell patch_size spatial_patch_size
+
+
+def hub_config(vision: dict | None = None, model_type: str = "qwen2_vl", top: dict | None = None) -> dict:
+    """A whole-model config.json as on the Hub: ``model_type``, ``top`` (default for Qwen2-VL its
+    architectures and hidden_size) and ``vision`` (default the tiny Qwen2-VL) under vision_config,
+    in hub key spellings: in_chans, and Qwen2's spatial_patch_size."""
+    v = dict(TINY_VISION if vision is None else vision)
     v["in_chans"] = v.pop("in_channels")
-    v["spatial_patch_size"] = v.pop("patch_size")
-    return {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
-            "hidden_size": v["hidden_size"], "vision_config": v}
+    if model_type in QWEN2_TYPES:
+        v["spatial_patch_size"] = v.pop("patch_size")
+    if top is None and model_type == "qwen2_vl":
+        top = {"architectures": ["Qwen2VLForConditionalGeneration"], "hidden_size": v["hidden_size"]}
+    return {"model_type": model_type, **(top or {}), "vision_config": v}
 
 
 def vision_state(model, prefix: str = "visual.") -> dict[str, torch.Tensor]:
@@ -128,17 +135,27 @@ def lm_state(seed: int = 1) -> dict[str, torch.Tensor]:
             "lm_head.weight": torch.randn(32, 48, generator=g)}
 
 
-def write_checkpoint(directory: Path, model, *, shards: int = 2, prefix: str = "visual.",
-                     dtype: torch.dtype = torch.float32, vision: dict | None = None) -> Path:
-    """Write config.json plus safetensors: one file, or ``shards`` files with an index.
+def write_checkpoint(directory: Path, model, *, model_type: str = "qwen2_vl", vision: dict | None = None,
+                     prefix: str = "visual.", shards: int = 2, dtype: torch.dtype = torch.float32,
+                     lm: dict | None = None, top: dict | None = None, **overrides) -> Path:
+    """A hub-layout checkpoint of any family, the one writer the tests use: config.json
+    (:func:`hub_config` of ``model_type``, ``vision`` with ``overrides``, ``top``) plus
+    safetensors: one file, or ``shards`` files with an index.
 
-    With several shards the vision keys are spread over the first two and the
-    language-model keys sit in their own last shard, as in multi-shard Hub repos.
+    ``model`` is a tower (its state dict goes under ``prefix``, in ``dtype``) or a dict of
+    tensors written under their own keys. ``lm`` (default :func:`lm_state`; ``{}`` for none)
+    are the language model's keys. With several shards the vision keys are spread over the
+    first two and the language-model keys sit in the last shard, as in multi-shard Hub repos
+    (with three or more: a shard of their own, which a loader must never open).
     """
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(hub_config(vision)))
-    vis = {k: v.to(dtype) for k, v in vision_state(model, prefix).items()}
-    lm = lm_state()
+    config = hub_config({**(TINY_VISION if vision is None else vision), **overrides}, model_type, top)
+    (directory / "config.json").write_text(json.dumps(config))
+    if isinstance(model, torch.nn.Module):
+        vis = {k: v.to(dtype) for k, v in vision_state(model, prefix).items()}
+    else:
+        vis = {k: v.contiguous() for k, v in model.items()}
+    lm = lm_state() if lm is None else lm
     if shards == 1:
         save_file({**vis, **lm}, str(directory / "model.safetensors"))
         return directory
@@ -147,13 +164,18 @@ def write_checkpoint(directory: Path, model, *, shards: int = 2, prefix: str = "
     for i, k in enumerate(keys):
         groups[i % 2][k] = vis[k]
     groups[-1].update(lm)
-    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    write_shards(directory, groups, {"metadata": {}})
+    return directory
+
+
+def write_shards(directory: Path, groups: list[dict[str, torch.Tensor]], index: dict | None = None) -> None:
+    """Each of ``groups`` as a safetensors shard, and their index (``index``'s fields besides the weight map)."""
+    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map = {}
     for name, group in zip(names, groups):
         save_file(group, str(directory / name))
         weight_map.update({k: name for k in group})
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return directory
+    (directory / "model.safetensors.index.json").write_text(json.dumps({**(index or {}), "weight_map": weight_map}))
 
 
 def random_pixels(grid_thw, width: int = 1176, seed: int = 0) -> torch.Tensor:
@@ -180,12 +202,7 @@ def run_eager(bank, bucket):
 def write_two_shards(directory: Path, state: dict[str, torch.Tensor]) -> None:
     """``state`` as two safetensors shards (alternate keys) and their index, as multi-shard Hub repos."""
     keys = sorted(state)
-    weight_map = {}
-    for i, names in enumerate((keys[::2], keys[1::2])):
-        name = f"model-0000{i + 1}-of-00002.safetensors"
-        save_file({k: state[k] for k in names}, str(directory / name))
-        weight_map.update({k: name for k in names})
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    write_shards(directory, [{k: state[k] for k in names} for names in (keys[::2], keys[1::2])])
 
 
 # The CUDA suites' encoders: a packed and a one-frame (dense) bucket per budget.
@@ -214,6 +231,141 @@ def family_weights(family: str, size: str = "cuda"):
     return model, vision_state(model), {"model_type": tiny.model_type, "vision_config": vision}
 
 
+# -- The CPU tests' hub-layout checkpoints of every family -------------------------------------
+
+def _qwen35(module: str, name: str) -> tuple[str, str]:
+    """transformers' tower and config classes ``{name}Model`` / ``{name}Config`` of ``module``."""
+    package = f"transformers.models.{module}"
+    return f"{package}.modeling_{module}:{name}Model", f"{package}.configuration_{module}:{name}Config"
+
+
+@dataclass(frozen=True)
+class TinyCheckpoint:
+    """A tiny tower of ``family`` (a key of TINY_FAMILIES) as a hub-layout checkpoint: its
+    config.json's ``model_type``, the vision config (default the family's CPU size), the
+    tower's key prefix, the shards, what the checkpoint's vision_config says of itself besides
+    (``vision_extra``), config.json's other fields (``top``), transformers' classes where not
+    the registry's (``reference``), and the seed of the random weights."""
+
+    family: str
+    model_type: str
+    vision: dict | None = None
+    prefix: str = "visual."
+    shards: int = 2
+    vision_extra: dict = field(default_factory=dict)
+    top: dict | None = None
+    reference: tuple[str, str] | None = None
+    seed: int = 0
+
+    @property
+    def config(self) -> dict:
+        """The tower's vision config (without ``vision_extra``)."""
+        return TINY_FAMILIES[self.family].cpu if self.vision is None else self.vision
+
+    def tower(self):
+        return hf_tower(self.model_type, self.config, seed=self.seed, reference=self.reference)
+
+    def write(self, directory: Path, model, **options) -> Path:
+        """``model`` as this checkpoint in ``directory`` (``options``: :func:`write_checkpoint`'s)."""
+        options = {"model_type": self.model_type, "vision": {**self.config, **self.vision_extra},
+                   "prefix": self.prefix, "shards": self.shards, "top": self.top, **options}
+        return write_checkpoint(directory, model, **options)
+
+
+# Qwen2.5-VL at CPU size with Qwen2.5's own windows of 8 x 8 patches (4 x 4 merged tokens) and
+# full attention in the first and last of four blocks.
+QWEN25_CPU_WINDOWS = dict(depth=4, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=48,
+                          window_size=112, fullatt_block_indexes=[0, 3], **_QWEN25)
+_QWEN35_TEXT = {"text_config": {"hidden_size": 32}}
+# Each family as released checkpoints lay it out: Qwen2-VL's tower under visual. with the language
+# model's keys in the last shard (the "checkpoint" fixture), Qwen2.5-VL's with them in a shard of
+# their own, Qwen3-VL's under model.visual.; Qwen3.5's three kinds (Qwen3.5, Qwen3.6, Qwen4-Exp),
+# each with transformers' own class and as its vision_config names itself (the first two in the
+# old style: the parent's model_type).
+TINY_CHECKPOINTS = {
+    "qwen2_vl": TinyCheckpoint("qwen2_vl", "qwen2_vl"),
+    "qwen2_5_vl": TinyCheckpoint("qwen2_5_vl", "qwen2_5_vl", QWEN25_CPU_WINDOWS, shards=3),
+    "qwen3_vl": TinyCheckpoint("qwen3_vl", "qwen3_vl", prefix="model.visual."),
+    "qwen3_5": TinyCheckpoint("qwen3_5", "qwen3_5", prefix="model.visual.", top=_QWEN35_TEXT,
+                              vision_extra={"model_type": "qwen3_5", "deepstack_visual_indexes": []},
+                              reference=_qwen35("qwen3_5", "Qwen3_5Vision")),
+    "qwen3_5_moe": TinyCheckpoint("qwen3_5", "qwen3_5_moe", prefix="visual.", top=_QWEN35_TEXT,
+                                  vision_extra={"model_type": "qwen3_vl"},
+                                  reference=_qwen35("qwen3_5_moe", "Qwen3_5MoeVision")),
+    "qwen4_exp": TinyCheckpoint("qwen3_5", "qwen4_exp", prefix="model.visual.", top=_QWEN35_TEXT,
+                                vision_extra={"model_type": "qwen4_exp_vision"},
+                                reference=_qwen35("qwen4_exp", "Qwen4ExpVision")),
+}
+QWEN35_KINDS = [name for name, tiny in TINY_CHECKPOINTS.items() if tiny.family == "qwen3_5"]
+
+# The grids each family's CPU tests encode (Qwen2.5: windows cut by the frames' edges; Qwen3:
+# frames smaller and larger than the 8 x 8 position grid).
+FAMILY_GRIDS = {
+    "qwen2_vl": {
+        "one_image": [(1, 4, 6)],
+        "images_of_different_aspect": [(1, 4, 6), (1, 8, 2), (1, 2, 10), (1, 6, 6)],
+        "video": [(3, 4, 4)],
+        "mixed_images_and_video": [(1, 6, 4), (2, 4, 2), (1, 2, 2), (4, 2, 6)],
+        "minimal_grid": [(1, 2, 2)],
+    },
+    "qwen2_5_vl": {
+        "edge-cut windows": [(1, 10, 14)],  # 5 x 7 merged tokens: windows of 4 x 4 cut by both edges
+        "several images": [(1, 16, 16), (1, 4, 6), (1, 12, 20)],
+        "video": [(3, 8, 12)],
+        "mixed": [(1, 6, 10), (2, 16, 8), (1, 2, 2)],
+        "minimal": [(1, 2, 2)],
+    },
+    "qwen3_vl": {
+        "smaller than the position grid": [(1, 4, 6)],
+        "larger than the position grid": [(1, 20, 12)],
+        "several images": [(1, 8, 8), (1, 2, 2), (1, 16, 10)],
+        "video": [(3, 6, 8)],
+        "mixed": [(1, 10, 4), (2, 4, 4), (1, 2, 2)],
+        "minimal": [(1, 2, 2)],
+    },
+    "qwen3_5": {
+        "smaller than the position grid": [(1, 4, 6)],
+        "larger than the position grid": [(1, 20, 12)],
+        "video": [(3, 6, 8)],
+        "mixed": [(1, 10, 4), (2, 4, 4), (1, 2, 2)],
+        "minimal": [(1, 2, 2)],
+    },
+}
+
+
+class TinyCheckpoints:
+    """Each TINY_CHECKPOINTS entry's transformers tower, its checkpoint folder under ``root`` and
+    a CPU fp32 encoder of that folder, each built on first use and kept (conftest.py's
+    session fixture ``tiny_checkpoints``): tests read them and change none of them; a test that
+    changes a checkpoint's files writes its own copy (:meth:`write`)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._models, self._folders, self._encoders = {}, {}, {}
+
+    def model(self, name: str):
+        if name not in self._models:
+            self._models[name] = TINY_CHECKPOINTS[name].tower()
+        return self._models[name]
+
+    def checkpoint(self, name: str) -> Path:
+        if name not in self._folders:
+            self._folders[name] = self.write(name, self.root / name)
+        return self._folders[name]
+
+    def encoder(self, name: str):
+        from vitgraph import GraphedVisionEncoder
+
+        if name not in self._encoders:
+            self._encoders[name] = GraphedVisionEncoder.from_pretrained(self.checkpoint(name), device="cpu",
+                                                                        dtype=torch.float32)
+        return self._encoders[name]
+
+    def write(self, name: str, directory: Path, **options) -> Path:
+        """A new copy of ``name``'s checkpoint (of its shared tower) in ``directory``."""
+        return TINY_CHECKPOINTS[name].write(directory, self.model(name), **options)
+
+
 def make(weights, **options):
     """An encoder of ``weights`` (:func:`family_weights`), by default on CUDA in bf16 with the
     suites' buckets. One-frame buckets on every backend (FA4's defaults capture none), so their
@@ -235,9 +387,10 @@ def random_grids(rng, n, max_frames=3, max_side=16):
              2 * rng.randint(1, max_side // 2)) for _ in range(n)]
 
 
-def pixels_for(enc, grids, seed, device="cuda", dtype=torch.float32) -> torch.Tensor:
-    """Random pixel rows of ``grids`` at ``enc``'s patch width (drawn on the CPU from ``seed``)."""
-    return random_pixels(grids, enc.tower.input_width, seed).to(device, dtype)
+def pixels_for(enc, grids, seed, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Random pixel rows of ``grids`` at ``enc``'s patch width (drawn on the CPU from ``seed``), on
+    ``device`` (default ``enc``'s)."""
+    return random_pixels(grids, enc.tower.input_width, seed).to(enc.device if device is None else device, dtype)
 
 
 def load_random_frames(bank, bucket, rng):

@@ -1,98 +1,45 @@
 """Qwen3.5, Qwen3.6 and Qwen4-Exp (``qwen3_5``, ``qwen3_5_moe``, ``qwen4_exp``): Qwen3-VL's tower
-with no deepstack merger. fp32 parity with each of transformers' three classes from hub-layout
-checkpoints, their processors' published defaults and a checkpoint's own files over them, and
-the one-part output layout."""
+with no deepstack merger. The one-part output layout of each kind, their processors' published
+defaults and a checkpoint's own files over them, the configs and the presets (fp32 parity with
+each of transformers' three classes from hub-layout checkpoints, as every family's:
+tests/test_families.py)."""
 
 import json
 
 import pytest
 import torch
-from helpers import TINY_FAMILIES, diff_report, hf_tower, rel_err, write_two_shards
+from helpers import FAMILY_GRIDS, QWEN35_KINDS, TINY_CHECKPOINTS, diff_report, pixels_for, rel_err
 from PIL import Image
 
 from vitgraph import GraphedVisionEncoder
 from vitgraph.models import Qwen35VisionConfig, Qwen3VisionTower, family_for
 
 # An 8 x 8 position grid (not the released 48 x 48), three blocks.
-TINY = TINY_FAMILIES["qwen3_5"].cpu
-GRIDS = {
-    "smaller than the position grid": [(1, 4, 6)],
-    "larger than the position grid": [(1, 20, 12)],
-    "video": [(3, 6, 8)],
-    "mixed": [(1, 10, 4), (2, 4, 4), (1, 2, 2)],
-    "minimal": [(1, 2, 2)],
-}
-# model_type -> (transformers module, class, key prefix, what the checkpoint's vision_config says of itself)
-KINDS = {
-    "qwen3_5": ("qwen3_5", "Qwen3_5Vision", "model.visual.",
-                {"model_type": "qwen3_5", "deepstack_visual_indexes": []}),  # old style: the parent's type
-    "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeVision", "visual.", {"model_type": "qwen3_vl"}),  # old style
-    "qwen4_exp": ("qwen4_exp", "Qwen4ExpVision", "model.visual.", {"model_type": "qwen4_exp_vision"}),
-}
+TINY = TINY_CHECKPOINTS["qwen3_5"].config
+GRIDS = FAMILY_GRIDS["qwen3_5"]
 
 
-def reference_tower(model_type):
-    """transformers' tower of the kind (each kind its own class, not the registry's one per family)."""
-    module, name, _, _ = KINDS[model_type]
-    package = f"transformers.models.{module}"
-    return hf_tower(model_type, TINY, reference=(f"{package}.modeling_{module}:{name}Model",
-                                                 f"{package}.configuration_{module}:{name}Config"))
+@pytest.fixture(params=QWEN35_KINDS)
+def kind(request):
+    """Each kind's checkpoint (helpers.TINY_CHECKPOINTS: its model_type, key prefix and transformers class)."""
+    return request.param
 
 
-def write_checkpoint(directory, model, model_type):
-    """config.json with hub spellings, the tower's keys under the kind's prefix, two shards."""
-    _, _, prefix, extra = KINDS[model_type]
-    directory.mkdir(parents=True, exist_ok=True)
-    vision = {**TINY, **extra}
-    vision["in_chans"] = vision.pop("in_channels")
-    (directory / "config.json").write_text(json.dumps({"model_type": model_type, "vision_config": vision,
-                                                       "text_config": {"hidden_size": 32}}))
-    state = {prefix + k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    state["model.language_model.embed_tokens.weight"] = torch.zeros(4, 32)
-    write_two_shards(directory, state)
-    return directory
-
-
-def pixels_for(grids, seed):
-    return torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 16 * 16,
-                       generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture(scope="module", params=list(KINDS))
-def pair(request, tmp_path_factory):
-    model = reference_tower(request.param)
-    directory = write_checkpoint(tmp_path_factory.mktemp(request.param), model, request.param)
-    return request.param, model, GraphedVisionEncoder.from_pretrained(directory, device="cpu")
-
-
-@pytest.mark.parametrize("case", list(GRIDS))
-def test_matches_each_transformers_class(pair, case):
-    model_type, model, encoder = pair
-    grids = GRIDS[case]
-    pixels = pixels_for(grids, seed=len(case))
-    with torch.no_grad():
-        out = model(pixels, grid_thw=torch.tensor(grids))
-    assert type(model).__name__ == KINDS[model_type][1] + "Model" and getattr(out, "deepstack_features", None) is None
-    got = encoder.encode(pixels, grids)
-    assert got.shape == out.pooler_output.shape == (pixels.shape[0] // 4, 32)
-    assert rel_err(got, out.pooler_output) <= 1e-5, diff_report(got, out.pooler_output)
-
-
-def test_one_tower_no_deepstack_split_and_width(pair):
-    model_type, _, encoder = pair
+def test_one_tower_no_deepstack_split_and_width(tiny_checkpoints, kind):
+    model_type, encoder = TINY_CHECKPOINTS[kind].model_type, tiny_checkpoints.encoder(kind)
     assert type(encoder.tower) is Qwen3VisionTower and len(encoder.tower.deepstack_merger_list) == 0
     assert type(encoder.tower.config) is Qwen35VisionConfig and encoder.tower.config.deepstack_visual_indexes == ()
     assert family_for(model_type).config is Qwen35VisionConfig and encoder.output_width == 32
     grids = GRIDS["mixed"]
-    out = encoder.encode(pixels_for(grids, seed=3), grids)
+    out = encoder.encode(pixels_for(encoder, grids, seed=3), grids)
     main, deepstack = encoder.split(out)
     assert deepstack == [] and torch.equal(main, out) and main.data_ptr() == out.data_ptr()
     with pytest.raises(ValueError, match=r"\[rows, 32\]"):
         encoder.split(torch.zeros(4, 64))
 
 
-def test_published_processor_values_are_the_defaults(pair):
-    _, _, encoder = pair
+def test_published_processor_values_are_the_defaults(tiny_checkpoints, kind):
+    encoder = tiny_checkpoints.encoder(kind)
     image, video = encoder.processor, encoder.video_processor
     for proc in (image, video):
         assert (proc.patch_size, proc.temporal_patch_size, proc.merge_size) == (16, 2, 2)
@@ -106,9 +53,8 @@ def test_published_processor_values_are_the_defaults(pair):
     assert as_image.shape == (16 * 16 // 4, 32) and as_video.shape == (4 * 4 // 4, 32)
 
 
-def test_the_checkpoints_processor_files_override_the_defaults(tmp_path):
-    model = reference_tower("qwen3_5")
-    ckpt = write_checkpoint(tmp_path / "c", model, "qwen3_5")
+def test_the_checkpoints_processor_files_override_the_defaults(tiny_checkpoints, tmp_path):
+    ckpt = tiny_checkpoints.write("qwen3_5", tmp_path / "c")
     (ckpt / "preprocessor_config.json").write_text(json.dumps(
         {"size": {"shortest_edge": 1024, "longest_edge": 128 * 128}, "patch_size": 16, "merge_size": 2}))
     (ckpt / "video_preprocessor_config.json").write_text(json.dumps(
@@ -137,12 +83,12 @@ def _limits(encoder):
     return [(p.min_pixels, p.max_pixels) for p in (encoder.processor, encoder.video_processor)]
 
 
-def test_processor_files_are_found_and_read_as_transformers_finds_and_reads_them(tmp_path):
+def test_processor_files_are_found_and_read_as_transformers_finds_and_reads_them(tiny_checkpoints, tmp_path):
     """transformers (video_processing_utils, image_processing_base): a processor nested in
     processor_config.json first; for videos then video_preprocessor_config.json, then
     preprocessor_config.json. Qwen3-VL's video processor takes ``size`` alone (its kwargs have no
     min_pixels / max_pixels); the image processor lets top-level ones replace size's edges."""
-    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
+    ckpt = tiny_checkpoints.write("qwen3_5", tmp_path / "c")
     small, large = {"shortest_edge": 1024, "longest_edge": 64 * 64}, {"shortest_edge": 1024, "longest_edge": 128 * 128}
     # No video file: the image file serves videos too, its size only; the released checkpoints'
     # image class has no video twin, so transformers takes the model's (Qwen3VLVideoProcessor).
@@ -174,14 +120,14 @@ def test_processor_files_are_found_and_read_as_transformers_finds_and_reads_them
         GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
 
 
-def test_a_checkpoint_without_a_video_file_loads_and_refuses_only_videos(tmp_path):
+def test_a_checkpoint_without_a_video_file_loads_and_refuses_only_videos(tiny_checkpoints, tmp_path):
     """A Qwen3-family checkpoint whose only processor file names Qwen2VLImageProcessor (as the
     released ones do): transformers would read its videos per frame (Qwen2VLVideoProcessor), so
     vitgraph refuses a call given a video, with that message, and serves its images; the
     encoder stays usable."""
     from vitgraph.preprocess import preprocess_video
 
-    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
+    ckpt = tiny_checkpoints.write("qwen3_5", tmp_path / "c")
     (ckpt / "preprocessor_config.json").write_text(json.dumps(
         {"size": {"shortest_edge": 1024, "longest_edge": 128 * 128}, "image_processor_type": "Qwen2VLImageProcessor"}))
     encoder = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
@@ -207,8 +153,8 @@ def test_a_checkpoint_without_a_video_file_loads_and_refuses_only_videos(tmp_pat
     assert encoder.video_processor.refused is None and encoder.encode_images(videos=[[frame, frame]])[0].shape[0] == 1
 
 
-def test_a_video_processor_that_caps_pixels_per_frame_loads_and_is_followed(tmp_path):
-    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
+def test_a_video_processor_that_caps_pixels_per_frame_loads_and_is_followed(tiny_checkpoints, tmp_path):
+    ckpt = tiny_checkpoints.write("qwen3_5", tmp_path / "c")
     video = ckpt / "video_preprocessor_config.json"
     video.write_text(json.dumps({"cap_pixels_per_frame": True, "max_video_tokens": 4,
                                  "size": {"shortest_edge": 4096, "longest_edge": 25165824}}))
@@ -226,8 +172,8 @@ def test_a_video_processor_that_caps_pixels_per_frame_loads_and_is_followed(tmp_
                                         ({"size": {"shortest_edge": 1024, "longest_edge": -1}}, "max_pixels"),
                                         ({"size": {"longest_edge": 4096}}, "shortest_edge"),
                                         ({"merge_size": "2"}, "merge_size"), ([1, 2], "JSON object")])
-def test_a_bad_video_preprocessor_config_is_refused_by_file_and_field(tmp_path, raw, field):
-    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen4_exp"), "qwen4_exp")
+def test_a_bad_video_preprocessor_config_is_refused_by_file_and_field(tiny_checkpoints, tmp_path, raw, field):
+    ckpt = tiny_checkpoints.write("qwen4_exp", tmp_path / "c")
     (ckpt / "video_preprocessor_config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=field) as err:
         GraphedVisionEncoder.from_pretrained(ckpt, device="cpu")
@@ -240,8 +186,8 @@ def test_a_bad_video_preprocessor_config_is_refused_by_file_and_field(tmp_path, 
     ({"num_frames": float("nan")}, "num_frames"), ({"min_frames": 0}, "min_frames"),
     ({"max_frames": "768"}, "max_frames"), ({"min_frames": 8, "max_frames": 4}, "min_frames"),
     ({"do_sample_frames": "yes"}, "do_sample_frames"), ({"do_sample_frames": 1}, "do_sample_frames")])
-def test_hostile_frame_sampling_values_are_refused_by_file_and_field(tmp_path, raw, field):
-    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
+def test_hostile_frame_sampling_values_are_refused_by_file_and_field(tiny_checkpoints, tmp_path, raw, field):
+    ckpt = tiny_checkpoints.write("qwen3_5", tmp_path / "c")
     for file in ("video_preprocessor_config.json", "preprocessor_config.json"):  # the second: videos' fallback
         (ckpt / file).write_text(json.dumps(raw))  # json writes NaN and Infinity, and Python reads them
         with pytest.raises(ValueError, match=f"{file}: {field} (must|\\(8\\) must)") as err:
@@ -250,7 +196,7 @@ def test_hostile_frame_sampling_values_are_refused_by_file_and_field(tmp_path, r
         (ckpt / file).unlink()
 
 
-def test_every_frame_given_is_encoded_whatever_the_file_says_of_sampling(tmp_path):
+def test_every_frame_given_is_encoded_whatever_the_file_says_of_sampling(tiny_checkpoints, tmp_path):
     """vitgraph does not sample frames: a file asking for sampling (Qwen3-VL's published fields)
     loads, and a clip of 12 frames gives 6 temporal patches, sized by transformers' Qwen3-VL
     video smart_resize for 12 frames, where transformers' own processor would sample 4 of them
@@ -260,7 +206,7 @@ def test_every_frame_given_is_encoded_whatever_the_file_says_of_sampling(tmp_pat
 
     from vitgraph.preprocess import preprocess_video
 
-    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5"), "qwen3_5")
+    ckpt = tiny_checkpoints.write("qwen3_5", tmp_path / "c")
     published = {"do_sample_frames": True, "fps": 2, "min_frames": 4, "max_frames": 768, "num_frames": None,
                  "size": {"shortest_edge": 4096, "longest_edge": 64 * 64 * 12}}
     (ckpt / "video_preprocessor_config.json").write_text(json.dumps(published))
@@ -275,8 +221,8 @@ def test_every_frame_given_is_encoded_whatever_the_file_says_of_sampling(tmp_pat
     torch.testing.assert_close(out, encoder.encode(rows, grid), rtol=1e-5, atol=1e-5)
 
 
-def test_a_video_preprocessor_config_outside_the_folder_is_refused(tmp_path):
-    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5_moe"), "qwen3_5_moe")
+def test_a_video_preprocessor_config_outside_the_folder_is_refused(tiny_checkpoints, tmp_path):
+    ckpt = tiny_checkpoints.write("qwen3_5_moe", tmp_path / "c")
     (tmp_path / "elsewhere.json").write_text("{}")
     (ckpt / "video_preprocessor_config.json").symlink_to(tmp_path / "elsewhere.json")
     with pytest.raises(ValueError, match="outside the checkpoint folder"):
@@ -289,7 +235,7 @@ def test_a_video_preprocessor_config_outside_the_folder_is_refused(tmp_path):
 
 def test_deepstack_indexes_are_optional_here_and_refused_when_given():
     bare = {k: v for k, v in TINY.items()}
-    for model_type in KINDS:
+    for model_type in (TINY_CHECKPOINTS[kind].model_type for kind in QWEN35_KINDS):
         assert Qwen35VisionConfig.from_dict({"model_type": model_type, "vision_config": bare}) == \
             Qwen35VisionConfig(**bare)
     with pytest.raises(ValueError, match="deepstack_visual_indexes must be empty"):
@@ -350,7 +296,7 @@ def test_the_smallest_new_preset_builds_and_encodes_on_a_cpu():
 
 
 @pytest.mark.slow
-def test_bench_reference_tower_is_transformers_qwen35(tmp_path, capsys):
+def test_bench_reference_tower_is_transformers_qwen35(tiny_checkpoints, tmp_path, capsys):
     """The bench's hf_eager system: transformers' Qwen3_5VisionModel holding the encoder's weights."""
     from vitgraph.bench import common, latency
 
@@ -358,23 +304,24 @@ def test_bench_reference_tower_is_transformers_qwen35(tmp_path, capsys):
     hf = common.hf_tower_like(encoder)
     assert type(hf).__name__ == "Qwen3_5VisionModel"
     grids = GRIDS["mixed"]
-    pixels = pixels_for(grids, seed=5)
+    pixels = pixels_for(encoder, grids, seed=5)
     ref = common.hf_call(hf, encoder.device)(pixels, grids)
     got = encoder.encode(pixels, grids)
     assert rel_err(got, ref) <= 1e-5, diff_report(got, ref)
-    ckpt = write_checkpoint(tmp_path / "c", reference_tower("qwen3_5_moe"), "qwen3_5_moe")
+    ckpt = tiny_checkpoints.write("qwen3_5_moe", tmp_path / "c")
     result = latency.main(["--model", str(ckpt), "--device", "cpu", "--iters", "1", "--warmup", "0",
                            "--cases", "1x256", "--systems", "hf_eager", "vitgraph_eager"])
     check = result["cases"][0]["check"]
     assert set(check) == {"hf_eager", "vitgraph_eager"} and check["hf_eager"] <= 1e-5
 
 
-def test_a_kernel_setting_the_family_never_reads_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+def test_a_kernel_setting_the_family_never_reads_is_refused_before_the_weights_load(tiny_checkpoints, tmp_path,
+                                                                                    monkeypatch):
     """Qwen3.5's tower runs no GEMM of vitgraph's: a GEMM setting is refused, naming it and the
     tower, from the checkpoint's config alone."""
     import vitgraph.encoder
 
-    directory = write_checkpoint(tmp_path / "ckpt", reference_tower("qwen3_5"), "qwen3_5")
+    directory = tiny_checkpoints.write("qwen3_5", tmp_path / "ckpt")
 
     def no_load(*args, **kwargs):
         raise AssertionError("the weights were loaded")

@@ -1,34 +1,17 @@
-"""fp32 parity with transformers' Qwen2VisionTransformerPretrainedModel, loaded from a real checkpoint on disk."""
+"""Qwen2-VL: the metadata and the rotary angles against transformers' own helpers, qkv's
+interleaved layout, the state dict's order, the padded metadata (fp32 parity with transformers,
+as every family's: tests/test_families.py)."""
 
 import pytest
 import torch
-from helpers import diff_report, hf_forward, random_pixels, rel_err
+from helpers import random_pixels
 
-from vitgraph import GraphedVisionEncoder
 from vitgraph.models.qwen2_vl import Qwen2VisionTower, interleave_order
-
-CASES = {
-    "one_image": [(1, 4, 6)],
-    "images_of_different_aspect": [(1, 4, 6), (1, 8, 2), (1, 2, 10), (1, 6, 6)],
-    "video": [(3, 4, 4)],
-    "mixed_images_and_video": [(1, 6, 4), (2, 4, 2), (1, 2, 2), (4, 2, 6)],
-    "minimal_grid": [(1, 2, 2)],
-}
 
 
 @pytest.fixture(scope="module")
-def encoder(checkpoint):
-    return GraphedVisionEncoder.from_pretrained(checkpoint, device="cpu", dtype=torch.float32)
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_matches_transformers(encoder, hf_model, name):
-    grid = CASES[name]
-    pixels = random_pixels(grid, seed=hash(name) % 1000)
-    ref = hf_forward(hf_model, pixels, grid)
-    got = encoder.encode(pixels, grid)
-    assert got.shape == ref.shape == (pixels.shape[0] // 4, 48)
-    assert rel_err(got, ref) <= 1e-5, diff_report(got, ref)
+def encoder(tiny_checkpoints):
+    return tiny_checkpoints.encoder("qwen2_vl")
 
 
 def test_grid_as_tensor_equals_list(encoder):
