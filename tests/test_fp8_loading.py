@@ -112,7 +112,7 @@ def assert_same_encoder(enc: GraphedVisionEncoder, reference: dict, ref_dir: Pat
     for key, value in reference.items():
         assert torch.equal(weights[key.removeprefix(prefix)], value), key
     float_enc = load(write(ref_dir, family, reference))
-    pixels = random_pixels(GRID, enc.config.patch_width, seed=3)
+    pixels = random_pixels(GRID, enc.shape.patch_width, seed=3)
     assert torch.equal(enc.encode(pixels, GRID), float_enc.encode(pixels, GRID))
 
 
