@@ -81,6 +81,14 @@ def _empty(proc: ProcessorConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(0, 3, dtype=torch.long))
 
 
+def _check_headers(items, max_image_pixels: int) -> None:
+    """The cheap checks of every item (type, shape, an encoded image's header) before any is decoded."""
+    for name, value, _ in items:
+        clip = isinstance(value, _Clip)
+        for i, frame in enumerate(value if clip else [value]):
+            decoding.check_header(frame, f"{name}[{i}]" if clip else name, max_image_pixels)
+
+
 def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                processor: ProcessorConfig, device: torch.device, video_processor: ProcessorConfig | None = None,
                min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
@@ -113,10 +121,7 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
     if decode == "gpu" and (device.type != "cuda" or preprocess != "device"):
         raise ValueError(f"decode='gpu' needs preprocess='device' on a CUDA device, got {preprocess!r} on {device}")
     items = _items(images, videos, limits, video_limits, video)
-    for name, value, _ in items:  # cheap checks of every item before any is decoded
-        clip = isinstance(value, _Clip)
-        for i, frame in enumerate(value if clip else [value]):
-            decoding.check_header(frame, f"{name}[{i}]" if clip else name, max_image_pixels)
+    _check_headers(items, max_image_pixels)
     if not items:
         return _empty(processor, device if preprocess == "device" else "cpu")
     if preprocess == "pil":
