@@ -1,4 +1,4 @@
-"""A/B of tuning settings of vitgraph (:mod:`vitgraph.tuning`), end to end, in one process.
+"""A/B of tuning settings of vitgraph (:mod:`vitgraph.runtime.tuning`), end to end, in one process.
 
     python benchmarks/ab_setting.py gemm.qkv_min_rows=10**9   # qkv back on cuBLAS
     python benchmarks/ab_setting.py gemm.fc1_min_rows=256 --cases 1x256 --rounds 7
@@ -34,7 +34,7 @@ from vitgraph import GraphedVisionEncoder
 from vitgraph.bench.common import PREHEAT_SECONDS, alternating_ab, print_table
 from vitgraph.bench.latency import CASES, select_cases
 from vitgraph.models import PRESETS, tower_dims
-from vitgraph.tuning import derive_tuning
+from vitgraph.runtime.tuning import derive_tuning
 
 
 def parse_settings(texts: list[str], preset: str, device: torch.device) -> dict:
@@ -92,7 +92,7 @@ def run_order(args, settings, order: tuple[str, ...], cases: dict, device: torch
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("settings", nargs="+", help="group.field=value of vitgraph.tuning (a Python literal, or 10**N)")
+    p.add_argument("settings", nargs="+", help="group.field=value of vitgraph.runtime.tuning (a Python literal, or 10**N)")
     p.add_argument("--cases", nargs="*", default=list(CASES))
     p.add_argument("--frames", nargs="*", default=[], help="more cases: one frame of HxW patches each")
     p.add_argument("--rounds", type=int, default=5)

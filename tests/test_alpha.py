@@ -1,4 +1,4 @@
-"""Transparency composited onto white on the device (vitgraph.alpha) against the host's blend,
+"""Transparency composited onto white on the device (vitgraph.images.alpha) against the host's blend,
 PIL's ``Image.alpha_composite`` over opaque white (what vitgraph did on the host before, and what
 ``preprocess="pil"`` still does): every (colour, alpha) pair, random images, and RGBA, LA, P with
 tRNS, RGB / L with tRNS and 16-bit PNGs through both paths, to the bit."""
@@ -13,11 +13,11 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from vitgraph.alpha import composite_on_white
-from vitgraph.decode import load_pixels
-from vitgraph.device_preprocess import upload
-from vitgraph.images import image_rows
-from vitgraph.preprocess import QWEN2_VL_PROCESSOR
+from vitgraph.images.alpha import composite_on_white
+from vitgraph.images.decode import load_pixels
+from vitgraph.images.device import upload
+from vitgraph.images.pipeline import image_rows
+from vitgraph.images.preprocess import QWEN2_VL_PROCESSOR
 
 WHITE = (255, 255, 255, 255)
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from vitgraph.loading import build_tower
+from vitgraph.checkpoints.loading import build_tower
 from vitgraph.models import PRESETS
 from vitgraph.ops import backend_names
 from vitgraph.ops.attention import resolve_backend

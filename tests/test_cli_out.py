@@ -32,9 +32,9 @@ def test_a_new_file_inside_a_hub_snapshot_or_its_blobs_is_refused(png, tmp_path,
     repo = tmp_path / "hub" / "models--Qwen--Tiny"
     snapshot = write_checkpoint(repo / "snapshots" / "abc123", hf_model, shards=1)
     (repo / "blobs").mkdir()
-    import vitgraph.loading
+    import vitgraph.checkpoints.loading
 
-    monkeypatch.setattr(vitgraph.loading, "find_on_hub", lambda text, **kwargs: vitgraph.loading.find_local(snapshot))
+    monkeypatch.setattr(vitgraph.checkpoints.loading, "find_on_hub", lambda text, **kwargs: vitgraph.checkpoints.loading.find_local(snapshot))
     for out in (snapshot / "preprocessor_config.json", repo / "blobs" / "new", repo / "snapshots" / "other" / "e"):
         out.parent.mkdir(parents=True, exist_ok=True)
         code, err = run([png, "--model", "Qwen/Tiny", "--out", out], capsys)

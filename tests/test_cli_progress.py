@@ -60,7 +60,7 @@ def test_a_status_line_on_a_terminal_counts_seconds_and_is_erased_when_the_phase
 def test_a_load_that_fails_after_more_than_a_second_is_one_error_line(monkeypatch, capsys, stderr):
     """The README's promise on a slow machine: the progress of a long load does not come before
     the error, in a log or on a terminal."""
-    from vitgraph.encoder import GraphedVisionEncoder
+    from vitgraph.runtime.encoder import GraphedVisionEncoder
 
     def slow_then_bad(*args, **kwargs):
         time.sleep(1.3)

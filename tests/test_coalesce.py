@@ -15,7 +15,7 @@ from helpers import rel_err
 from PIL import Image
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.coalesce import EncoderClosed
+from vitgraph.runtime.coalesce import EncoderClosed
 
 GRIDS = [[(1, 8, 8)], [(1, 4, 6), (1, 2, 2)], [(2, 8, 4)], [(1, 10, 10)], [(1, 6, 6)], [(3, 4, 4)], [(1, 12, 8)]]
 

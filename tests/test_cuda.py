@@ -91,7 +91,7 @@ def test_split_k_partials_summed_by_layernorm_at_every_split_size(long_splits):
     add+LayerNorm that sums the partials (one row per program, or several above
     one_row_max_rows) matches the unsplit GEMM plus add and LayerNorm in fp32."""
     from vitgraph.models import tower_dims
-    from vitgraph.tuning import derive_tuning
+    from vitgraph.runtime.tuning import derive_tuning
 
     torch.manual_seed(0)
     width = 1280
@@ -399,7 +399,7 @@ QUACK_LAYERS = {
 def quack_2b():
     """The GEMM tuning of Qwen2-VL's tower on this GPU, quack's backend."""
     from vitgraph.models import tower_dims
-    from vitgraph.tuning import derive_tuning
+    from vitgraph.runtime.tuning import derive_tuning
 
     return dataclasses.replace(derive_tuning(tower_dims(PRESETS["qwen2-vl-2b"]), torch.device("cuda")).gemm, backend="quack")
 
@@ -557,7 +557,7 @@ def test_fa4_short_tiles_follow_max_seqlen_and_match_varlen(monkeypatch):
     from vitgraph.ops.attention import attend, fa4_tile, fa4_tile_kwargs
     from vitgraph.models.qwen2_vl import VisionBatch
     from vitgraph.models import tower_dims
-    from vitgraph.tuning import derive_tuning
+    from vitgraph.runtime.tuning import derive_tuning
 
     if "fa4" not in available_backends("cuda"):
         pytest.skip("flash-attn-4 is not installed")

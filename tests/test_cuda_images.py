@@ -14,9 +14,9 @@ from test_images import photo
 from helpers import run_eager
 from vitgraph import GraphedVisionEncoder
 from vitgraph.engine.planner import padded_batch
-from vitgraph.images import image_rows
+from vitgraph.images.pipeline import image_rows
 from vitgraph.ops.normalize import normalize_rows
-from vitgraph.preprocess import QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR, preprocess_images, statistics
+from vitgraph.images.preprocess import QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR, preprocess_images, statistics
 
 pytestmark = pytest.mark.cuda
 
@@ -174,7 +174,7 @@ def test_device_processor_matches_transformers_torchvision_on_the_gpu(proc, cont
 def test_gpu_jpeg_decode_against_pil():
     """nvJPEG (torchvision) against PIL on the same JPEGs: the colour difference, stated (GPU
     decoders upsample chroma their own way), and bounded."""
-    from vitgraph.decode import decode_jpeg_on, gpu_jpeg_decoder
+    from vitgraph.images.decode import decode_jpeg_on, gpu_jpeg_decoder
 
     if gpu_jpeg_decoder() is None:
         pytest.skip("torchvision's decode_jpeg is not importable here")
@@ -196,7 +196,7 @@ def test_gpu_jpeg_decode_against_pil():
 
 
 def test_encode_images_with_gpu_decode(graph_enc):
-    from vitgraph.decode import gpu_jpeg_decoder
+    from vitgraph.images.decode import gpu_jpeg_decoder
 
     if gpu_jpeg_decoder() is None:
         pytest.skip("torchvision's decode_jpeg is not importable here")

@@ -13,8 +13,8 @@ import torch
 from PIL import Image, ImageFile
 
 from vitgraph import GraphedVisionEncoder, decode
-from vitgraph.images import image_rows
-from vitgraph.preprocess import QWEN2_VL_PROCESSOR, preprocess_video
+from vitgraph.images.pipeline import image_rows
+from vitgraph.images.preprocess import QWEN2_VL_PROCESSOR, preprocess_video
 
 
 def frames(t: int, h: int = 56, w: int = 84, channels: int = 3, seed: int = 0) -> np.ndarray:

@@ -14,11 +14,11 @@ from vitgraph.engine.planner import make_buckets, plan_call
 from vitgraph.models import PRESETS
 
 TINY = PRESETS["tiny"]
-from vitgraph.options import EngineOptions, dense_limit, short_cap_rule
+from vitgraph.runtime.options import EngineOptions, dense_limit, short_cap_rule
 from vitgraph.ops.attention import attention_tuning
 from vitgraph.ops.gemm import resolve_gemm
 from vitgraph.models import tower_dims
-from vitgraph.tuning import Tuning, apply_overrides, derive_tuning
+from vitgraph.runtime.tuning import Tuning, apply_overrides, derive_tuning
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ BAD_INPUTS = [
 
 
 def test_every_grid_spelling_gives_the_same_int_triples():
-    from vitgraph.validation import normalize_grid
+    from vitgraph.runtime.validation import normalize_grid
 
     want = [(1, 2, 2), (2, 4, 6)]
     spellings = (want, [list(g) for g in want], [np.array(g) for g in want], [torch.tensor(g) for g in want],
@@ -352,7 +352,7 @@ def test_kernel_tuning_holds_only_what_the_family_reads():
     from vitgraph.models import family_of
     from vitgraph.models.qwen3_vl import Qwen3VisionConfig
     from vitgraph.ops.gemm import GemmTuning
-    from vitgraph.tuning import tuning_for
+    from vitgraph.runtime.tuning import tuning_for
 
     h200 = {name: tuning_for(tower_dims(PRESETS[name]), 9, 132, reads=family_of(PRESETS[name]).tower.tuning_reads)
             for name in ("qwen2-vl-2b", "qwen2.5-vl-7b", "qwen3-vl-8b")}
@@ -405,7 +405,7 @@ def test_tuning_is_data_each_encoder_holds():
             EngineOptions(tuning={name: value})
     options = EngineOptions(tuning={"gemm.tile": {"tile_m": 64, "tile_n": 128, "pingpong": False, "cluster_m": 1,
                                                   "cluster_n": 1}, "gemm.rope_tiles": [[tile, 11]]})
-    from vitgraph.tuning import apply_overrides
+    from vitgraph.runtime.tuning import apply_overrides
     from vitgraph.ops.gemm import Tile
     changed = apply_overrides(Tuning(), options.tuning).gemm
     assert changed.tile == Tile(64, 128, False, 1, 1) and changed.rope_tiles == ((Tile(128, 192, True, 1, 2), 11.0),)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vitgraph.images import image_rows
-from vitgraph.preprocess import QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR
+from vitgraph.images.pipeline import image_rows
+from vitgraph.images.preprocess import QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

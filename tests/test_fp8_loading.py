@@ -14,7 +14,7 @@ from helpers import TINY_FAMILIES, hf_tower, random_pixels, vision_state, write_
 from safetensors.torch import save_file
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.fp8 import Fp8Reader, QuantFormat, dequantize
+from vitgraph.checkpoints.fp8 import Fp8Reader, QuantFormat, dequantize
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0

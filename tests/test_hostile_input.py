@@ -14,7 +14,7 @@ from helpers import TINY_VISION, hf_forward, random_pixels, rel_err, vision_stat
 from PIL import Image
 from safetensors.torch import save_file
 
-import vitgraph.loading
+import vitgraph.checkpoints.loading
 from vitgraph import GraphedVisionEncoder, preprocess_images, preprocess_video
 from vitgraph.cli import main as cli_main
 
@@ -45,13 +45,13 @@ def edit_index(ckpt, edit):
 def opened(monkeypatch):
     """Every path the loader hands to safe_open."""
     paths = []
-    real = vitgraph.loading.safe_open
+    real = vitgraph.checkpoints.loading.safe_open
 
     def recording(path, *args, **kwargs):
         paths.append(str(path))
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(vitgraph.loading, "safe_open", recording)
+    monkeypatch.setattr(vitgraph.checkpoints.loading, "safe_open", recording)
     return paths
 
 
@@ -563,7 +563,7 @@ def test_size_and_pixel_keys_are_read_as_transformers_reads_them(raw):
 
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from vitgraph.preprocess import ProcessorConfig
+    from vitgraph.images.preprocess import ProcessorConfig
 
     image = Image.new("RGB", (1280, 720))
     # transformers' class defaults stand in for the file's missing size (vitgraph's are the Hub's)
@@ -591,7 +591,7 @@ def test_a_model_type_without_a_family_is_named(tmp_path, hf_model):
 
 
 def test_the_checkpoints_preprocessor_config_is_followed_and_checked(tmp_path, hf_model):
-    from vitgraph.preprocess import ProcessorConfig
+    from vitgraph.images.preprocess import ProcessorConfig
 
     ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
     image = Image.new("RGB", (560, 420), "white")
@@ -671,7 +671,7 @@ def test_a_processor_setting_vitgraph_does_not_implement_is_refused_by_name(tmp_
     serve its own. The values transformers' processors take by default load."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from vitgraph.preprocess import FIXED_SETTINGS
+    from vitgraph.images.preprocess import FIXED_SETTINGS
 
     ckpt = write_checkpoint(tmp_path / "c", hf_model, shards=1)
     for file in ("preprocessor_config.json", "video_preprocessor_config.json"):

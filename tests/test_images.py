@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.images import image_rows
+from vitgraph.images.pipeline import image_rows
 from vitgraph.ops.normalize import normalize_rows
-from vitgraph.preprocess import QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR, preprocess_images, preprocess_video, statistics
+from vitgraph.images.preprocess import QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR, preprocess_images, preprocess_video, statistics
 
 from helpers import diff_report
 
@@ -294,7 +294,7 @@ def test_a_call_checks_only_the_limits_of_the_kinds_it_holds(preprocess):
     """Qwen3-VL's video minimum (4096) is below its image minimum (65536): a max_pixels between
     them serves a videos-only call, and is refused (by name) for images."""
     from vitgraph.models import QWEN3_VL_VIDEO_PROCESSOR
-    from vitgraph.preprocess import clip_smart_resize
+    from vitgraph.images.preprocess import clip_smart_resize
 
     frames = [photo(64, 64, 3)] * 4
     kw = dict(processor=QWEN3_VL_PROCESSOR, video_processor=QWEN3_VL_VIDEO_PROCESSOR, device="cpu",

@@ -69,18 +69,18 @@ def test_dependencies_point_one_way():
         if name.startswith("vitgraph.ops"):
             assert all(d.startswith("vitgraph.ops") for d in deps), (name, deps)
         if name.startswith("vitgraph.models"):
-            allowed = ("vitgraph.models", "vitgraph.ops", "vitgraph.preprocess",
-                       "vitgraph.engine.contract", "vitgraph.files")
+            allowed = ("vitgraph.models", "vitgraph.ops", "vitgraph.images.preprocess",
+                       "vitgraph.engine.contract", "vitgraph.checkpoints.files")
             assert all(d.startswith(allowed) for d in deps), (name, deps)
             assert not any(d in ("vitgraph.engine.graphs", "vitgraph.engine.planner") for d in deps)
-    assert not edges["vitgraph.files"]  # the one module every layer may read files through imports none
+    assert not edges["vitgraph.checkpoints.files"]  # the one module every layer may read files through imports none
     assert edges["vitgraph.models.qwen2_vl"] and edges["vitgraph.engine.graphs"]  # the scan sees imports
 
 
 ENGINE_ALONE = r"""
 import sys
 import vitgraph.engine, vitgraph.engine.planner, vitgraph.engine.contract
-heavy = sorted(m for m in sys.modules if m.startswith(("vitgraph.models", "vitgraph.ops", "vitgraph.encoder", "PIL",
+heavy = sorted(m for m in sys.modules if m.startswith(("vitgraph.models", "vitgraph.ops", "vitgraph.runtime.encoder", "PIL",
                                                        "triton", "transformers", "safetensors", "huggingface_hub")))
 print(heavy)
 """

@@ -11,23 +11,23 @@ import pytest
 import torch
 
 import vitgraph.ops.attention
-import vitgraph.encoder
-import vitgraph.options
+import vitgraph.runtime.encoder
+import vitgraph.runtime.options
 import vitgraph.ops.gemm
 import vitgraph.models.qwen2_vl
 import vitgraph.models.qwen2_vl_fused
-import vitgraph.precompile
+import vitgraph.runtime.precompile
 from vitgraph.engine.planner import Bucket
 from vitgraph.models import VisionConfig
 from vitgraph.ops.gemm import gemm_tuning
-from vitgraph.options import EngineOptions, buckets_for
+from vitgraph.runtime.options import EngineOptions, buckets_for
 from vitgraph.models import one_block_recipe, tower_dims
-from vitgraph.tuning import Tuning, tuning_for
-from vitgraph.loading import build_tower
-from vitgraph.precompile import (EARLY_WORKERS, EarlyWorkers, KernelJob, TowerSetup, _persists, _spawn, _spec, _tail,
+from vitgraph.runtime.tuning import Tuning, tuning_for
+from vitgraph.checkpoints.loading import build_tower
+from vitgraph.runtime.precompile import (EARLY_WORKERS, EarlyWorkers, KernelJob, TowerSetup, _persists, _spawn, _spec, _tail,
                                  kernel_jobs, precompile,
                                  start_early)
-from vitgraph.precompile_worker import worker_main
+from vitgraph.runtime.precompile_worker import worker_main
 
 H200_SMS = 132
 
@@ -217,7 +217,7 @@ def test_precompile_with_no_workers_or_no_kernels_does_nothing():
 def test_warm_caches_leave_every_kernel_to_capture(monkeypatch, files, started):
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)  # a kernel loaded from disk
-    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: files)  # and no new file
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_kernel_files", lambda caches: files)  # and no new file
     report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), workers=2)
     # With no kernel on disk the workers start before the first kernel, and are stopped after it.
     assert (report.kernels, report.workers, report.cold, report.failures) == (EARLY_WORKERS, started,
@@ -230,7 +230,7 @@ def test_failed_or_missing_workers_leave_the_kernels_to_capture(monkeypatch, cap
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
     files = iter(range(files_before, 100))
-    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: next(files))  # each call finds one more
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_kernel_files", lambda caches: next(files))  # each call finds one more
     # The workers run FlashAttention 4 and quack on this machine's CPU: each fails, and says so.
     report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), workers=2)
     assert report.cold and report.workers == 2
@@ -241,7 +241,7 @@ def test_failed_or_missing_workers_leave_the_kernels_to_capture(monkeypatch, cap
     def no_processes(*args, **kwargs):
         raise OSError("fork refused")
 
-    monkeypatch.setattr(vitgraph.precompile.subprocess, "Popen", no_processes)
+    monkeypatch.setattr(vitgraph.runtime.precompile.subprocess, "Popen", no_processes)
     report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), workers=2)
     assert report.workers == 0 and report.failures == ["could not start a worker: fork refused"]
 
@@ -253,10 +253,10 @@ def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_he
     order = []
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: order.append(op))
     monkeypatch.setattr(t, "run_triton_kernels", lambda batch: order.append(batch.positions.shape[0]))
-    monkeypatch.setattr(vitgraph.precompile, "_triton_compiles", lambda device: True)  # as on a GPU
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_triton_compiles", lambda device: True)  # as on a GPU
     files = iter(range(5, 100))
-    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: next(files))  # cold
-    monkeypatch.setattr(vitgraph.precompile, "_spawn", lambda spec: (subprocess.Popen([sys.executable, "-c", ""]),
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_kernel_files", lambda caches: next(files))  # cold
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_spawn", lambda spec: (subprocess.Popen([sys.executable, "-c", ""]),
                                                                      open(os.devnull, "rb")))
     report = precompile(t, setup_of(t), buckets, torch.device("cpu"), workers=2)
     assert report.cold and report.workers == 2 and report.failures == [] and report.triton_seconds > 0
@@ -276,7 +276,7 @@ def test_while_the_workers_compile_the_triton_kernels_of_every_bucket_compile_he
     assert "out of GPU memory compiling the Triton kernels of bucket 1152x16" in caplog.text
     # Warm caches: no workers to wait for, so capture loads them as it goes.
     order.clear()
-    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: 5)
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_kernel_files", lambda caches: 5)
     report = precompile(t, setup_of(t), buckets, torch.device("cpu"), workers=2)
     assert order == [kernel_jobs(t, buckets)[0].op] and report.triton_seconds == 0
 
@@ -287,9 +287,9 @@ def test_workers_only_compile_kernels_whose_cache_is_on(monkeypatch, switch, kep
     t = tower()
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
     files = iter(range(100))
-    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: next(files))  # cold
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_kernel_files", lambda caches: next(files))  # cold
     started = []
-    monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, setup, shares, device, report: started.extend(shares) or [])
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_start", lambda tower, setup, shares, device, report: started.extend(shares) or [])
     if switch == "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED":
         set_fa4_cache(monkeypatch, False)  # FA4's default
     else:
@@ -306,7 +306,7 @@ def test_only_the_caches_of_the_kernels_in_use_are_read(monkeypatch, attention, 
     t = tower(attention=attention)
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: None)
     read = []
-    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda names: read.append(names) or 1)  # warm
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_kernel_files", lambda names: read.append(names) or 1)  # warm
     precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), workers=2)
     assert read == [caches, caches]
 
@@ -320,8 +320,8 @@ def test_kernel_files_are_counted_in_each_cache_that_loads(tmp_path, monkeypatch
             (root / f).parent.mkdir(parents=True, exist_ok=True)
             (root / f).touch()
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(get_cache_path=lambda root=root: root))
-    assert vitgraph.precompile._kernel_files(["fake_fa4_cache", "no_such_module", "fake_quack_cache"]) == 3
-    assert vitgraph.precompile._kernel_files(["fake_quack_cache"]) == 1
+    assert vitgraph.runtime.precompile._kernel_files(["fake_fa4_cache", "no_such_module", "fake_quack_cache"]) == 3
+    assert vitgraph.runtime.precompile._kernel_files(["fake_quack_cache"]) == 1
 
 
 @pytest.mark.slow
@@ -352,10 +352,10 @@ def empty_caches(tmp_path, monkeypatch):
                              ("quack.cache.jit", "QUACK_CACHE_DIR")):
         roots[module] = tmp_path / variable
         monkeypatch.setenv(variable, str(roots[module]))
-    monkeypatch.setattr(vitgraph.precompile, "_has_fa4", lambda device: True)
-    monkeypatch.setattr(vitgraph.precompile, "quack_available", lambda device: True)
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_has_fa4", lambda device: True)
+    monkeypatch.setattr(vitgraph.runtime.precompile, "quack_available", lambda device: True)
     specs = []
-    monkeypatch.setattr(vitgraph.precompile, "_spawn", lambda spec: specs.append(json.loads(spec)) or (None, None))
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_spawn", lambda spec: specs.append(json.loads(spec)) or (None, None))
     return roots, specs
 
 
@@ -371,9 +371,9 @@ def test_workers_start_with_the_encoder_only_where_no_kernel_is_on_disk(empty_ca
     assert [spec["share"] for spec in specs] == [[0, 3], [1, 3], [2, 3]]
     assert specs[0]["recipe"]["kwargs"]["config"]["depth"] == 1 and specs[0]["dtype"] == "bfloat16" and specs[0]["device"] == "cuda"
     assert specs[0]["options"] == dataclasses.asdict(EngineOptions(compile_workers=3))
-    monkeypatch.setattr(vitgraph.precompile, "_usable_cpus", lambda: 64)
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_usable_cpus", lambda: 64)
     assert len(start().procs) == EARLY_WORKERS
-    monkeypatch.setattr(vitgraph.precompile, "_usable_cpus", lambda: 3)
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_usable_cpus", lambda: 3)
     assert len(start().procs) == 2
     specs.clear()
     # None started: no workers asked for, no GPU, no kernel library in use, or a kernel on disk.
@@ -393,20 +393,20 @@ def test_early_workers_are_adopted_only_where_the_libraries_keep_their_kernels(e
     t = tower()
     ran = []
     monkeypatch.setattr(t, "run_jit_kernel", lambda op, batch: ran.append(op))
-    monkeypatch.setattr(vitgraph.precompile, "_kernel_files", lambda caches: 3)  # the workers wrote some already
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_kernel_files", lambda caches: 3)  # the workers wrote some already
     started = []
-    monkeypatch.setattr(vitgraph.precompile, "_start", lambda tower, setup, shares, device, report: started.extend(shares) or [])
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_start", lambda tower, setup, shares, device, report: started.extend(shares) or [])
     stopped = []
     procs = [("proc", "log")] * 0  # nothing to wait for here
     early = EarlyWorkers(procs, dict(roots))
     monkeypatch.setattr(early, "stop", lambda: stopped.append(True))
-    monkeypatch.setattr(vitgraph.precompile, "_cache_roots", lambda caches: dict(roots))
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_cache_roots", lambda caches: dict(roots))
     report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), early=early)
     assert report.early and report.cold and report.workers == 0 and stopped == [] and started == []
     assert ran == [] and report.first_kernel_seconds == 0  # the early workers compile every kernel
     # The libraries, imported, keep their kernels elsewhere: those workers looked at the wrong
     # directories, so they are stopped and the usual check runs (here: warm).
-    monkeypatch.setattr(vitgraph.precompile, "_cache_roots",
+    monkeypatch.setattr(vitgraph.runtime.precompile, "_cache_roots",
                         lambda caches: {**roots, "quack.cache.jit": roots["quack.cache.jit"].parent / "other"})
     report = precompile(t, setup_of(t), default_buckets(t), torch.device("cpu"), early=early)
     assert not report.early and not report.cold and stopped == [True] and started == [] and len(ran) == 1
@@ -427,9 +427,9 @@ def test_an_early_worker_compiles_its_share_of_the_kernels_the_encoder_will_run(
         tower.set_tuning(tuning.kernels)
         return "fa4", tuning
 
-    monkeypatch.setattr(vitgraph.options, "buckets_for",
+    monkeypatch.setattr(vitgraph.runtime.options, "buckets_for",
                         lambda tower, options, attention, device, tuning: default_buckets(tower))
-    monkeypatch.setattr(vitgraph.options, "configure_tower", as_on_a_gpu)
+    monkeypatch.setattr(vitgraph.runtime.options, "configure_tower", as_on_a_gpu)
     ran = []
     monkeypatch.setattr(vitgraph.models.qwen2_vl.Qwen2VisionTower, "run_jit_kernel",
                         lambda self, op, batch: ran.append((op, batch.positions.shape[0])))
@@ -453,7 +453,7 @@ def test_early_workers_are_stopped_when_the_encoder_cannot_be_built(monkeypatch,
     stopped = []
     early = EarlyWorkers([], {})
     monkeypatch.setattr(early, "stop", lambda: stopped.append(True))
-    monkeypatch.setattr(vitgraph.encoder, "start_early", lambda *args: early)
+    monkeypatch.setattr(vitgraph.runtime.encoder, "start_early", lambda *args: early)
     with pytest.raises(ValueError):
         GraphedVisionEncoder.from_config(VisionConfig(depth=1), device="cuda", progress=False, **options)
     assert stopped == [True]
@@ -462,7 +462,7 @@ def test_early_workers_are_stopped_when_the_encoder_cannot_be_built(monkeypatch,
 COLD_START = textwrap.dedent("""
     import json, os, pathlib, sys, time
     import torch
-    import vitgraph.encoder
+    import vitgraph.runtime.encoder
     from vitgraph import GraphedVisionEncoder
     from vitgraph.models import VisionConfig
     roots = [pathlib.Path(p) for p in sys.argv[1:]]
@@ -470,8 +470,8 @@ COLD_START = textwrap.dedent("""
     triton_root = pathlib.Path(os.environ["TRITON_CACHE_DIR"])
     triton = lambda: sorted(str(p.relative_to(triton_root)) for p in triton_root.rglob("*.cubin"))
     compiled, compiled_triton = [], []  # the kernel files on disk once precompile returns, before capture starts
-    precompile = vitgraph.encoder.precompile
-    vitgraph.encoder.precompile = lambda *args, **kwargs: (precompile(*args, **kwargs), compiled.extend(objects()),
+    precompile = vitgraph.runtime.encoder.precompile
+    vitgraph.runtime.encoder.precompile = lambda *args, **kwargs: (precompile(*args, **kwargs), compiled.extend(objects()),
                                                            compiled_triton.extend(triton()))[0]
     start = time.perf_counter()
     enc = GraphedVisionEncoder.from_config(VisionConfig(depth=1), device="cuda", dtype=torch.bfloat16,
@@ -525,8 +525,8 @@ def test_from_pretrained_starts_the_workers_before_the_weights_load_and_stops_th
     weights load; a load that fails stops them."""
     events, early = [], EarlyWorkers([], {})
     monkeypatch.setattr(early, "stop", lambda: events.append("stop"))
-    monkeypatch.setattr(vitgraph.encoder, "uses_graphs", lambda options, device: True)
-    monkeypatch.setattr(vitgraph.encoder, "start_early",
+    monkeypatch.setattr(vitgraph.runtime.encoder, "uses_graphs", lambda options, device: True)
+    monkeypatch.setattr(vitgraph.runtime.encoder, "start_early",
                         lambda recipe, *args: events.append(("start_early", recipe["kwargs"]["config"]["depth"]))
                         or early)
 
@@ -534,17 +534,17 @@ def test_from_pretrained_starts_the_workers_before_the_weights_load_and_stops_th
         events.append("load_tower")
         raise _Sentinel
 
-    monkeypatch.setattr(vitgraph.encoder, "load_tower", failing_load)
+    monkeypatch.setattr(vitgraph.runtime.encoder, "load_tower", failing_load)
     with pytest.raises(_Sentinel):
-        vitgraph.encoder.GraphedVisionEncoder.from_pretrained(checkpoint, device="cpu")
+        vitgraph.runtime.encoder.GraphedVisionEncoder.from_pretrained(checkpoint, device="cpu")
     assert events == [("start_early", 1), "load_tower", "stop"]  # a one-block tower of its shape
 
 
 def test_workers_handed_to_an_eager_encoder_are_stopped(checkpoint, monkeypatch):
     stopped, early = [], EarlyWorkers([], {})
     monkeypatch.setattr(early, "stop", lambda: stopped.append(True))
-    tower = vitgraph.encoder.GraphedVisionEncoder.from_pretrained(checkpoint, device="cpu").tower
-    enc = vitgraph.encoder.GraphedVisionEncoder(tower, device="cpu", _early_workers=early)
+    tower = vitgraph.runtime.encoder.GraphedVisionEncoder.from_pretrained(checkpoint, device="cpu").tower
+    enc = vitgraph.runtime.encoder.GraphedVisionEncoder(tower, device="cpu", _early_workers=early)
     assert stopped == [True] and enc._early_workers is None
 
 
@@ -552,10 +552,10 @@ def test_workers_handed_to_an_eager_encoder_are_stopped(checkpoint, monkeypatch)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_from_pretrained_hands_its_early_workers_to_precompile(checkpoint, monkeypatch):
     early, waited_for = EarlyWorkers([], {}), []
-    monkeypatch.setattr(vitgraph.encoder, "start_early", lambda *args: early)
-    precompile_ = vitgraph.encoder.precompile
-    monkeypatch.setattr(vitgraph.encoder, "precompile",
+    monkeypatch.setattr(vitgraph.runtime.encoder, "start_early", lambda *args: early)
+    precompile_ = vitgraph.runtime.encoder.precompile
+    monkeypatch.setattr(vitgraph.runtime.encoder, "precompile",
                         lambda *args, early=None, **kwargs: waited_for.append(early) or precompile_(*args, **kwargs))
-    enc = vitgraph.encoder.GraphedVisionEncoder.from_pretrained(checkpoint, device="cuda", budgets=[64],
+    enc = vitgraph.runtime.encoder.GraphedVisionEncoder.from_pretrained(checkpoint, device="cuda", budgets=[64],
                                                                  progress=False)
     assert waited_for == [early] and enc._early_workers is None

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vitgraph.preprocess import preprocess_images, preprocess_video, smart_resize
+from vitgraph.images.preprocess import preprocess_images, preprocess_video, smart_resize
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_video_pairs_frames_and_pads_odd_counts():
 def test_qwen3_vl_processor_matches_transformers(hf_processor):
     """Qwen3-VL's processor (patch 16: sides of multiples of 32, mean and std 0.5) is
     transformers' Qwen2-VL processor with those settings; so is vitgraph's."""
-    from vitgraph.preprocess import QWEN3_VL_PROCESSOR as q3
+    from vitgraph.images.preprocess import QWEN3_VL_PROCESSOR as q3
 
     rng = random.Random(3)
     sizes = SIZES + [(rng.randint(8, 1500), rng.randint(8, 1500)) for _ in range(8)]
@@ -147,7 +147,7 @@ def test_qwen3_vl_processor_matches_transformers(hf_processor):
 
 
 def test_qwen3_vl_video_pairs_frames_into_16_pixel_patches():
-    from vitgraph.preprocess import QWEN3_VL_PROCESSOR as q3
+    from vitgraph.images.preprocess import QWEN3_VL_PROCESSOR as q3
 
     frames = [_image(64, 96, i) for i in range(3)]
     pixels, grid = preprocess_video(frames, processor=q3, min_pixels=32 * 32)  # no upscaling: 64 x 96 stays
@@ -172,7 +172,7 @@ def _transformers_qwen3_video_smart_resize():
 def test_qwen3_vl_clips_are_sized_as_transformers_sizes_them():
     """The clip's pixels (frames x height x width) within the video processor's limits, as
     transformers' Qwen3-VL video processor computes each frame's size."""
-    from vitgraph.preprocess import clip_smart_resize
+    from vitgraph.images.preprocess import clip_smart_resize
 
     reference = _transformers_qwen3_video_smart_resize()
     rng = np.random.default_rng(0)
@@ -189,9 +189,9 @@ def test_qwen3_vl_clips_are_sized_as_transformers_sizes_them():
 def test_qwen3_vl_video_processor_bounds_the_whole_clip():
     """A 16-frame 1080p clip under Qwen3-VL's video processor: every frame is shrunk so that the
     clip fits the processor's pixels (per frame it would fit as it is), on both preprocessing paths."""
-    from vitgraph.images import image_rows
+    from vitgraph.images.pipeline import image_rows
     from vitgraph.models import QWEN3_VL_VIDEO_PROCESSOR as video
-    from vitgraph.preprocess import QWEN3_VL_PROCESSOR, clip_smart_resize
+    from vitgraph.images.preprocess import QWEN3_VL_PROCESSOR, clip_smart_resize
 
     frames = [_image(1080, 1920, i) for i in range(16)]
     h, w = clip_smart_resize(16, 1080, 1920, 32, 2, video.min_pixels, video.max_pixels)
@@ -239,7 +239,7 @@ def _transformers_frame_cap(module: str):
 @pytest.mark.parametrize("module, clip_pixels", [("qwen2_vl.video_processing_qwen2_vl", False),
                                                  ("qwen3_vl.video_processing_qwen3_vl", True)])
 def test_cap_pixels_per_frame_caps_as_transformers_video_processors_do(module, clip_pixels):
-    from vitgraph.preprocess import ProcessorConfig, clip_max_pixels
+    from vitgraph.images.preprocess import ProcessorConfig, clip_max_pixels
 
     reference = _transformers_frame_cap(module)
     rng = np.random.default_rng(1)
@@ -263,9 +263,9 @@ def test_a_capped_video_processor_sizes_every_clip_by_its_frame_count(path):
     """Qwen3-VL's video processor with cap_pixels_per_frame: 8 frames of 1080p (16.6M pixels, in
     the 25M limit as they are) get 768 tokens' worth of pixels each, on both preprocessing paths
     and in preprocess_video; two frames of 640x480 (300 tokens each) stay as they are."""
-    from vitgraph.images import image_rows
+    from vitgraph.images.pipeline import image_rows
     from vitgraph.models import QWEN3_VL_VIDEO_PROCESSOR
-    from vitgraph.preprocess import QWEN3_VL_PROCESSOR, clip_max_pixels, clip_smart_resize
+    from vitgraph.images.preprocess import QWEN3_VL_PROCESSOR, clip_max_pixels, clip_smart_resize
 
     video = replace(QWEN3_VL_VIDEO_PROCESSOR, cap_pixels_per_frame=True)
     frames, short = [_image(1080, 1920, 0)] * 8, [_image(480, 640, 1)] * 2
@@ -304,7 +304,7 @@ def _class_defaults(module: str, cls: str) -> dict:
                                          ("qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor"),
                                          ("qwen3_vl.video_processing_qwen3_vl", "Qwen3VLVideoProcessor")])
 def test_what_a_processor_file_leaves_out_takes_the_transformers_class_default(module, cls):
-    from vitgraph.processor_files import IMAGE_CLASS, VIDEO_CLASSES
+    from vitgraph.images.processor_files import IMAGE_CLASS, VIDEO_CLASSES
 
     ours = VIDEO_CLASSES.get(cls, IMAGE_CLASS)
     want = _class_defaults(module, cls)

@@ -71,7 +71,7 @@ def test_the_checkpoints_processor_files_override_the_defaults(tiny_checkpoints,
     # The image stays 128 x 128 (8 x 8 patches); the clip's two frames go down to 32 x 32 (2 x 2):
     # its 4096 pixels bound both frames, as transformers' Qwen3-VL video processor reads them.
     assert as_image.shape == (8 * 8 // 4, 32) and as_video.shape == (2 * 2 // 4, 32)
-    from vitgraph.preprocess import preprocess_video
+    from vitgraph.images.preprocess import preprocess_video
 
     pixels, grid = preprocess_video([frame, frame], processor=encoder.video_processor)
     alone = encoder.encode_images(videos=[[frame, frame]])[0]  # one call's rows: the same GEMM shapes
@@ -125,7 +125,7 @@ def test_a_checkpoint_without_a_video_file_loads_and_refuses_only_videos(tiny_ch
     released ones do): transformers would read its videos per frame (Qwen2VLVideoProcessor), so
     vitgraph refuses a call given a video, with that message, and serves its images; the
     encoder stays usable."""
-    from vitgraph.preprocess import preprocess_video
+    from vitgraph.images.preprocess import preprocess_video
 
     ckpt = tiny_checkpoints.write("qwen3_5", tmp_path / "c")
     (ckpt / "preprocessor_config.json").write_text(json.dumps(
@@ -204,7 +204,7 @@ def test_every_frame_given_is_encoded_whatever_the_file_says_of_sampling(tiny_ch
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
     from transformers.video_utils import VideoMetadata
 
-    from vitgraph.preprocess import preprocess_video
+    from vitgraph.images.preprocess import preprocess_video
 
     ckpt = tiny_checkpoints.write("qwen3_5", tmp_path / "c")
     published = {"do_sample_frames": True, "fps": 2, "min_frames": 4, "max_frames": 768, "num_frames": None,
@@ -319,13 +319,13 @@ def test_a_kernel_setting_the_family_never_reads_is_refused_before_the_weights_l
                                                                                     monkeypatch):
     """Qwen3.5's tower runs no GEMM of vitgraph's: a GEMM setting is refused, naming it and the
     tower, from the checkpoint's config alone."""
-    import vitgraph.encoder
+    import vitgraph.runtime.encoder
 
     directory = tiny_checkpoints.write("qwen3_5", tmp_path / "ckpt")
 
     def no_load(*args, **kwargs):
         raise AssertionError("the weights were loaded")
 
-    monkeypatch.setattr(vitgraph.encoder, "load_tower", no_load)
+    monkeypatch.setattr(vitgraph.runtime.encoder, "load_tower", no_load)
     with pytest.raises(ValueError, match="Qwen3VisionTower does not read 'gemm.split_k_max_rows'"):
         GraphedVisionEncoder.from_pretrained(directory, device="cpu", tuning={"gemm.split_k_max_rows": 64})

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import vitgraph.decode
+import vitgraph.images.decode
 from vitgraph import GraphedVisionEncoder
-from vitgraph.decode import MAX_ITEMS_PER_REQUEST
+from vitgraph.images.decode import MAX_ITEMS_PER_REQUEST
 
 
 def png(width=56, height=56) -> bytes:
@@ -38,13 +38,13 @@ def enc():
 @pytest.fixture
 def decodes(monkeypatch):
     calls = []
-    real = vitgraph.decode.decode_pil
+    real = vitgraph.images.decode.decode_pil
 
     def counting(data, name, *args, **kwargs):
         calls.append(name)
         return real(data, name, *args, **kwargs)
 
-    monkeypatch.setattr(vitgraph.decode, "decode_pil", counting)
+    monkeypatch.setattr(vitgraph.images.decode, "decode_pil", counting)
     return calls
 
 

@@ -7,9 +7,11 @@ import importlib
 
 __version__ = "0.1.0"
 
-_EXPORTS = {"GraphedVisionEncoder": ".encoder", "EncoderClosed": ".coalesce", "VisionConfig": ".models.qwen2_vl", "Qwen2VisionTower": ".models.qwen2_vl",
-            "VisionBatch": ".models.qwen2_vl", "preprocess_images": ".preprocess", "preprocess_video": ".preprocess",
-            "smart_resize": ".preprocess"}
+_EXPORTS = {"GraphedVisionEncoder": ".runtime.encoder", "EncoderClosed": ".runtime.coalesce",
+            "VisionConfig": ".models.qwen2_vl", "Qwen2VisionTower": ".models.qwen2_vl",
+            "VisionBatch": ".models.qwen2_vl",
+            "preprocess_images": ".images.preprocess", "preprocess_video": ".images.preprocess",
+            "smart_resize": ".images.preprocess"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -67,7 +67,7 @@ def cmd_demo(args) -> None:
 def _check_pixel_args(args) -> None:
     """``--min-pixels`` and ``--max-pixels`` (each, and against each other or the model's
     preprocessing), before anything loads."""
-    from .preprocess import check_pixel_limits
+    from .images.preprocess import check_pixel_limits
 
     given = {"--min-pixels": args.min_pixels, "--max-pixels": args.max_pixels}
     for flag, value in given.items():
@@ -93,8 +93,8 @@ def _check_pixel_args(args) -> None:
 
 def _processor_of(args):
     """The image preprocessing ``args`` would load, read from configs alone (no weights)."""
-    from .loading import find_checkpoint, read_config
-    from .processor_files import read_processor
+    from .checkpoints.loading import find_checkpoint, read_config
+    from .images.processor_files import read_processor
     from .models import PRESETS, family_of
 
     if args.model:
@@ -108,7 +108,7 @@ def cmd_encode(args) -> None:
     whose metadata records the model source and each file's grid_thw."""
     from tqdm.auto import tqdm
 
-    from .decode import open_encoded, read_file
+    from .images.decode import open_encoded, read_file
 
     from .cli_handoff import check_targets, encode_to_cache_command
 
@@ -218,8 +218,8 @@ def _check_serve_args(args) -> None:
         raise ValueError(f"--encoder-cache {args.encoder_cache}: is not an existing directory")
     check_cache_bounds(args)
     if args.model:
-        from .loading import find_checkpoint, read_config
-        from .processor_files import read_processor
+        from .checkpoints.loading import find_checkpoint, read_config
+        from .images.processor_files import read_processor
 
         files = find_checkpoint(args.model)
         read_processor(files, read_config(files))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .preset_names import PRESET_NAMES  # not vitgraph.models: that imports torch (seconds)
 
 if TYPE_CHECKING:
-    from .encoder import GraphedVisionEncoder
+    from .runtime.encoder import GraphedVisionEncoder
 
 
 def add_model_args(parser) -> None:
@@ -48,7 +48,7 @@ def describe(args) -> str:
 def make_encoder(args, **options) -> "GraphedVisionEncoder":
     """The encoder ``args`` name, built or loaded under a :func:`status` line; graphs are then
     captured under their own progress bar (unless ``capture=False``)."""
-    from .encoder import GraphedVisionEncoder
+    from .runtime.encoder import GraphedVisionEncoder
 
     capture = options.pop("capture", True)
     verb = f"loading {args.model}" if args.model else f"building random weights of the {args.preset} preset"

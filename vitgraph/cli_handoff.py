@@ -20,7 +20,7 @@ def add_cache_bounds(parser) -> None:
 
 
 def check_cache_bounds(args) -> None:
-    from .validation import check_int
+    from .runtime.validation import check_int
 
     bounds = {"--cache-max-items": args.cache_max_items, "--cache-max-bytes": args.cache_max_bytes}
     for name, value in bounds.items():

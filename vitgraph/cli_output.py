@@ -8,7 +8,7 @@ import re
 import stat
 from pathlib import Path
 
-from .files import save_atomically
+from .checkpoints.files import save_atomically
 
 
 def check_out(out: str, inputs: list[Path], force: bool) -> Path:
@@ -47,7 +47,7 @@ def check_out_is_not_the_checkpoint(out: Path, model: str) -> None:
     """Refuse an ``out`` anywhere inside a folder the checkpoint is read from (its folder, or a
     Hub repo's cache folder: snapshots and blobs), whether or not the file exists yet: a new
     file there (a preprocessor_config.json, say) changes what loads next time."""
-    from .loading import find_checkpoint
+    from .checkpoints.loading import find_checkpoint
 
     files = find_checkpoint(model)
     target = out.resolve()

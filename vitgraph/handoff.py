@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from .files import save_atomically
-from .validation import check_int
+from .checkpoints.files import save_atomically
+from .runtime.validation import check_int
 
 CACHE_FILE = "encoder_cache.safetensors"  # ECExampleConnector._generate_filename_debug
 CACHE_KEY = "ec_cache"  # ECExampleConnector.start_load_caches
@@ -36,7 +36,7 @@ MARK = "vitgraph"  # safetensors metadata key: an entry vitgraph wrote (only tho
 TEMP_SUFFIX = ".vitgraph-tmp"  # a write in progress, or one a killed writer left (clean() removes them)
 MAX_ID_LENGTH = 200
 _ID = re.compile(r"[A-Za-z0-9._-]+")
-# The processor settings that change an image's rows (vitgraph.preprocess.ProcessorConfig);
+# The processor settings that change an image's rows (vitgraph.images.preprocess.ProcessorConfig);
 # rescale_factor and resample are fixed in vitgraph (preprocess.FIXED_SETTINGS) but named in the
 # recipe so that ids stay valid if they ever vary.
 ROW_SETTINGS = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels",
@@ -60,7 +60,7 @@ def item_id(image_bytes: bytes, *, model: str, processor) -> str:
     JavaScript's ``JSON.stringify`` also gives). ``model``: the name the checkpoint is served
     under (the Hub id or path given to ``from_pretrained``; ``vitgraph encode`` and ``vitgraph
     serve`` use ``--model`` as given, or ``preset:NAME`` for random weights). ``processor``: a
-    :class:`~vitgraph.preprocess.ProcessorConfig` (the encoder's ``processor``) or a dict with
+    :class:`~vitgraph.images.preprocess.ProcessorConfig` (the encoder's ``processor``) or a dict with
     those keys (rescale_factor and resample may be left out). ``image_bytes``: the encoded file.
     """
     if not isinstance(image_bytes, (bytes, bytearray, memoryview)):
@@ -251,7 +251,7 @@ def _entries_size(directory: Path, item: str) -> int:
 
 
 def _image_bytes(image) -> bytes:
-    from .decode import read_file
+    from .images.decode import read_file
 
     if isinstance(image, (bytes, bytearray, memoryview)):
         return bytes(image)

@@ -1,5 +1,5 @@
 """A Ray Serve deployment of the encoder (extra ``serve``): one replica per GPU, concurrent
-requests sharing replays through the encoder's coalescing front (:mod:`vitgraph.coalesce`).
+requests sharing replays through the encoder's coalescing front (:mod:`vitgraph.runtime.coalesce`).
 
     from vitgraph.serve import build_app
     from ray import serve
@@ -34,11 +34,11 @@ from ray import serve
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from .decode import MAX_ITEMS_PER_REQUEST, check_image_ceiling
-from .encoder import GraphedVisionEncoder
-from .options import engine_options as check_engine_options
-from .preprocess import check_pixel_arguments, pixel_limits
-from .validation import check_int, check_pixels, check_rows, normalize_grid
+from .images.decode import MAX_ITEMS_PER_REQUEST, check_image_ceiling
+from .runtime.encoder import GraphedVisionEncoder
+from .runtime.options import engine_options as check_engine_options
+from .images.preprocess import check_pixel_arguments, pixel_limits
+from .runtime.validation import check_int, check_pixels, check_rows, normalize_grid
 
 # The most pixels an encoded image in a request may declare: refused from its header, before
 # decoding (a small file can inflate to its declared size: 2**26 RGB pixels are 200 MB).
@@ -378,8 +378,8 @@ def check_model(model: str) -> None:
     local folder with a config.json, or a Hub id that resolves (its vision shards are downloaded
     here, into the cache the replicas on this machine read); its config and processor files read
     and checked."""
-    from .loading import find_checkpoint, read_config
-    from .processor_files import read_processor, read_video_processor
+    from .checkpoints.loading import find_checkpoint, read_config
+    from .images.processor_files import read_processor, read_video_processor
 
     files = find_checkpoint(model)
     config = read_config(files)

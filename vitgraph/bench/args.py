@@ -8,7 +8,7 @@ import argparse
 
 from .. import cli_args
 from ..ops.backend_names import BACKENDS, GEMM_BACKENDS
-from ..pixel_defaults import MAX_PIXELS
+from ..images.pixel_defaults import MAX_PIXELS
 
 
 def positive_int(text: str) -> int:

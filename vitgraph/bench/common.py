@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..encoder import GraphedVisionEncoder
+from ..runtime.encoder import GraphedVisionEncoder
 from ..cli_args import make_encoder
 from ..models import transformers_tower
 

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..decode import decode_pil, gpu_jpeg_decoder, load_pixels
-from ..device_preprocess import rows_of, upload
-from ..preprocess import pixel_limits, preprocess_images
+from ..images.decode import decode_pil, gpu_jpeg_decoder, load_pixels
+from ..images.device import rows_of, upload
+from ..images.preprocess import pixel_limits, preprocess_images
 from .. import cli_args
 from . import common
 from .args import CPU_DEFAULTS, GPU_DEFAULTS
@@ -154,7 +154,7 @@ def build(systems: list[str], enc, low: int, high: int) -> dict[str, Staged]:
                 skip(name, "needs CUDA and torchvision's decode_jpeg")
                 continue
             if gpu:
-                from ..decode import decode_jpeg_on
+                from ..images.decode import decode_jpeg_on
                 decode = lambda b: decode_jpeg_on(b, "image", device)  # noqa: E731
             else:
                 decode = lambda b: load_pixels(b, "image", alpha=True)  # noqa: E731

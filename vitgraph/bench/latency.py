@@ -85,7 +85,7 @@ def fp32_reference(encoder):
     where the encoder is fp32 already."""
     if encoder.dtype == torch.float32:
         return None
-    from ..encoder import GraphedVisionEncoder
+    from ..runtime.encoder import GraphedVisionEncoder
 
     tower = copy.deepcopy(encoder.tower).float()
     truth = GraphedVisionEncoder(tower, device=encoder.device, dtype=torch.float32, mode="eager", fuse=False,

@@ -24,8 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..engine import fit_budgets
-from ..options import EngineOptions
-from ..preprocess import MIN_PIXELS, smart_resize
+from ..runtime.options import EngineOptions
+from ..images.preprocess import MIN_PIXELS, smart_resize
 from .. import cli_args
 from . import common
 from .args import serving_parser as build_parser

@@ -56,7 +56,7 @@ class VisionTower(Protocol):
 
     name: str  # what repr and stats call it ("qwen2_vl", ...)
     shape: TowerDims
-    # The image (video) preprocessing encode_images and uint8 rows use (vitgraph.preprocess.
+    # The image (video) preprocessing encode_images and uint8 rows use (vitgraph.images.preprocess.
     # ProcessorConfig); None: float rows only (the video one: the image one).
     processor: Any
     video_processor: Any

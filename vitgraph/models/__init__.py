@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..preprocess import ProcessorConfig
+from ..images.preprocess import ProcessorConfig
 from . import qwen2_5_vl, qwen3_vl
 from .qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTower
 from .qwen3_vl import QWEN3_VL_VIDEO_PROCESSOR, Qwen35VisionConfig, Qwen3VisionConfig, Qwen3VisionTower

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..files import read_regular_file
-from ..preprocess import QWEN2_VL_PROCESSOR, ProcessorConfig
+from ..checkpoints.files import read_regular_file
+from ..images.preprocess import QWEN2_VL_PROCESSOR, ProcessorConfig
 
 _ALIASES = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
 
@@ -44,7 +44,7 @@ MAX_JSON_BYTES = 16 << 20  # configs are KBs and shard indexes ~100 KB: far abov
 
 def read_json(path: str | Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """A JSON file's value; a ValueError naming the file for anything else than a regular file
-    of at most ``max_bytes`` (:func:`vitgraph.files.read_regular_file`) holding JSON that Python
+    of at most ``max_bytes`` (:func:`vitgraph.checkpoints.files.read_regular_file`) holding JSON that Python
     can hold (no deep nesting, no huge ints)."""
     path = Path(path)
     data = read_regular_file(path, max_bytes, "a JSON config")

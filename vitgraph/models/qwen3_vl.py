@@ -29,7 +29,7 @@ from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import DEFAULT_ATTENTION, SegmentFlags
 from .config_parsing import FamilyConfig, TowerShape, check_block_indexes
-from ..preprocess import QWEN3_VL_PROCESSOR
+from ..images.preprocess import QWEN3_VL_PROCESSOR
 from ..ops import kernels
 from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
 from .reference_tower import ReferenceTower, rotary_attention

@@ -1,5 +1,5 @@
 """Images in every form a caller holds, to RGB uint8 pixels: PIL images, ``HxWx3`` / ``HxWx4``
-uint8 arrays, ``3xHxW`` / ``4xHxW`` uint8 tensors (on any device; the forms: :mod:`vitgraph.pixel_forms`),
+uint8 arrays, ``3xHxW`` / ``4xHxW`` uint8 tensors (on any device; the forms: :mod:`vitgraph.images.pixel_forms`),
 encoded bytes (JPEG, PNG, WebP, ...) and file paths. RGBA is composited onto white (:func:`as_rgb`).
 
 Encoded images are decoded by PIL on the host, after their header is checked against
@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .files import read_regular_file
+from ..checkpoints.files import read_regular_file
 from .pixel_forms import check_image_form, frame_count
-from .validation import check_int
+from ..runtime.validation import check_int
 
 # The most pixels an encoded image may declare (2**27: 16384 x 8192, 400 MB decoded).
 MAX_IMAGE_PIXELS = 1 << 27
@@ -87,7 +87,7 @@ def is_encoded(item) -> bool:
 
 def read_file(path, name: str) -> bytes:
     """A path's bytes: a regular file of at most :data:`MAX_FILE_BYTES`
-    (:func:`vitgraph.files.read_regular_file`), its errors prefixed with ``name``."""
+    (:func:`vitgraph.checkpoints.files.read_regular_file`), its errors prefixed with ``name``."""
     try:
         return read_regular_file(path, MAX_FILE_BYTES, "an image file")
     except ValueError as err:
@@ -162,7 +162,7 @@ def as_rgb(image: Image.Image) -> Image.Image:
 
 def keep_alpha(image: Image.Image) -> Image.Image:
     """:func:`as_rgb` short of its blend: an image with transparency as RGBA (LA stays LA: its grey
-    is R, G and B), loaded, for :func:`vitgraph.alpha.composite_on_white` to blend on the device."""
+    is R, G and B), loaded, for :func:`vitgraph.images.alpha.composite_on_white` to blend on the device."""
     if image.mode == "RGBA" or (image.mode == "LA" and "transparency" not in image.info):
         image.load()  # decoded here, under the caller's lock, not in a later np.asarray
         return image
@@ -194,7 +194,7 @@ def to_rgb_pil(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS, convert=None
 
 def as_pixels(item, name: str) -> Pixels:
     """An ``HxWx3`` / ``HxWx4`` uint8 array or a ``3xHxW`` / ``4xHxW`` uint8 tensor, checked
-    (:func:`vitgraph.pixel_forms.check_image_form`); anything else refused, with what is taken."""
+    (:func:`vitgraph.images.pixel_forms.check_image_form`); anything else refused, with what is taken."""
     if isinstance(item, (torch.Tensor, np.ndarray)):
         check_image_form(item, name)
         return item

@@ -8,7 +8,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .engine.planner import Plan
+from ..engine.planner import Plan
 from .tuning import PlanTuning
 
 

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from .models import FAMILIES
-from .models.config_parsing import read_json
+from ..models import FAMILIES
+from ..models.config_parsing import read_json
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names; anything else is refused, not cast
 FP8_DTYPE = "F8_E4M3"  # torch.float8_e4m3fn: the one FP8 kind of both formats
@@ -186,7 +186,7 @@ class _Key:
 
 
 class Fp8Reader:
-    """A checkpoint's vision keys as :func:`vitgraph.loading.load_tower` meets them: each key
+    """A checkpoint's vision keys as :func:`vitgraph.checkpoints.loading.load_tower` meets them: each key
     sorted (:meth:`sort`), the FP8 linears checked once names and shapes are (:meth:`check`),
     their tensors held (:meth:`holds`), then handed back (:meth:`linears`)."""
 

@@ -1,5 +1,5 @@
 """The Qwen VL processors' default image area bounds, without torch: ``vitgraph bench-serving
---help`` shows its default before torch is imported. :mod:`vitgraph.preprocess` imports them
+--help`` shows its default before torch is imported. :mod:`vitgraph.images.preprocess` imports them
 from here."""
 
 MIN_PIXELS = 56 * 56

@@ -3,7 +3,7 @@
 Two ways, chosen by ``preprocess``:
 
 * ``"device"``: decode on the host (a thread pool) or, for JPEGs, on the GPU (``decode="gpu"``),
-  then resize and patchify with torch on the encoder's device (:mod:`vitgraph.device_preprocess`),
+  then resize and patchify with torch on the encoder's device (:mod:`vitgraph.images.device`),
   as transformers' torchvision processors do (``Qwen2VLImageProcessor``);
 * ``"pil"``: decode, resize (PIL bicubic) and patchify on the host, one image per pool thread,
   as ``Qwen2VLImageProcessorPil`` does.
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import decode as decoding
-from .device_preprocess import frame_size, rows_of
+from .device import frame_size, rows_of
 from .pixel_forms import clip_frames
 from .preprocess import (ProcessorConfig, check_list, check_pixel_arguments, clip_max_pixels, image_rows_pil,
                          pixel_limits, video_rows_pil)
@@ -44,7 +44,7 @@ def _items(images, videos, image_limits: tuple | None, video_limits: tuple | Non
            ) -> list[tuple[str, object, tuple[int, int, bool]]]:
     """``(name, image, pixel limits)`` for each image and ``(name, _Clip(frames), limits)`` for
     each clip, images first (a list among the images is not a clip: it is refused by name; a 4-D
-    array among the clips is one, split into its frames: :func:`vitgraph.pixel_forms.clip_frames`);
+    array among the clips is one, split into its frames: :func:`vitgraph.images.pixel_forms.clip_frames`);
     limits are ``(min_pixels, max_pixels, whether they bound a whole clip)``, a clip's
     ``max_pixels`` capped by its frame count where ``video`` asks (:func:`clip_max_pixels`)."""
     items: list[tuple[str, object, tuple[int, int, bool]]] = []

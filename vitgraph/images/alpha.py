@@ -1,9 +1,9 @@
 """Transparency composited onto white with torch, on any device, to the bit of the host's
-:func:`vitgraph.decode.as_rgb` (PIL's ``Image.alpha_composite`` over opaque white, as
+:func:`vitgraph.images.decode.as_rgb` (PIL's ``Image.alpha_composite`` over opaque white, as
 transformers' ``convert_to_rgb`` and vLLM blend it).
 
 An image with alpha is uploaded as decoded (RGBA or LA, one copy) and blended where it is
-resized (:func:`vitgraph.device_preprocess.upload`), so the host only decodes it.
+resized (:func:`vitgraph.images.device.upload`), so the host only decodes it.
 """
 
 from __future__ import annotations

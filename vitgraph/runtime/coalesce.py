@@ -1,5 +1,5 @@
 """The coalescing front: concurrent callers share replays (``submit``, ``submit_images`` and
-their asyncio forms on :class:`vitgraph.encoder.GraphedVisionEncoder`).
+their asyncio forms on :class:`vitgraph.runtime.encoder.GraphedVisionEncoder`).
 
 A request is ready once its rows are on the encoder's device in its dtype: ``submit``
 validates and normalises them on the caller's thread; ``submit_images`` decodes and

@@ -1,4 +1,4 @@
-"""A kernel-compiling worker process (:mod:`vitgraph.precompile` starts them): builds a
+"""A kernel-compiling worker process (:mod:`vitgraph.runtime.precompile` starts them): builds a
 one-block tower of the encoder's shape (by its tower's recipe), configured as the encoder's,
 and runs each kernel of its share once, so that the kernel lands in its library's disk cache."""
 
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .engine.planner import Bucket, padded_batch
+from ..engine.planner import Bucket, padded_batch
 from .precompile import _persists, _synchronize, kernel_jobs
 
 

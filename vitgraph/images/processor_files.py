@@ -13,9 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .loading import CheckpointFiles
-from .models import family_of
-from .models.config_parsing import read_json
+from ..checkpoints.loading import CheckpointFiles
+from ..models import family_of
+from ..models.config_parsing import read_json
 from .preprocess import ProcessorConfig
 
 

@@ -49,7 +49,7 @@ def patchify_into(frames: torch.Tensor, proc: ProcessorConfig, out: torch.Tensor
 def upload(pixels, device: torch.device) -> torch.Tensor:
     """An ``HxWx3`` uint8 array or a ``3xHxW`` uint8 tensor -> ``[1, 3, H, W]`` uint8 on ``device``;
     an ``HxWx4`` RGBA or ``HxWx2`` LA array is uploaded as it is and composited onto white there
-    (:func:`vitgraph.alpha.composite_on_white`: the host's bits)."""
+    (:func:`vitgraph.images.alpha.composite_on_white`: the host's bits)."""
     if isinstance(pixels, np.ndarray):
         with warnings.catch_warnings():  # a PIL image's array is read-only; nothing writes to it
             warnings.simplefilter("ignore", UserWarning)

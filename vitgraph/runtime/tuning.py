@@ -11,11 +11,11 @@ from typing import Any, Mapping
 
 import torch
 
-from .engine.routing import RoutingTuning
-from .ops.attention import AttentionTuning, attention_tuning
-from .ops.gemm import GemmTuning, Tile, gemm_tuning
-from .ops.kernels import NormTuning, norm_tuning
-from .ops.tuning import KernelTuning
+from ..engine.routing import RoutingTuning
+from ..ops.attention import AttentionTuning, attention_tuning
+from ..ops.gemm import GemmTuning, Tile, gemm_tuning
+from ..ops.kernels import NormTuning, norm_tuning
+from ..ops.tuning import KernelTuning
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def device_arch(device: torch.device) -> tuple[int | None, int | None]:
     """A CUDA device's compute capability major and SM count; (None, None) elsewhere."""
     if device.type != "cuda":
         return None, None
-    from .ops.attention import arch_and_sm_count
+    from ..ops.attention import arch_and_sm_count
 
     return arch_and_sm_count(device)
 

@@ -34,12 +34,12 @@ from typing import Sequence
 
 import torch
 
-from .ops import kernels
-from .ops.attention import FA4_CACHE_SWITCH, _has_fa4
-from .ops.backend_names import ATTENTION
-from .engine.contract import Precompiled, VisionTower
-from .engine.planner import Bucket, padded_batch
-from .ops.gemm import quack_available
+from ..ops import kernels
+from ..ops.attention import FA4_CACHE_SWITCH, _has_fa4
+from ..ops.backend_names import ATTENTION
+from ..engine.contract import Precompiled, VisionTower
+from ..engine.planner import Bucket, padded_batch
+from ..ops.gemm import quack_available
 
 logger = logging.getLogger(__name__)
 
@@ -359,9 +359,9 @@ def _log(report: PrecompileReport) -> None:
                 report.seconds)
 
 
-# Not ``-m vitgraph.precompile``: importing the package imports this module first, and runpy
+# Not ``-m vitgraph.runtime.precompile``: importing the package imports this module first, and runpy
 # would then run a second copy of it.
-_WORKER_COMMAND = "import sys; from vitgraph.precompile_worker import worker_main; worker_main(sys.argv[1])"
+_WORKER_COMMAND = "import sys; from vitgraph.runtime.precompile_worker import worker_main; worker_main(sys.argv[1])"
 
 
 def _triton_compiles(device: torch.device) -> bool:

@@ -9,12 +9,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .engine.planner import Bucket, budget_ladder, make_buckets
-from .engine.contract import VisionTower
-from .ops import kernels
-from .ops.attention import fa4_short_cap, resolve_backend
-from .ops.backend_names import attention_backend
-from .ops.gemm import GEMM_BACKENDS, resolve_gemm
+from ..engine.planner import Bucket, budget_ladder, make_buckets
+from ..engine.contract import VisionTower
+from ..ops import kernels
+from ..ops.attention import fa4_short_cap, resolve_backend
+from ..ops.backend_names import attention_backend
+from ..ops.gemm import GEMM_BACKENDS, resolve_gemm
 from .tuning import Tuning, check_overrides
 from .validation import check_int
 
@@ -49,7 +49,7 @@ class EngineOptions:
     # Python's lock while it launches preprocessing, and more of them starve the scheduler.
     front_threads: int | None = None
     # The second tier: changes to the tuning derived from the device and the tower, by dotted
-    # name ({"buckets.dense": False, "gemm.split_k_max_rows": 0}; see vitgraph.tuning).
+    # name ({"buckets.dense": False, "gemm.split_k_max_rows": 0}; see vitgraph.runtime.tuning).
     tuning: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:

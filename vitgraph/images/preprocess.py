@@ -18,7 +18,7 @@ from PIL import Image
 
 from .decode import MAX_IMAGE_PIXELS, to_rgb_pil
 from .pixel_forms import clip_frames as frames_of, described, list_advice
-from .ops.normalize import column_statistics, normalize_rows
+from ..ops.normalize import column_statistics, normalize_rows
 from .pixel_defaults import MAX_PIXELS, MIN_PIXELS
 
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's
@@ -301,7 +301,7 @@ def _rows(rows: np.ndarray, proc: ProcessorConfig, normalize: bool) -> torch.Ten
 
 def check_list(items, name: str, what: str) -> None:
     """``items`` must be a list or tuple: a lone image (or array) is refused, not iterated, with
-    the list to pass (:func:`vitgraph.pixel_forms.list_advice`)."""
+    the list to pass (:func:`vitgraph.images.pixel_forms.list_advice`)."""
     if not isinstance(items, (list, tuple)):
         advice = list_advice(items, name)
         raise TypeError(f"{name} must be a list of {what}, got {described(items)}" + (f": {advice}" if advice else ""))

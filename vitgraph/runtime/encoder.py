@@ -14,18 +14,18 @@ from typing import Any, Mapping
 import torch
 
 from .coalesce import CoalescingFront, EncoderClosed
-from .decode import MAX_IMAGE_PIXELS, MAX_ITEMS_PER_REQUEST
-from .models import FAMILIES, PRESETS, family_for, family_of, one_block_recipe
-from .engine.contract import Precompiled, VisionTower
-from .engine.graphs import GraphBank
-from .engine.planner import Bucket, Plan, Step, padded_batch, plan_call
-from .engine.routing import faster_next_buckets, single_frame_thresholds
-from .loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
+from ..images.decode import MAX_IMAGE_PIXELS, MAX_ITEMS_PER_REQUEST
+from ..models import FAMILIES, PRESETS, family_for, family_of, one_block_recipe
+from ..engine.contract import Precompiled, VisionTower
+from ..engine.graphs import GraphBank
+from ..engine.planner import Bucket, Plan, Step, padded_batch, plan_call
+from ..engine.routing import faster_next_buckets, single_frame_thresholds
+from ..checkpoints.loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
 from .options import (EngineOptions, buckets_for, configure_tower, engine_options, resolve_device, resolve_dtype,
                       uses_graphs)
 from .encoder_stats import BucketStats, Counters, encoder_stats
 from .plans import PlanCache, PreparedPlan
-from .processor_files import read_processor, read_video_processor
+from ..images.processor_files import read_processor, read_video_processor
 from .precompile import PrecompileReport, TowerSetup, precompile, start_early
 from .tuning import Tuning, check_reads, derive_tuning
 from .encoder_images import ImageInput
@@ -47,7 +47,7 @@ class GraphedVisionEncoder(ImageInput):
     copies each step into static buffers, replays, and returns ``[N / 4, output_width]`` in
     item order (a frame larger than every bucket: eager; empty input: ``[0, width]``).
     ``submit`` (``submit_images``, ``encode_async``, ``encode_images_async``) returns at once
-    and merges concurrent callers' requests into shared replays (:mod:`vitgraph.coalesce`)
+    and merges concurrent callers' requests into shared replays (:mod:`vitgraph.runtime.coalesce`)
     until ``close()``.
 
     Threads and streams: ``encode`` may be called from several threads. Replays are serialised
@@ -58,7 +58,7 @@ class GraphedVisionEncoder(ImageInput):
     The encoder takes ownership of ``tower``: it moves it, sets its attention backend and
     fusion, and captures graphs that read its weights in place. Any tower that keeps the
     contract (:class:`vitgraph.engine.contract.VisionTower`) runs, in graph mode too.
-    ``processor`` / ``video_processor`` (:class:`vitgraph.preprocess.ProcessorConfig`): how
+    ``processor`` / ``video_processor`` (:class:`vitgraph.images.preprocess.ProcessorConfig`): how
     ``encode_images`` makes rows; default: the tower's (its family's, or the checkpoint's files).
     """
 
@@ -71,7 +71,7 @@ class GraphedVisionEncoder(ImageInput):
             if self.options.mode == "graph" and self.device.type != "cuda":
                 raise ValueError(f"mode='graph' needs a CUDA device, got {self.device}")
             self.use_graphs = uses_graphs(self.options, self.device)
-            # Every threshold, tile and switch this encoder runs by (see vitgraph.tuning).
+            # Every threshold, tile and switch this encoder runs by (see vitgraph.runtime.tuning).
             self.tuning: Tuning = derive_tuning(tower.shape, self.device, self.options.tuning,
                                                 tower=tower)
             # With no compiled kernel on disk, kernel-compiling workers start now (or started
@@ -95,7 +95,7 @@ class GraphedVisionEncoder(ImageInput):
         self._early_workers = _early_workers
         self.shape = tower.shape  # the widths: patch_width (values per pixel row), spatial_merge_size, ...
         # How encode_images turns images into rows: the checkpoint's processor files
-        # (from_pretrained; vitgraph.processor_files), else the tower's defaults; none: float rows only.
+        # (from_pretrained; vitgraph.images.processor_files), else the tower's defaults; none: float rows only.
         self.processor = processor or tower.processor
         # And videos: the checkpoint's video processor, else the tower's, else the image processor.
         self.video_processor = video_processor or tower.video_processor or self.processor
@@ -330,7 +330,7 @@ class GraphedVisionEncoder(ImageInput):
             stats.real_tokens += step.tokens
             stats.padded_tokens += step.padded_tokens
 
-    # -- the coalescing front (vitgraph.coalesce) ------------------------------------------
+    # -- the coalescing front (vitgraph.runtime.coalesce) ------------------------------------------
 
     def submit(self, pixels: torch.Tensor, grid_thw, *, check_finite: bool = False) -> Future:
         """:meth:`encode` as a ``concurrent.futures.Future``: concurrent requests share replays.
@@ -391,5 +391,5 @@ class GraphedVisionEncoder(ImageInput):
     def stats(self) -> dict[str, Any]:
         """Replays and padding per bucket, eager fallbacks by reason, capture seconds (the kernel
         precompile included, whose report is under ``"precompile"``), pool bytes (library
-        workspaces included, also given alone), the plan cache and the front (:mod:`vitgraph.encoder_stats`)."""
+        workspaces included, also given alone), the plan cache and the front (:mod:`vitgraph.runtime.encoder_stats`)."""
         return encoder_stats(self)

@@ -1,5 +1,5 @@
-"""The image side of :class:`vitgraph.encoder.GraphedVisionEncoder`: images, clips and uint8
-rows to the normalised rows ``encode`` runs on (:mod:`vitgraph.images`)."""
+"""The image side of :class:`vitgraph.runtime.encoder.GraphedVisionEncoder`: images, clips and uint8
+rows to the normalised rows ``encode`` runs on (:mod:`vitgraph.images.pipeline`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Sequence
 
 import torch
 
-from .decode import MAX_IMAGE_PIXELS, MAX_ITEMS_PER_REQUEST
-from .ops.normalize import normalize_rows
-from .preprocess import check_same_rows, statistics
+from ..images.decode import MAX_IMAGE_PIXELS, MAX_ITEMS_PER_REQUEST
+from ..ops.normalize import normalize_rows
+from ..images.preprocess import check_same_rows, statistics
 from .validation import check_pixels
 
 
@@ -34,7 +34,7 @@ class ImageInput:
 
     def _no_processor(self, what: str) -> ValueError:
         return ValueError(f"{what} need an image processor, and this encoder's tower ({self.tower.name}) has "
-                          "none: pass processor= (a vitgraph.preprocess.ProcessorConfig) to the encoder")
+                          "none: pass processor= (a vitgraph.images.preprocess.ProcessorConfig) to the encoder")
 
     def device_rows(self, pixels: torch.Tensor) -> torch.Tensor:
         """Rows on the encoder's device in its dtype; uint8 rows normalised there with
@@ -56,9 +56,9 @@ class ImageInput:
                    decode: str = "host", max_image_pixels: int = MAX_IMAGE_PIXELS,
                    max_items_per_request: int = MAX_ITEMS_PER_REQUEST) -> tuple[torch.Tensor, torch.Tensor]:
         """What :meth:`encode_images` encodes: ``(uint8 rows, grid_thw)`` of the images, then the
-        clips, as :attr:`processor` and :attr:`video_processor` make them (:func:`vitgraph.images.image_rows`).
+        clips, as :attr:`processor` and :attr:`video_processor` make them (:func:`vitgraph.images.pipeline.image_rows`).
         ``encode`` normalises uint8 rows with the image processor's mean and std."""
-        from .images import image_rows
+        from ..images.pipeline import image_rows
 
         if self.processor is None:
             raise self._no_processor("images and videos")
@@ -77,7 +77,7 @@ class ImageInput:
         An image is a PIL image, an ``HxWx3`` / ``HxWx4`` uint8 array, a ``3xHxW`` / ``4xHxW`` uint8
         tensor (any device; 4 channels: RGBA, composited onto white), encoded bytes (JPEG, PNG, ...)
         or a file path; a clip is a list of them, or one ``[T, H, W, C]`` or ``[T, C, H, W]`` uint8
-        array or tensor as decoders give (:mod:`vitgraph.pixel_forms`). Both are lists: a lone
+        array or tensor as decoders give (:mod:`vitgraph.images.pixel_forms`). Both are lists: a lone
         image or clip, which transformers would take, is refused with the list to pass. ``preprocess``:
         ``"device"`` (torch on the encoder's device, as transformers' torchvision processors),
         ``"pil"`` (PIL on the host, as ``Qwen2VLImageProcessorPil``), ``"auto"``: device on

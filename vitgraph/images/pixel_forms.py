@@ -2,7 +2,7 @@
 each refused one a message that names it and the fix that fits it.
 
 An image: an ``HxWx3`` (RGB) or ``HxWx4`` (RGBA) uint8 array, or a ``3xHxW`` / ``4xHxW`` uint8
-tensor; RGBA is composited onto white as an RGBA PIL image is (:func:`vitgraph.decode.opaque`).
+tensor; RGBA is composited onto white as an RGBA PIL image is (:func:`vitgraph.images.decode.opaque`).
 
 A clip: a list of frames, or one 4-D uint8 array or tensor, as decoders hand them out: channels
 last ``[T, H, W, C]`` (decord, PyAV, ``torchvision.io.read_video``) or first ``[T, C, H, W]``

@@ -2,7 +2,7 @@
 
 Only ``config.json``, the shard index and the shards that hold vision keys are
 read or downloaded. Weights are safetensors only (no pickle) and go straight to
-the target device and dtype, one tensor at a time; FP8 linears (:mod:`vitgraph.fp8`)
+the target device and dtype, one tensor at a time; FP8 linears (:mod:`vitgraph.checkpoints.fp8`)
 with their scales, dequantized on load.
 """
 
@@ -20,8 +20,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .fp8 import Fp8Reader
-from .models import FAMILIES, PRESETS, family_for, family_of
-from .models.config_parsing import read_json
+from ..models import FAMILIES, PRESETS, family_for, family_of
+from ..models.config_parsing import read_json
 
 logger = logging.getLogger(__name__)
 
