@@ -129,7 +129,7 @@ def test_bench_help_and_argument_errors_import_no_torch(args, exit_code, words):
 def test_the_bench_parsers_describe_their_modules():
     """``--help``'s description (vitgraph.bench.args, read without torch) is the first paragraph
     of the benchmark module's docstring, and the library uses the torch-free names."""
-    from vitgraph import preprocess
+    from vitgraph.images import preprocess
     from vitgraph.bench import args, coalesce, images, latency, serving
     from vitgraph.ops import attention, backend_names, gemm
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from PIL import Image, ImageFile
 
-from vitgraph import GraphedVisionEncoder, decode
+from vitgraph import GraphedVisionEncoder
+from vitgraph.images import decode
 from vitgraph.images.pipeline import image_rows
 from vitgraph.images.preprocess import QWEN2_VL_PROCESSOR, preprocess_video
 
