@@ -331,6 +331,16 @@ def test_a_bad_quantization_config_is_refused_by_name(tmp_path, config, field):
         load(write(tmp_path / "c", "qwen2_vl", tensors, config))
 
 
+@pytest.mark.parametrize("config", [
+    {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["visual"]},  # AutoFP8, per tensor
+    {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
+    {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "exclude_modules": "visual"}}])
+def test_a_float_tower_under_an_fp8_form_vitgraph_does_not_read_loads(tmp_path, config):
+    ref = load(write(tmp_path / "f", "qwen2_vl", float_state("qwen2_vl"), None))
+    tower = load(write(tmp_path / "q", "qwen2_vl", float_state("qwen2_vl"), config))
+    assert all(torch.equal(a, b) for a, b in zip(ref.tower.state_dict().values(), tower.tower.state_dict().values()))
+
+
 def test_from_state_dict_refuses_fp8_tensors():
     tensors, _ = quantize(float_state("qwen2_vl"), (128, 128))
     state = {k: v for k, v in tensors.items() if "scale" not in k}  # else the scales are unexpected keys

@@ -201,10 +201,18 @@ def test_the_cli_bounds_the_cache_it_writes(tmp_path, capsys):
         path.write_bytes(png((32 + 8 * i, 40), "navy"))
     cache = tmp_path / "cache"
     (cache / "foreign").mkdir(parents=True)  # not vitgraph's: never evicted
-    assert main(["encode", *map(str, paths), "--encoder-cache", str(cache), "--cache-max-items", "2",
+    assert main(["encode", *map(str, paths), "--encoder-cache", str(cache), "--cache-max-items", "3",
                  "--preset", "tiny", "--device", "cpu"]) == 0
     ids = capsys.readouterr().out.split()
-    assert len(ids) == 3 and sorted(os.listdir(cache)) == sorted(ids[1:] + ["foreign"])  # the oldest went
+    assert len(ids) == 3 and sorted(os.listdir(cache)) == sorted(ids + ["foreign"])  # one call's own: all kept
+    assert main(["encode", str(paths[0]), "--encoder-cache", str(cache), "--cache-max-items", "3",
+                 "--id", "newest", "--preset", "tiny", "--device", "cpu"]) == 0
+    assert sorted(os.listdir(cache)) == sorted(ids[1:] + ["newest", "foreign"])  # then the oldest went
+    capsys.readouterr()
+    assert main(["encode", *map(str, paths), "--encoder-cache", str(cache), "--cache-max-items", "2",
+                 "--preset", "tiny", "--device", "cpu"]) == 2  # 3 items cannot all stay: refused, nothing written
+    assert "more than the encoder cache's max_items 2" in capsys.readouterr().err
+    assert sorted(os.listdir(cache)) == sorted(ids[1:] + ["newest", "foreign"])
     for argv, words in [(["--encoder-cache", str(cache), "--cache-max-items", "0"], "--cache-max-items must be"),
                         (["--encoder-cache", str(cache), "--cache-max-bytes", "-5"], "--cache-max-bytes must be"),
                         (["--out", str(tmp_path / "o.st"), "--cache-max-items", "3"], "give --encoder-cache")]:

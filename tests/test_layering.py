@@ -209,6 +209,25 @@ def test_the_encoder_runs_a_tower_that_is_not_qwen():
     enc.close()
 
 
+def test_the_public_processors_are_checked_against_the_tower():
+    from vitgraph import GraphedVisionEncoder
+    from vitgraph.images.preprocess import QWEN2_VL_PROCESSOR, QWEN3_VL_PROCESSOR
+    from vitgraph.checkpoints.loading import build_tower
+    from vitgraph.models import PRESETS
+
+    tower = build_tower(PRESETS["tiny"], torch.device("cpu"), torch.float32)  # Qwen2-VL: 1176-value rows
+    with pytest.raises(ValueError, match=r"processor makes rows of 1536 values.*takes 1176"):
+        GraphedVisionEncoder(tower, device="cpu", processor=QWEN3_VL_PROCESSOR)
+    with pytest.raises(TypeError, match="processor must be a vitgraph.images.preprocess.ProcessorConfig"):
+        GraphedVisionEncoder(tower, device="cpu", processor={"patch_size": 14})
+    with pytest.raises(ValueError, match="video_processor needs processor too"):
+        GraphedVisionEncoder(MeanPoolTower(), device="cpu", video_processor=QWEN2_VL_PROCESSOR)
+    enc = GraphedVisionEncoder(tower, device="cpu", processor=QWEN2_VL_PROCESSOR)
+    assert enc.processor is QWEN2_VL_PROCESSOR and enc.shape.patch_width == 1176
+    with pytest.raises(AttributeError, match="encoder.shape holds the widths"):
+        enc.config  # the runtime reads the contract only; the message says where to look
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_encoder_replays_a_tower_that_is_not_qwen_from_graphs():

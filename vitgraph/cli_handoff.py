@@ -20,11 +20,10 @@ def add_cache_bounds(parser) -> None:
 
 
 def check_cache_bounds(args) -> None:
-    from .runtime.validation import check_int
-
     bounds = {"--cache-max-items": args.cache_max_items, "--cache-max-bytes": args.cache_max_bytes}
     for name, value in bounds.items():
-        check_int(name, value, optional=True)
+        if value is not None and value < 1:  # argparse made it an int
+            raise ValueError(f"{name} must be a positive int, got {value}")
         if value is not None and args.encoder_cache is None:
             raise ValueError(f"{name} bounds --encoder-cache; give --encoder-cache DIR")
 

@@ -209,7 +209,8 @@ def clean(directory) -> int:
 class EncoderCache:
     """A cache directory with a bound: after each :meth:`write`, vitgraph's own entries are
     evicted oldest first (by file time) until at most ``max_items`` entries and ``max_bytes``
-    bytes remain; the entry just written is never evicted. Foreign files and folders are never
+    bytes remain; the entries one :meth:`write_all` call writes are never evicted by it (a call
+    of more than ``max_items`` items is refused before anything is written). Foreign files and folders are never
     touched. Writers in one process are serialised by a lock; separate processes writing
     one directory should each keep their own bound in mind (eviction there is best effort)."""
 
@@ -223,17 +224,28 @@ class EncoderCache:
         self._lock = threading.Lock()
 
     def write(self, item_id: str, embeddings: torch.Tensor) -> Path:
-        with self._lock:
-            path = write_encoder_cache(self.directory, item_id, embeddings)
-            if self.max_bytes is not None or self.max_items is not None:
-                self._evict(keep=item_id)
-            return path
+        return self.write_all([(item_id, embeddings)])[0]
 
-    def _evict(self, keep: str) -> None:
-        entries = [e for e in _entries(self.directory) if e[1] != keep]
-        kept = _entries_size(self.directory, keep)
+    def check_count(self, count: int) -> None:
+        """Refuse a call of more items than the bound holds: evicting its own would lose ids it answers."""
+        if self.max_items is not None and count > self.max_items:
+            raise ValueError(f"{count} items in one call, more than the encoder cache's max_items {self.max_items}")
+
+    def write_all(self, items) -> list[Path]:
+        """Write ``(item_id, embeddings)`` pairs, then evict older entries, none of these."""
+        items = list(items)
+        self.check_count(len(items))
+        with self._lock:
+            paths = [write_encoder_cache(self.directory, item, tensor) for item, tensor in items]
+            if self.max_bytes is not None or self.max_items is not None:
+                self._evict(keep={item for item, _ in items})
+            return paths
+
+    def _evict(self, keep: set[str]) -> None:
+        entries = [e for e in _entries(self.directory) if e[1] not in keep]
+        kept = sum(_entries_size(self.directory, item) for item in keep)
         total = sum(size for _, _, size in entries) + kept
-        count = len(entries) + 1
+        count = len(entries) + len(keep)
         for _, item, size in entries:  # oldest first
             if (self.max_items is None or count <= self.max_items) and (self.max_bytes is None or total <= self.max_bytes):
                 break
@@ -263,7 +275,7 @@ def _image_bytes(image) -> bytes:
 def encode_to_cache(encoder, images, directory, ids=None, *, model: str | None = None,
                     cache: EncoderCache | None = None, **encode_images_kwargs) -> list[str]:
     """Encode ``images`` (encoded bytes or file paths) with ``encoder.encode_images`` and write
-    each item with :func:`write_encoder_cache` (or ``cache.write``, bounded); returns the ids in
+    each item with :func:`write_encoder_cache` (or ``cache.write_all``, bounded); returns the ids in
     order. ``ids``: one per image, else :func:`item_id` of each image's bytes with ``model`` (the
     name the checkpoint is served under, required then) and the encoder's processor, with the
     ``min_pixels`` / ``max_pixels`` given here folded in. Every id is checked before encoding."""
@@ -284,9 +296,14 @@ def encode_to_cache(encoder, images, directory, ids=None, *, model: str | None =
             raise ValueError("ids: two images share an id; each item needs its own")
     if cache is not None and Path(directory) != cache.directory:
         raise ValueError(f"cache writes to {cache.directory}, not {directory}")
+    if cache is not None:
+        cache.check_count(len(ids))  # before encoding
     embeddings = encoder.encode_images(images=images, **encode_images_kwargs)
-    for item, tensor in zip(ids, embeddings):
-        cache.write(item, tensor) if cache is not None else write_encoder_cache(directory, item, tensor)
+    if cache is not None:
+        cache.write_all(zip(ids, embeddings))
+    else:
+        for item, tensor in zip(ids, embeddings):
+            write_encoder_cache(directory, item, tensor)
     return ids
 
 

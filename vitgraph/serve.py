@@ -212,8 +212,10 @@ class VisionEncoderDeployment:
         from .serve_store import store_ids
 
         try:
-            return store_ids(kind, payload, http_request.query_params.getlist("id"), self.model_identity,
-                             self.encoder.processor, self.pixel_limits, self.max_items)
+            ids = store_ids(kind, payload, http_request.query_params.getlist("id"), self.model_identity,
+                            self.encoder.processor, self.pixel_limits, self.max_items)
+            self.cache.check_count(len(ids))  # before anything is encoded
+            return ids
         except (TypeError, ValueError) as err:
             raise BadRequest(str(err)) from None
 

@@ -48,6 +48,5 @@ def store_ids(kind: str, payload, given: list[str], model: str, processor, limit
 
 def store(cache, ids: list[str], items: list, grids) -> bytes:
     """Write each item; the JSON answer ``{"ids": [...], "grid_thw": [...]}``."""
-    for item, tensor in zip(ids, items):
-        cache.write(item, tensor)
+    cache.write_all(zip(ids, items))
     return json.dumps({"ids": ids, "grid_thw": [list(g) for g in grids]}).encode()

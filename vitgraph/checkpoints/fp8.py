@@ -86,9 +86,9 @@ class QuantFormat:
 
 def read_quantization(config: Path) -> QuantFormat | None:
     """``config.json``'s ``quantization_config``, checked (None where it has none). A ValueError
-    names the file and the field for a malformed one, and for any ``fp8`` or ``modelopt`` field
-    vitgraph does not read; another method is recorded, refused only where a vision tensor is
-    quantized."""
+    names the file and the field for a malformed one; an ``fp8`` or ``modelopt`` form vitgraph does
+    not read, or another method, is recorded with the reason, refused (by file and field) only
+    where a vision tensor is quantized: a float tower under it loads as any."""
     raw = read_json(config)
     q = raw.get("quantization_config") if isinstance(raw, dict) else None
     if q is None:
@@ -99,10 +99,13 @@ def read_quantization(config: Path) -> QuantFormat | None:
     method = q.get("quant_method")
     if not isinstance(method, str) or not method:
         raise ValueError(f"{where}.quant_method must be a string naming the method, got {method!r}")
-    if method.lower() == "fp8":
-        return _block_fp8(q, method, config, where)
-    if method.lower() == "modelopt":
-        return _modelopt(q, method, config, where)
+    try:
+        if method.lower() == "fp8":
+            return _block_fp8(q, method, config, where)
+        if method.lower() == "modelopt":
+            return _modelopt(q, method, config, where)
+    except ValueError as err:  # an FP8 form vitgraph does not read: refused only where the tower holds FP8
+        return QuantFormat(method, config, unsupported=str(err))
     return QuantFormat(method, config, unsupported=f"{where}.quant_method is {method!r}; {_READS} only")
 
 
@@ -145,7 +148,8 @@ def _module_list(q: dict, keys: tuple[str, ...], where: str) -> tuple[tuple[str,
             value = q[key] if q[key] is not None else []
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"{where}.{key} must be a list of module names, got {q[key]!r}")
-            return tuple(value), key
+            return tuple(value), where.split(": ", 1)[-1].removeprefix("quantization_config.") + "." + key \
+                if where.endswith(".quantization") else key
     return (), keys[0]
 
 

@@ -30,7 +30,7 @@ PREPROCESS = ("auto", "device", "pil")
 DECODE = ("host", "gpu")
 
 _IMAGE_FORMS = "images (PIL images, HxWx3 or HxWx4 uint8 arrays, 3xHxW or 4xHxW uint8 tensors, encoded bytes or paths)"
-_CLIP_FORMS = "clips (each a list of frames or one [T, H, W, C] uint8 array or tensor)"
+_CLIP_FORMS = "clips (each a list of frames or one [T, H, W, C] or [T, C, H, W] uint8 array or tensor)"
 
 
 def check_choices(preprocess: str, decode: str) -> None:

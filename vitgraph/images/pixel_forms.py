@@ -48,7 +48,8 @@ def dtype_advice(item) -> str:
         return ("for values in [0, 1]: (x * 255).round().clamp(0, 255).to(torch.uint8)" if tensor
                 else "for values in [0, 1]: (x * 255).round().clip(0, 255).astype(np.uint8)")
     if dtype == "uint16":
-        return "for 16-bit pixels: (x >> 8).to(torch.uint8)" if tensor else "for 16-bit pixels: (x >> 8).astype(np.uint8)"
+        return ("for 16-bit pixels: (x.to(torch.int32) >> 8).to(torch.uint8)" if tensor
+                else "for 16-bit pixels: (x >> 8).astype(np.uint8)")
     if dtype == "bool":
         return "a mask: x.to(torch.uint8) * 255" if tensor else "a mask: x.astype(np.uint8) * 255"
     return "cast pixels of 0-255 to uint8"

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..ops import cudnn_attention, kernels
 from ..ops.activations import ACTIVATIONS
+from .tower_base import one_block_recipe
 from ..ops.backend_names import attention_backend
 from ..ops.attention import (LANE_PAD, SegmentedBatch, attend, dense_masked, fa4_kernel,
                              finite_values_)
@@ -38,6 +39,10 @@ JIT_OPS = ("qkv", "qkv_rope", "attention", "fc1")  # ops whose kernels compile o
 
 class FusedForward:
     """The fused forward and what compiles or runs its kernels ahead of a capture."""
+
+    def one_block_recipe(self) -> dict:
+        """How a precompile worker builds a one-block tower of this one's widths."""
+        return one_block_recipe(self.config)
 
     def rope_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``(freq_h, freq_w) [3 * embed_dim]``: for each output column of qkv (interleaved,

@@ -18,9 +18,9 @@ def tower_dims(config) -> TowerDims:
 
 def one_block_recipe(config) -> dict:
     """How a kernel-compiling worker builds a one-block tower of ``config``'s family and widths
-    (:meth:`vitgraph.engine.contract.Precompiled.one_block_recipe`; :func:`vitgraph.models.
-    one_block_tower`). Only Qwen2-VL precompiles: a family with block-index fields (Qwen2.5-VL's
-    full-attention blocks) must map them first."""
+    (:meth:`vitgraph.engine.contract.Precompiled.one_block_recipe`, built by
+    :func:`vitgraph.models.one_block_tower`). Only Qwen2-VL precompiles: a family with block-index
+    fields (Qwen2.5-VL's full-attention blocks) must map them first."""
     return {"builder": "vitgraph.models:one_block_tower",
             "kwargs": {"family": config.FAMILY, "config": asdict(replace(config, depth=1))}}
 
@@ -58,8 +58,6 @@ class TowerBase(RotaryFrequencies):
     def video_processor(self):
         return self.config.VIDEO_PROCESSOR
 
-    def one_block_recipe(self) -> dict:
-        return one_block_recipe(self.config)
 
     def configure(self, attention: str, fused: bool, tuning) -> None:
         """The attention backend, whether the fused forward runs, and the kernels' tuning

@@ -88,18 +88,18 @@ class GraphedVisionEncoder(ImageInput):
                                                           self.dtype)
             self.gemm = self.tuning.gemm.backend
             self.requested_buckets = buckets_for(self.tower, self.options, self.attention, self.device, self.tuning)
+            self.shape = tower.shape  # the widths: patch_width (values per pixel row), spatial_merge_size, ...
+            # How encode_images turns images into rows: the checkpoint's processor files
+            # (from_pretrained; vitgraph.images.processor_files), else the tower's; none: float rows only.
+            self.processor = processor or tower.processor
+            # And videos: the checkpoint's video processor, else the tower's, else the image processor.
+            self.video_processor = video_processor or tower.video_processor or self.processor
+            self._set_statistics()  # each checked against the tower's rows
         except BaseException:
             if _early_workers is not None:
                 _early_workers.stop()
             raise
         self._early_workers = _early_workers
-        self.shape = tower.shape  # the widths: patch_width (values per pixel row), spatial_merge_size, ...
-        # How encode_images turns images into rows: the checkpoint's processor files
-        # (from_pretrained; vitgraph.images.processor_files), else the tower's defaults; none: float rows only.
-        self.processor = processor or tower.processor
-        # And videos: the checkpoint's video processor, else the tower's, else the image processor.
-        self.video_processor = video_processor or tower.video_processor or self.processor
-        self._set_statistics()
         self._host_pool: ThreadPoolExecutor | None = None  # decodes and preprocesses images
         self.bank: GraphBank | None = None
         self._lock = threading.Lock()
@@ -376,6 +376,11 @@ class GraphedVisionEncoder(ImageInput):
         pool, self._host_pool = self._host_pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+
+    @property
+    def config(self):  # the runtime reads only the tower's contract; say where the config went
+        raise AttributeError("GraphedVisionEncoder has no config: encoder.shape holds the widths "
+                             "(patch_width, spatial_merge_size, ...), encoder.tower.config the family's own")
 
     def __repr__(self) -> str:
         return (f"GraphedVisionEncoder({self.tower.name}, {self.device}, "

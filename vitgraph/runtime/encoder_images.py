@@ -11,7 +11,7 @@ import torch
 
 from ..images.decode import MAX_IMAGE_PIXELS, MAX_ITEMS_PER_REQUEST
 from ..ops.normalize import normalize_rows
-from ..images.preprocess import check_same_rows, statistics
+from ..images.preprocess import ProcessorConfig, check_same_rows, statistics
 from .validation import check_pixels
 
 
@@ -25,7 +25,16 @@ class ImageInput:
         with the video processor's where they differ. None: no processor, float rows only."""
         self._pixel_statistics = self._video_statistics = None
         if self.processor is None:
+            if self.video_processor is not None:
+                raise ValueError("video_processor needs processor too: clips are normalised and checked by both")
             return
+        for name, proc in (("processor", self.processor), ("video_processor", self.video_processor)):
+            if not isinstance(proc, ProcessorConfig):
+                raise TypeError(f"{name} must be a vitgraph.images.preprocess.ProcessorConfig, got {type(proc).__name__}")
+            if (proc.row_width, proc.merge_size) != (self.tower.input_width, self.shape.spatial_merge_size):
+                raise ValueError(f"{name} makes rows of {proc.row_width} values merged {proc.merge_size}x"
+                                 f"{proc.merge_size}; the tower ({self.tower.name}) takes {self.tower.input_width}, "
+                                 f"merged {self.shape.spatial_merge_size}x{self.shape.spatial_merge_size}")
         check_same_rows(self.processor, self.video_processor)
         self._pixel_statistics = statistics(self.processor, self.device)
         video, image = self.video_processor, self.processor
