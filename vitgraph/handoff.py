@@ -210,8 +210,8 @@ class EncoderCache:
     """A cache directory with a bound: after each :meth:`write`, vitgraph's own entries are
     evicted oldest first (by file time) until at most ``max_items`` entries and ``max_bytes``
     bytes remain; the entries one :meth:`write_all` call writes are never evicted by it (a call
-    of more than ``max_items`` items is refused before anything is written). Foreign files and folders are never
-    touched. Writers in one process are serialised by a lock; separate processes writing
+    of more than ``max_items`` items is refused before anything is written). Foreign files and
+    folders are never touched. Writers in one process are serialised by a lock; separate processes writing
     one directory should each keep their own bound in mind (eviction there is best effort)."""
 
     def __init__(self, directory, max_bytes: int | None = None, max_items: int | None = None) -> None:
@@ -242,10 +242,10 @@ class EncoderCache:
             return paths
 
     def _evict(self, keep: set[str]) -> None:
-        entries = [e for e in _entries(self.directory) if e[1] not in keep]
-        kept = sum(_entries_size(self.directory, item) for item in keep)
-        total = sum(size for _, _, size in entries) + kept
-        count = len(entries) + len(keep)
+        every = _entries(self.directory)  # one listing: the kept entries' sizes count too
+        entries = [e for e in every if e[1] not in keep]
+        total = sum(size for _, _, size in every)
+        count = len(every)
         for _, item, size in entries:  # oldest first
             if (self.max_items is None or count <= self.max_items) and (self.max_bytes is None or total <= self.max_bytes):
                 break
@@ -255,11 +255,6 @@ class EncoderCache:
     def clean(self) -> int:
         with self._lock:
             return clean(self.directory)
-
-
-def _entries_size(directory: Path, item: str) -> int:
-    path = directory / item / CACHE_FILE
-    return path.stat().st_size if path.is_file() else 0
 
 
 def _image_bytes(image) -> bytes:
@@ -296,14 +291,9 @@ def encode_to_cache(encoder, images, directory, ids=None, *, model: str | None =
             raise ValueError("ids: two images share an id; each item needs its own")
     if cache is not None and Path(directory) != cache.directory:
         raise ValueError(f"cache writes to {cache.directory}, not {directory}")
-    if cache is not None:
-        cache.check_count(len(ids))  # before encoding
-    embeddings = encoder.encode_images(images=images, **encode_images_kwargs)
-    if cache is not None:
-        cache.write_all(zip(ids, embeddings))
-    else:
-        for item, tensor in zip(ids, embeddings):
-            write_encoder_cache(directory, item, tensor)
+    cache = cache or EncoderCache(directory)  # unbounded: write_encoder_cache per item
+    cache.check_count(len(ids))  # before encoding
+    cache.write_all(zip(ids, encoder.encode_images(images=images, **encode_images_kwargs)))
     return ids
 
 
