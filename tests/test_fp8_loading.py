@@ -166,6 +166,9 @@ def test_modelopt_config_nested_as_hf_quant_config_writes_it(tmp_path):
     config = {"quant_method": "modelopt", "quantization": {"quant_algo": "fp8", "exclude_modules": ["visual.merger*"]}}
     assert_same_encoder(load(write(tmp_path / "fp8", "qwen2_vl", tensors, config)), reference, tmp_path / "f",
                         "qwen2_vl")
+    everything, _ = quantize(float_state("qwen2_vl"), None)  # the merger too: the nested list names it
+    with pytest.raises(ValueError, match=r"quantization_config\.quantization\.exclude_modules entry 'visual.merger\*'"):
+        load(write(tmp_path / "bad", "qwen2_vl", everything, config))
 
 
 def test_dequantize_crops_the_last_blocks():

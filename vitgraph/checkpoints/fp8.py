@@ -34,14 +34,14 @@ from pathlib import Path
 
 import torch
 
-from ..models import FAMILIES
+from ..models import VISION_PREFIXES
 from ..models.config_parsing import read_json
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names; anything else is refused, not cast
 FP8_DTYPE = "F8_E4M3"  # torch.float8_e4m3fn: the one FP8 kind of both formats
 SCALE_NAMES = ("weight_scale_inv", "weight_scale", "input_scale")
 # Every spelling of a vision module in a not-converted list: model.visual.X, visual.X, X.
-_SPELLINGS = tuple(sorted({p for f in FAMILIES for p in f.prefixes}, key=len, reverse=True)) + ("",)
+_SPELLINGS = VISION_PREFIXES + ("",)
 _READS = "vitgraph reads FP8 vision weights of 'fp8' (block) and 'modelopt' (quant_algo 'FP8') checkpoints"
 
 
@@ -127,30 +127,30 @@ def _modelopt(q: dict, method: str, config: Path, where: str) -> QuantFormat:
     """ModelOpt's config as vLLM reads it (modelopt.py, ``ModelOptQuantConfigBase.from_config``):
     flat (``quant_algo``, ``ignore`` or ``exclude_modules``) or nested in ``quantization`` as
     hf_quant_config.json writes it (``quant_algo``, ``exclude_modules``)."""
-    source, keys = q, ("ignore", "exclude_modules")
+    source, keys, within = q, ("ignore", "exclude_modules"), ""
     if "quantization" in q:
-        source, keys, where = q["quantization"], ("exclude_modules",), where + ".quantization"
+        source, keys, within, where = q["quantization"], ("exclude_modules",), "quantization.", where + ".quantization"
         if not isinstance(source, dict):
             raise ValueError(f"{where} must be a JSON object, got {type(source).__name__}")
     algo = source.get("quant_algo")
     if not isinstance(algo, str) or not algo:
         raise ValueError(f"{where}.quant_algo must name the ModelOpt algorithm (such as 'FP8'), got {algo!r}")
-    entries, field = _module_list(source, keys, where)
+    entries, field = _module_list(source, keys, where, within)
     if algo.upper() != "FP8":
         return QuantFormat(method, config, unsupported=f"{where}.quant_algo is {algo!r}; {_READS} only")
     return QuantFormat(method, config, None, entries, field)
 
 
-def _module_list(q: dict, keys: tuple[str, ...], where: str) -> tuple[tuple[str, ...], str]:
-    """The first of ``keys`` that ``q`` has (null: none), a list of module names, and its key."""
+def _module_list(q: dict, keys: tuple[str, ...], where: str, within: str = "") -> tuple[tuple[str, ...], str]:
+    """The first of ``keys`` that ``q`` has (null: none), a list of module names, and its field
+    under ``quantization_config`` (``within``: the nested object's name and a dot)."""
     for key in keys:
         if key in q:
             value = q[key] if q[key] is not None else []
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"{where}.{key} must be a list of module names, got {q[key]!r}")
-            return tuple(value), where.split(": ", 1)[-1].removeprefix("quantization_config.") + "." + key \
-                if where.endswith(".quantization") else key
-    return (), keys[0]
+            return tuple(value), within + key
+    return (), within + keys[0]
 
 
 @dataclass(frozen=True)

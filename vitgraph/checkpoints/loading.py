@@ -20,12 +20,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .fp8 import Fp8Reader
-from ..models import FAMILIES, PRESETS, family_for, family_of
+from ..models import PRESETS, VISION_PREFIXES, family_for, family_of
 from ..models.config_parsing import read_json
 
 logger = logging.getLogger(__name__)
 
-VISION_PREFIXES = tuple(sorted({p for f in FAMILIES for p in f.prefixes}, key=len, reverse=True))  # longest first
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PROCESSOR_FILE = "preprocessor_config.json"

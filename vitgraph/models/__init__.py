@@ -55,6 +55,8 @@ FAMILIES = (Family(("qwen2_vl",), VisionConfig, Qwen2VisionTower, expected_shape
             Family(("qwen3_5", "qwen3_5_moe", "qwen4_exp"), Qwen35VisionConfig, Qwen3VisionTower,
                    qwen3_vl.expected_shapes, (_HF + "qwen3_5.modeling_qwen3_5:Qwen3_5VisionModel",
                                               _HF + "qwen3_5.configuration_qwen3_5:Qwen3_5VisionConfig")))
+# Where checkpoints keep a tower's weights, every family's spelling, longest first.
+VISION_PREFIXES = tuple(sorted({p for f in FAMILIES for p in f.prefixes}, key=len, reverse=True))
 
 
 def _qwen25(out_hidden_size: int) -> Qwen25VisionConfig:
@@ -153,6 +155,6 @@ def family_for(model_type: str | None) -> Family:
     raise ValueError(f"model_type {model_type!r} is not supported; supported: {known}")
 
 
-__all__ = ["FAMILIES", "PRESETS", "Family", "Qwen25VisionConfig", "Qwen25VisionTower", "Qwen35VisionConfig",
+__all__ = ["FAMILIES", "PRESETS", "VISION_PREFIXES", "Family", "Qwen25VisionConfig", "Qwen25VisionTower", "Qwen35VisionConfig",
            "Qwen3VisionConfig", "Qwen3VisionTower", "Qwen2VisionTower", "VisionBatch", "VisionConfig",
            "family_for", "family_of", "one_block_recipe", "one_block_tower", "tower_dims", "transformers_tower"]
