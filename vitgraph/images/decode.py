@@ -154,7 +154,7 @@ def decode_pil(data: Encoded, name: str, max_pixels: int = MAX_IMAGE_PIXELS, con
 def as_rgb(image: Image.Image) -> Image.Image:
     """RGB with transparency composited onto white, as vLLM's loader (``rgba_to_rgb``) feeds its
     processors and transformers 5's ``convert_to_rgb`` does; 4.x dropped alpha (``convert("RGB")``)."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
+    if _has_alpha(image):
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     return image.convert("RGB")
@@ -166,9 +166,14 @@ def keep_alpha(image: Image.Image) -> Image.Image:
     if image.mode == "RGBA" or (image.mode == "LA" and "transparency" not in image.info):
         image.load()  # decoded here, under the caller's lock, not in a later np.asarray
         return image
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
+    if _has_alpha(image):
         return image.convert("RGBA")
     return as_rgb(image)
+
+
+def _has_alpha(image: Image.Image) -> bool:
+    """An alpha band, or a transparent colour or palette index (PNG's tRNS)."""
+    return "A" in image.getbands() or image.info.get("transparency") is not None
 
 
 def to_rgb_pil(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS, convert=None) -> Image.Image:
@@ -185,11 +190,7 @@ def to_rgb_pil(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS, convert=None
                 return (convert or as_rgb)(item)
         except _BROKEN_FILE as err:
             raise ValueError(f"{name} ({item.mode} image) cannot be decoded as RGB: {err}") from None
-    array = as_pixels(item, name)
-    if isinstance(array, torch.Tensor):
-        array = array.permute(1, 2, 0).cpu().numpy()
-    image = Image.fromarray(np.ascontiguousarray(array))  # RGB, or RGBA for 4 channels
-    return image if image.mode == "RGB" else as_rgb(image)
+    return Image.fromarray(_host_hwc(opaque(as_pixels(item, name))))
 
 
 def as_pixels(item, name: str) -> Pixels:
@@ -208,9 +209,14 @@ def opaque(pixels: Pixels) -> Pixels:
     image is (:func:`as_rgb`), as an ``HxWx3`` array on the host."""
     if (pixels.shape[0] if isinstance(pixels, torch.Tensor) else pixels.shape[2]) == 3:
         return pixels
+    return np.asarray(as_rgb(Image.fromarray(_host_hwc(pixels))))
+
+
+def _host_hwc(pixels: Pixels) -> np.ndarray:
+    """Pixels as a contiguous ``HxWxC`` array on the host (a ``CxHxW`` tensor brought over)."""
     if isinstance(pixels, torch.Tensor):
         pixels = pixels.permute(1, 2, 0).cpu().numpy()
-    return np.asarray(as_rgb(Image.fromarray(np.ascontiguousarray(pixels))))
+    return np.ascontiguousarray(pixels)
 
 
 def load_pixels(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS, alpha: bool = False) -> Pixels:
