@@ -346,8 +346,8 @@ def test_fa4_short_tile_rule_on_an_h200():
 
 
 def test_kernel_tuning_holds_only_what_the_family_reads():
-    """On an H200: Qwen2-VL reads every GEMM setting, Qwen2.5-VL split K only, Qwen3-VL none
-    (its GEMMs are cuBLAS's, unsplit): a setting its tower never reads keeps its default, so the
+    """On an H200: Qwen2-VL and Qwen2.5-VL read every GEMM setting, Qwen3-VL all but split K
+    (its proj and fc2 stay unsplit): a setting its tower never reads keeps its default, so the
     encoder shows what runs, and changing one is refused by name."""
     from vitgraph.models import family_of
     from vitgraph.models.qwen3_vl import Qwen3VisionConfig
@@ -356,19 +356,20 @@ def test_kernel_tuning_holds_only_what_the_family_reads():
 
     h200 = {name: tuning_for(tower_dims(PRESETS[name]), 9, 132, reads=family_of(PRESETS[name]).tower.tuning_reads)
             for name in ("qwen2-vl-2b", "qwen2.5-vl-7b", "qwen3-vl-8b")}
-    assert h200["qwen2-vl-2b"] == tuning_for(tower_dims(PRESETS["qwen2-vl-2b"]), 9, 132)  # reads everything
+    for name in ("qwen2-vl-2b", "qwen2.5-vl-7b"):
+        assert h200[name] == tuning_for(tower_dims(PRESETS[name]), 9, 132)  # reads everything
     assert h200["qwen2-vl-2b"].gemm.small_rows is not None and GemmTuning().small_rows is None
     assert h200["qwen2.5-vl-7b"].gemm.split_k_max_rows == 896
-    assert h200["qwen2.5-vl-7b"].gemm.fc1_tiles == GemmTuning().fc1_tiles  # quack's: never runs there
-    assert tuning_for(tower_dims(PRESETS["qwen2.5-vl-7b"]), 9, 132).gemm.fc1_tiles != GemmTuning().fc1_tiles
-    assert h200["qwen3-vl-8b"].gemm == GemmTuning() and h200["qwen3-vl-8b"].gemm.split_k_max_rows == 0
+    every = tuning_for(tower_dims(PRESETS["qwen3-vl-8b"]), 9, 132).gemm
+    assert every.split_k_max_rows > 0 and h200["qwen3-vl-8b"].gemm.split_k_max_rows == 0
+    assert h200["qwen3-vl-8b"].gemm == dataclasses.replace(every, split_k_max_rows=0)  # quack's thresholds read
     assert all(t.attention.choose_tiles for t in h200.values())  # attention and norms: every family
     qwen3 = Qwen3VisionConfig(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=16,
                               num_position_embeddings=16, deepstack_visual_indexes=(0,))
     with pytest.raises(ValueError, match="does not read 'gemm.split_k_max_rows'"):
         GraphedVisionEncoder.from_config(qwen3, device="cpu", tuning={"gemm.split_k_max_rows": 64})
     enc = GraphedVisionEncoder.from_config(qwen3, device="cpu", tuning={"norms.one_row_max_rows": 8})
-    assert enc.tuning.norms.one_row_max_rows == 8 and enc.tuning.gemm == GemmTuning()
+    assert enc.tuning.norms.one_row_max_rows == 8 and enc.tuning.gemm.split_k_max_rows == 0
 
 
 def test_tuning_is_data_each_encoder_holds():
@@ -382,7 +383,7 @@ def test_tuning_is_data_each_encoder_holds():
     assert changed.tuning.gemm.split_k_max_rows == 64 and plain.tuning.gemm.split_k_max_rows == 0
     assert changed.tower.tuning == changed.tuning.kernels and plain.tower.tuning == plain.tuning.kernels
     assert changed.tuning.attention.tiny_tile == (64, 64)
-    assert changed.tower.blocks[0].attn.attention_tuning is changed.tuning.attention
+    assert changed.tower.tuning.attention is changed.tuning.attention
     assert changed.tuning.plans.cache_entries == 1 and plain.tuning.plans.cache_entries == 4096
     x = random_pixels([(1, 4, 4)], changed.tower.input_width)
     assert torch.equal(changed.encode(x, [(1, 4, 4)]), plain.encode(x, [(1, 4, 4)]))  # same seed, same math here

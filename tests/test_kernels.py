@@ -14,7 +14,8 @@ from helpers import rel_err
 from vitgraph.ops import kernels
 from vitgraph.models import PRESETS
 from vitgraph.ops.gemm import TILE, Tile, gemm_tuning, rope_in_gemm
-from vitgraph.models.qwen2_vl import Qwen2VisionTower, apply_rotary
+from vitgraph.models.qwen2_vl import Qwen2VisionTower
+from vitgraph.models.tower_base import apply_rotary
 from vitgraph.ops.activations import quick_gelu
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs triton")

@@ -14,7 +14,7 @@ import torch
 from helpers import TINY_VISION, hf_forward, hub_config, random_pixels, rel_err, write_checkpoint
 
 from vitgraph import GraphedVisionEncoder, VisionConfig
-from vitgraph.models.qwen2_vl import interleave_order
+from vitgraph.models.tower_base import interleave_order
 
 GRID = [(1, 4, 6), (2, 2, 2)]
 

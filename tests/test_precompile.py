@@ -15,7 +15,7 @@ import vitgraph.runtime.encoder
 import vitgraph.runtime.options
 import vitgraph.ops.gemm
 import vitgraph.models.qwen2_vl
-import vitgraph.models.qwen2_vl_fused
+import vitgraph.models.fused_loop
 import vitgraph.runtime.precompile
 from vitgraph.engine.planner import Bucket
 from vitgraph.models import VisionConfig
@@ -119,10 +119,10 @@ def test_jit_kernels_follow_the_forward_paths():
 def record_triton_calls(monkeypatch) -> set:
     """Stand-ins for the Triton kernels (and for the attention and GEMM kernels around them),
     shaped as the real ones, that record each call's variant: what decides a compile."""
-    qwen = vitgraph.models.qwen2_vl_fused  # the fused forward calls these through its module
+    loop = vitgraph.models.fused_loop  # the fused forward calls these through its module
     calls = set()
 
-    def add_layernorm(x, y, weight, bias, eps, y_bias=None, offset=None, tuning=None):
+    def add_layernorm(x, y, weight, bias, eps, y_bias=None, offset=None, rms=False, tuning=None):
         calls.add(("add_layernorm", tuple(x.shape), None if y is None else tuple(y.shape), y_bias is not None,
                    offset is not None))
         return torch.zeros_like(x)
@@ -135,15 +135,15 @@ def record_triton_calls(monkeypatch) -> set:
         q = torch.zeros(qkv.shape[0], num_heads, lane_dim, dtype=qkv.dtype)
         return q, q.clone(), views[2]
 
-    def quick_gelu_(x):
-        calls.add(("quick_gelu_", tuple(x.shape)))
+    def activation_(x, name):
+        calls.add(("activation_", tuple(x.shape), name))
         return x
 
     def prefix_sums(x):
         calls.add(("prefix_sums", tuple(x.shape)))
         return torch.zeros(x.shape)
 
-    for name, fn in [("add_layernorm", add_layernorm), ("rotary_", rotary_), ("quick_gelu_", quick_gelu_),
+    for name, fn in [("add_layernorm", add_layernorm), ("rotary_", rotary_), ("activation_", activation_),
                      ("prefix_sums", prefix_sums)]:
         monkeypatch.setattr(vitgraph.ops.kernels, name, fn)
     def jit(name, out):  # a kernel FlashAttention 4 or quack would compile
@@ -153,14 +153,15 @@ def record_triton_calls(monkeypatch) -> set:
     def attend(backend, q, k, v, batch, padding_zeroed, tuning, values_finite=False):
         return jit("attention", torch.zeros_like(v)) if backend == "fa4" else torch.zeros_like(v)
 
-    monkeypatch.setattr(qwen, "attend", attend)
-    monkeypatch.setattr(qwen, "dense_masked", lambda q, k, v, scale: torch.zeros_like(v))
-    monkeypatch.setattr(qwen.cudnn_attention, "ragged_metadata", lambda *args: None)
-    monkeypatch.setattr(qwen.cudnn_attention, "ragged_attention", lambda qkv, meta, max_seqlen: qkv[:, 2])
-    monkeypatch.setattr(qwen, "linear_qkv_rope",
+    monkeypatch.setattr(loop, "attend", attend)
+    monkeypatch.setattr(loop, "dense_masked", lambda q, k, v, scale: torch.zeros_like(v))
+    monkeypatch.setattr(loop.cudnn_attention, "ragged_metadata", lambda *args: None)
+    monkeypatch.setattr(loop.cudnn_attention, "ragged_attention", lambda qkv, meta, max_seqlen: qkv[:, 2])
+    monkeypatch.setattr(loop, "linear_qkv_rope",
                         lambda x, weight, *args: jit("qkv_rope", torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype)))
     monkeypatch.setattr(vitgraph.ops.gemm, "_quack", lambda: (lambda x, w, _, out, *args, **kwargs: jit("fc1", out),
-                                                          lambda x, w, out, **kwargs: jit("qkv", out), "quick_gelu"))
+                                                          lambda x, w, out, **kwargs: jit("qkv", out), "quick_gelu",
+                                                          lambda x, w, _, out, *args, **kwargs: jit("fc1", out)))
     monkeypatch.setattr(vitgraph.ops.gemm, "_gemm_config", lambda *args: None)
     return calls
 
@@ -190,7 +191,7 @@ def test_run_triton_kernels_compiles_what_the_forward_runs(monkeypatch, attentio
     # Each kind of kernel ran (QuickGELU's pass and the rotary at 384 rows at least; the biases'
     # running sums above the split-K rows, at one shape whatever the blocks warmed up), and
     # add+LayerNorm summed split-K partials.
-    kinds = {"add_layernorm", "rotary_", "quick_gelu_", "prefix_sums"}
+    kinds = {"add_layernorm", "rotary_", "activation_", "prefix_sums"}
     assert {call[0] for call in seen} == kinds | ({"jit"} if gemm == "quack" or attention == "fa4" else set())
     assert any(call[0] == "add_layernorm" and call[2] is not None and len(call[2]) == 3 for call in seen)
     # and above the split-K rows, the stream's biases kept aside, it normalized with an offset

@@ -6,7 +6,8 @@ import pytest
 import torch
 from helpers import random_pixels
 
-from vitgraph.models.qwen2_vl import Qwen2VisionTower, interleave_order
+from vitgraph.models.qwen2_vl import Qwen2VisionTower
+from vitgraph.models.tower_base import interleave_order
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-import vitgraph.models.qwen2_vl
 import vitgraph.models.qwen3_vl
-import vitgraph.models.reference_tower
+import vitgraph.models.fused_loop
+import vitgraph.models.tower_base
 from vitgraph.models import PRESETS
 from vitgraph.models import Qwen25VisionConfig, Qwen35VisionConfig, Qwen3VisionConfig
 from vitgraph.models.qwen2_5_vl import Qwen25VisionTower
@@ -42,11 +42,16 @@ def kind(cfg, i: int) -> str:
 
 
 def record(tower, monkeypatch):
-    """Run-time record: block indexes and mergers that ran (forward hooks, the reference path),
-    attention layouts asked for (every path), deepstack mergers the fused path ran."""
+    """Run-time record: block indexes (the reference path) and mergers that ran, attention
+    layouts asked for (every path), deepstack mergers the fused path ran."""
     seen = {"blocks": [], "mergers": set(), "layouts": set()}
-    for i, block in enumerate(tower.blocks):
-        block.register_forward_hook(lambda *_, i=i: seen["blocks"].append(i))
+    reference_block = tower.reference_block
+
+    def block_ran(block, *args):
+        seen["blocks"].append(next(i for i, b in enumerate(tower.blocks) if b is block))
+        return reference_block(block, *args)
+
+    monkeypatch.setattr(tower, "reference_block", block_ran)
     for name, module in tower.named_modules():
         if name == "merger" or re.fullmatch(r"deepstack_merger_list\.\d+", name):
             module.register_forward_hook(lambda *_, name=name: seen["mergers"].add(name))
@@ -57,13 +62,13 @@ def record(tower, monkeypatch):
             return attend(backend, q, k, v, segments, **kwargs)
         return wrapped
 
-    for module in (vitgraph.models.qwen2_vl, vitgraph.models.reference_tower):
+    for module in (vitgraph.models.tower_base, vitgraph.models.fused_loop):
         monkeypatch.setattr(module, "attend", recording(module.attend))
     merge_fused = vitgraph.models.qwen3_vl._merge_fused
 
-    def merge(merger, x, tuning):
+    def merge(merger, x, tuning, offset=None):
         seen["mergers"].add(next(n for n, m in tower.named_modules() if m is merger))
-        return merge_fused(merger, x, tuning)
+        return merge_fused(merger, x, tuning, offset)
 
     monkeypatch.setattr(vitgraph.models.qwen3_vl, "_merge_fused", merge)
     return seen

@@ -8,10 +8,10 @@ multiples of that. :meth:`Qwen25VisionTower.build_batch` computes the permutatio
 inverse on the host, with two segmentations: frames (full attention) and windows. The
 forward gathers by them; it never syncs with the host.
 
-This file names what the block loops of :class:`ReferenceTower` run for Qwen2.5-VL: the reference
-(plain PyTorch) forward, exact against transformers' ``Qwen2_5_VisionTransformerPretrainedModel``,
-and a fused one (vitgraph's kernels). Its CUDA graphs keep
-both segmentations padded to capacities that follow from a bucket's (:func:`window_capacity`).
+This file names what :class:`TowerBase`'s block loops run differently for Qwen2.5-VL (the
+reference one exact against transformers' ``Qwen2_5_VisionTransformerPretrainedModel``). Its
+CUDA graphs keep both segmentations padded to capacities that follow from a bucket's
+(:func:`window_capacity`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,10 @@ import torch.nn.functional as F
 
 from ..engine.contract import BatchLayout
 from ..ops.activations import ACTIVATIONS
-from ..ops.attention import DEFAULT_ATTENTION, SegmentFlags
-from ..ops.gemm import SPLIT_K_SETTINGS, linear_split_k
+from ..ops.attention import SegmentFlags
 from .config_parsing import FamilyConfig, TowerShape, check_block_indexes
-from ..ops import kernels
-from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
-from .reference_tower import ReferenceTower, rotary_attention
-from .segments import bounded_seqlen, check_capacity, segmentation
+from .segments import block_major_positions, bounded_seqlen, check_capacity, segmentation
+from .tower_base import TowerBase, attention_module
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
              "out_hidden_size": 65536, "patch_size": 64, "temporal_patch_size": 16, "spatial_merge_size": 8,
@@ -148,17 +145,6 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-class VisionAttention(nn.Module):
-    def __init__(self, cfg: Qwen25VisionConfig) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_heads
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
-        self.backend = "sdpa"
-        self.attention_tuning = DEFAULT_ATTENTION
-        keep_qkv_interleaved(self, cfg.num_heads, cfg.head_dim)
-
-
 MLP_ALIGN = 64  # the SwiGLU's width is padded to this: 3420 leaves cuBLAS unaligned rows (6840 bytes)
 
 
@@ -218,14 +204,8 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.norm1 = RMSNorm(cfg.hidden_size)
         self.norm2 = RMSNorm(cfg.hidden_size)
-        self.attn = VisionAttention(cfg)
+        self.attn = attention_module(cfg, cfg.hidden_size)
         self.mlp = SwiGLU(cfg)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
-        attn = self.attn
-        x = x + attn.proj(rotary_attention(attn.qkv(self.norm1(x)), attn.num_heads, cos, sin, attn.backend, segments,
-                                          attn.attention_tuning))
-        return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Module):
@@ -264,22 +244,20 @@ def expected_shapes(cfg: Qwen25VisionConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class Qwen25VisionTower(ReferenceTower):
-    """Qwen2.5-VL ViT plus patch merger, against the engine's contract. Knows nothing of CUDA graphs."""
+class Qwen25VisionTower(TowerBase):
+    """Qwen2.5-VL ViT plus patch merger: RMSNorm, a SwiGLU MLP, windows. Knows nothing of CUDA graphs."""
 
-    tuning_reads = ReferenceTower.tuning_reads | SPLIT_K_SETTINGS  # proj and down_proj split K
+    NORM, MLP, GATED = "rms", ("gate_up", "down_proj"), True
 
     def __init__(self, cfg: Qwen25VisionConfig) -> None:
         super().__init__()
-        self.config = cfg
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel,
                                           bias=False)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
-        self._init_rotary()
-
+        self._init_tower(cfg)
 
     # -- the engine's contract ------------------------------------------------------
 
@@ -337,7 +315,7 @@ class Qwen25VisionTower(ReferenceTower):
                 order.append(idx + base + f * per_frame)
                 window_lengths.extend(wins.tolist())
                 frame_lengths.append(h * w)
-                frames.append(_block_major_positions(h, w, merge))
+                frames.append(block_major_positions(h, w, merge))
             base += t * per_frame
         return order, frames, frame_lengths, window_lengths
 
@@ -363,37 +341,18 @@ class Qwen25VisionTower(ReferenceTower):
         """Full attention (over frames) or windowed: two segmentations, two attention layouts."""
         return index in self.config.fullatt_block_indexes
 
-    # -- what the block loops (ReferenceTower) read: RMSNorm, windows, split K, SwiGLU ------------
+    attention_kind = block_kind
+
+    # -- what the block loops (TowerBase) read: windows ----------------------------------------
 
     def embed(self, pixels: torch.Tensor, batch: WindowBatch) -> torch.Tensor:
         """The patch embedding, rows gathered into window order: ``[T, E]``."""
         rows, unit = pixels.shape[0], self.merge_unit
-        weight = self.patch_embed.proj.weight
-        x = F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))  # [T, E]
+        x = super().embed(pixels, batch)  # [T, E]
         return x.view(rows // unit, unit, -1)[batch.window_index.long()].view(rows, -1)
 
     def attention_segments(self, batch: WindowBatch, index: int) -> Segments:
         return batch.frames if index in self.config.fullatt_block_indexes else batch.windows
-
-    def add_norm(self, x, y, norm, y_bias=None) -> torch.Tensor:
-        return kernels.add_rmsnorm(x, y, norm.weight, norm.eps, y_bias, tuning=self.tuning.norms)
-
-    def proj_fused(self, out, attn):
-        # K split at small rows: it measured faster for Qwen2.5-VL-7B (benchmarks/HISTORY.md)
-        return linear_split_k(out, attn.proj.weight, attn.proj.bias, self.tuning.gemm)
-
-    def mlp_in(self, h, block) -> torch.Tensor:
-        return F.linear(h, block.mlp.gate_up.weight, block.mlp.gate_up.bias)
-
-    def mlp_act(self, gate_up, block) -> torch.Tensor:
-        mlp = block.mlp
-        if mlp.act_name == "silu":
-            return kernels.silu_mul(gate_up)
-        gate, up = gate_up.split(mlp.padded, dim=-1)
-        return ACTIVATIONS[mlp.act_name](gate) * up
-
-    def mlp_out(self, f, block):
-        return linear_split_k(f, block.mlp.down_proj.weight, block.mlp.down_proj.bias, self.tuning.gemm)
 
     def finish(self, merged: torch.Tensor, taps, batch: WindowBatch) -> torch.Tensor:
         """The merger's rows back in item order."""

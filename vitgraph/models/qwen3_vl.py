@@ -8,10 +8,10 @@ the main embeddings, then each deepstack feature in layer order, side by side (t
 built on the host (:meth:`Qwen3VisionTower.build_batch`); the weights travel as the int32 bits
 of their fp32 values, so every tensor of the batch is int32 as the engine stages it.
 
-This file names what the block loops of :class:`ReferenceTower` run for Qwen3-VL: the reference
-(plain PyTorch) forward, exact against transformers' ``Qwen3VLVisionModel``, and a fused one
-(vitgraph's kernels). In CUDA graphs the taps are static buffers
-like every other tensor of the batch, and the deepstack features leave in the one output.
+This file names what :class:`TowerBase`'s block loops run differently for Qwen3-VL (the
+reference one exact against transformers' ``Qwen3VLVisionModel``). In CUDA graphs the taps are
+static buffers like every other tensor of the batch, and the deepstack features leave in the
+one output.
 """
 
 from __future__ import annotations
@@ -26,14 +26,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..engine.contract import BatchLayout
-from ..ops.activations import ACTIVATIONS
-from ..ops.attention import DEFAULT_ATTENTION, SegmentFlags
+from ..ops import kernels
+from ..ops.attention import SegmentFlags
+from ..ops.gemm import GEMM_SETTINGS, SPLIT_K_SETTINGS
 from .config_parsing import FamilyConfig, TowerShape, check_block_indexes
 from ..images.preprocess import QWEN3_VL_PROCESSOR
-from ..ops import kernels
-from .qwen2_vl import _block_major_positions, keep_qkv_interleaved
-from .reference_tower import ReferenceTower, rotary_attention
-from .segments import segment
+from .segments import block_major_positions, segment
+from .tower_base import TowerBase, attention_module
 
 _CEILINGS = {"depth": 1024, "hidden_size": 65536, "num_heads": 1024, "intermediate_size": 1 << 18,
              "out_hidden_size": 65536, "num_position_embeddings": 1 << 20, "patch_size": 64,
@@ -134,7 +133,7 @@ def _axis_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor,
 @lru_cache(maxsize=1024)
 def frame_taps(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
     """The four (index, weight) taps of each patch of an ``h x w`` frame, in block-major order."""
-    pos = _block_major_positions(h, w, merge)
+    pos = block_major_positions(h, w, merge)
     h_taps, h_weights = _axis_taps(torch.from_numpy(pos[:, 0].astype(np.int64)), h, side)
     w_taps, w_weights = _axis_taps(torch.from_numpy(pos[:, 1].astype(np.int64)), w, side)
     index = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4).to(torch.int32).numpy()
@@ -148,19 +147,9 @@ class Block(nn.Module):
         super().__init__()
         e = cfg.hidden_size
         self.norm1, self.norm2 = nn.LayerNorm(e, eps=1e-6), nn.LayerNorm(e, eps=1e-6)
-        self.attn = attn = nn.Module()
-        attn.qkv, attn.proj = nn.Linear(e, 3 * e), nn.Linear(e, e)
-        attn.num_heads, attn.backend, attn.attention_tuning = cfg.num_heads, "sdpa", DEFAULT_ATTENTION
-        keep_qkv_interleaved(attn, cfg.num_heads, cfg.head_dim)
+        self.attn = attention_module(cfg, e)
         self.mlp = nn.Module()
         self.mlp.linear_fc1, self.mlp.linear_fc2 = nn.Linear(e, cfg.intermediate_size), nn.Linear(cfg.intermediate_size, e)
-        self.act_name = cfg.hidden_act
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
-        attn = self.attn
-        x = x + attn.proj(rotary_attention(attn.qkv(self.norm1(x)), attn.num_heads, cos, sin, attn.backend, batch,
-                                          attn.attention_tuning))
-        return x + self.mlp.linear_fc2(ACTIVATIONS[self.act_name](self.mlp.linear_fc1(self.norm2(x))))
 
 
 class Merger(nn.Module):
@@ -204,12 +193,16 @@ def expected_shapes(cfg: Qwen3VisionConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class Qwen3VisionTower(ReferenceTower):
-    """Qwen3-VL ViT, main merger and deepstack mergers, against the engine's contract."""
+class Qwen3VisionTower(TowerBase):
+    """Qwen3-VL ViT, main merger and deepstack mergers: a biased patch embedding plus learned
+    positions, LayerNorm blocks with a GELU-tanh MLP (linear_fc1, linear_fc2), deepstack taps."""
+
+    MLP = ("linear_fc1", "linear_fc2")
+    # No split K: it made Qwen3-VL-8B slower (benchmarks/HISTORY.md).
+    tuning_reads = frozenset({"norms", "attention"}) | (GEMM_SETTINGS - SPLIT_K_SETTINGS)
 
     def __init__(self, cfg: Qwen3VisionConfig) -> None:
         super().__init__()
-        self.config = cfg
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
@@ -218,8 +211,7 @@ class Qwen3VisionTower(ReferenceTower):
         self.merger = Merger(cfg, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(Merger(cfg, postshuffle=True)
                                                    for _ in cfg.deepstack_visual_indexes)
-        self._init_rotary()
-
+        self._init_tower(cfg)
 
     @property
     def output_parts(self) -> int:
@@ -239,7 +231,7 @@ class Qwen3VisionTower(ReferenceTower):
         for t, h, w in grids:
             index, weight = frame_taps(h, w, merge, cfg.grid_side)
             for _ in range(t):
-                positions.append(_block_major_positions(h, w, merge))
+                positions.append(block_major_positions(h, w, merge))
                 taps.append(index)
                 weights.append(weight)
                 lengths.append(h * w)
@@ -258,44 +250,35 @@ class Qwen3VisionTower(ReferenceTower):
         """With or without a deepstack merger after it."""
         return index in self.config.deepstack_visual_indexes
 
-    # -- what the block loops (ReferenceTower) read: LayerNorm, a GELU-tanh MLP, deepstack taps ---
+    # -- what the block loops (TowerBase) read: learned positions, deepstack taps ------------
 
     def embed(self, pixels: torch.Tensor, batch: DeepstackBatch) -> torch.Tensor:
         """The patch embedding plus the interpolated position embeddings (fp32 taps): ``[T, E]``."""
-        proj = self.patch_embed.proj
-        x = F.linear(pixels.to(proj.weight.dtype), proj.weight.view(proj.weight.shape[0], -1), proj.bias)
+        x = super().embed(pixels, batch)
         weights = batch.pos_weight_bits.view(torch.float32)
         pos = (self.pos_embed.weight[batch.pos_index.long()] * weights[..., None]).sum(1)  # [T, E], fp32 taps
         return x + pos.to(x.dtype)
 
-    def add_norm(self, x, y, norm, y_bias=None) -> torch.Tensor:
-        return kernels.add_layernorm(x, y, norm.weight, norm.bias, norm.eps, y_bias, tuning=self.tuning.norms)
-
-    def mlp_in(self, h, block) -> torch.Tensor:
-        return F.linear(h, block.mlp.linear_fc1.weight, block.mlp.linear_fc1.bias)
-
-    def mlp_act(self, f, block) -> torch.Tensor:
-        name = block.act_name
-        return kernels.activation_(f, name) if name in kernels.FUSED_ACTIVATIONS else ACTIVATIONS[name](f)
-
-    def mlp_out(self, f, block):
-        return F.linear(f, block.mlp.linear_fc2.weight, block.mlp.linear_fc2.bias), None
-
-    def tap(self, index: int, x: torch.Tensor, fused: bool) -> torch.Tensor | None:
+    def tap(self, index: int, x: torch.Tensor, fused: bool, offset: torch.Tensor | None = None
+            ) -> torch.Tensor | None:
         """Block ``index``'s deepstack feature, if it has a merger."""
         indexes = self.config.deepstack_visual_indexes
         if index not in indexes:
             return None
         merger = self.deepstack_merger_list[indexes.index(index)]
-        return _merge_fused(merger, x, self.tuning.norms) if fused else merger(x)
+        return _merge_fused(merger, x, self.tuning.norms, offset) if fused else merger(x)
 
     def finish(self, merged: torch.Tensor, taps, batch: DeepstackBatch) -> torch.Tensor:
         """The main embeddings, then each deepstack feature, side by side."""
         return torch.cat([merged] + taps, dim=1)
 
 
-def _merge_fused(merger: Merger, x: torch.Tensor, tuning: kernels.NormTuning) -> torch.Tensor:
-    """A deepstack merger (LayerNorm after the 2x2 merge) with the LayerNorm kernel."""
-    norm = merger.norm
-    h = kernels.add_layernorm(x.view(-1, merger.merged_dim), None, norm.weight, norm.bias, norm.eps, tuning=tuning)
+def _merge_fused(merger: Merger, x: torch.Tensor, tuning: kernels.NormTuning,
+                 offset: torch.Tensor | None = None) -> torch.Tensor:
+    """A deepstack merger (LayerNorm after the 2x2 merge) with the LayerNorm kernel; ``offset``: the
+    biases the fused stream keeps out of ``x`` (fp32 ``[E]``), added to each merged token's rows."""
+    norm, unit = merger.norm, merger.merged_dim // x.shape[1]
+    offset = None if offset is None else offset.repeat(unit)
+    h = kernels.add_layernorm(x.view(-1, merger.merged_dim), None, norm.weight, norm.bias, norm.eps, offset=offset,
+                              tuning=tuning)
     return merger.project(h)

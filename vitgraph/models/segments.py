@@ -8,6 +8,7 @@ offset; unused slots repeat the last offset (empty segments, never zeros)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -80,3 +81,16 @@ def segment(lengths: Sequence[int], *, num_tokens: int | None = None, num_segmen
     parts = segmentation(lengths, tokens, slots)
     exact = tokens == real and slots == len(lengths)
     return SegmentLayout(parts.ids, parts.cu, seqlen, tuple(lengths) if exact else None)
+
+
+@lru_cache(maxsize=1024)
+def block_major_positions(h: int, w: int, merge: int) -> np.ndarray:
+    """(h, w) of each token of one frame, ordered block-major over merge x merge blocks: ``[h*w, 2]``
+    (the order every family's patch rows come in)."""
+    hpos, wpos = np.meshgrid(np.arange(h, dtype=np.int32), np.arange(w, dtype=np.int32), indexing="ij")
+    block = (h // merge, merge, w // merge, merge)
+    hpos = hpos.reshape(block).transpose(0, 2, 1, 3).reshape(-1)
+    wpos = wpos.reshape(block).transpose(0, 2, 1, 3).reshape(-1)
+    out = np.stack([hpos, wpos], axis=1)
+    out.flags.writeable = False
+    return out

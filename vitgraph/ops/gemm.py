@@ -20,6 +20,7 @@ into the residual stream inside cuBLAS, their biases kept out of it for the Laye
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -178,16 +179,27 @@ def _quick_gelu_epilogue():
 
 @functools.cache
 def _quack():
-    """quack's GEMM-with-activation and plain GEMM entries, and the registered activation's name."""
+    """quack's GEMM-with-activation, gated-GEMM and plain GEMM entries, and the registered
+    QuickGELU's name."""
     from quack import activation
-    from quack.gemm_interface import gemm_act_tuned, gemm_tuned
+    from quack.gemm_interface import gemm_act_tuned, gemm_gated_tuned, gemm_tuned
 
     # quack keeps compiled kernels on disk keyed by the activation's name: name it after its
     # source, so an edit here can never load a stale kernel.
     source = inspect.getsource(_quick_gelu_epilogue).encode()
     name = f"vitgraph_quick_gelu_{hashlib.sha256(source).hexdigest()[:12]}"
     activation.act_fn_map.setdefault(name, _quick_gelu_epilogue())
-    return gemm_act_tuned.fn, gemm_tuned.fn, name
+    return gemm_act_tuned.fn, gemm_tuned.fn, name, gemm_gated_tuned.fn
+
+
+# hidden_act -> quack's epilogue activation (None: vitgraph's QuickGELU, registered by _quack)
+EPILOGUE_ACTIVATIONS = {"quick_gelu": None, "gelu_pytorch_tanh": "gelu_tanh_approx", "silu": "silu"}
+GATED_EPILOGUES = {"silu": "swiglu"}  # a gated MLP's act(gate) * up
+
+
+def has_epilogue(activation: str, gated: bool) -> bool:
+    """Whether an MLP's first GEMM with ``activation`` (``gated``: ``act(gate) * up``) has a quack epilogue."""
+    return activation in (GATED_EPILOGUES if gated else EPILOGUE_ACTIVATIONS)
 
 
 def _weight_fits(weight: torch.Tensor) -> bool:
@@ -221,26 +233,41 @@ def _quack_fits(x: torch.Tensor, weight: torch.Tensor, tuning: GemmTuning, min_r
             and _quack_rows(x.shape[0], weight, tuning, min_rows, small))
 
 
-def linear_quick_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tuning: GemmTuning) -> torch.Tensor:
-    """``quick_gelu(x @ weight.T + bias)`` for ``x [M, K]``, ``weight [N, K]``."""
-    if _quack_fits(x, weight, tuning, tuning.fc1_min_rows, small=_small):
-        gemm_act, _, name = _quack()
-        out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
-        gemm_act(x, weight.t(), None, out, None, bias, name, config=_gemm_config(fc1_tile(x.shape[0], weight, tuning)))
+def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, activation: str, gated: bool,
+               tuning: GemmTuning) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` through quack's GEMM with the activation in its epilogue, for
+    ``x [M, K]``, ``weight [N, K]``; ``gated``: the rows of ``weight`` are ``[gate; up]`` and the
+    result ``act(gate) * up`` ``[M, N/2]``. Call it only where :func:`fc1_kernel` is not None."""
+    gemm_act, _, quick_gelu, gemm_gated = _quack()
+    config = _gemm_config(fc1_tile(x.shape[0], weight, tuning))
+    if gated:  # quack reads B's columns [gate; up] as interleaved pairs (concat_layout)
+        out = torch.empty(x.shape[0], weight.shape[0] // 2, device=x.device, dtype=x.dtype)
+        gemm_gated(x, weight.t(), None, out, None, bias, GATED_EPILOGUES[activation], config=config,
+                   concat_layout=("B", "bias"))
         return out
+    out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
+    gemm_act(x, weight.t(), None, out, None, bias, EPILOGUE_ACTIVATIONS[activation] or quick_gelu, config=config)
+    return out
+
+
+def linear_quick_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tuning: GemmTuning) -> torch.Tensor:
+    """``quick_gelu(x @ weight.T + bias)``: quack's epilogue where it fits, else cuBLAS and the Triton pass."""
+    if x.is_contiguous() and x.shape[1] == weight.shape[1] and fc1_kernel(x.shape[0], weight, tuning) is not None:
+        return linear_act(x, weight, bias, "quick_gelu", False, tuning)
     return kernels.quick_gelu_(F.linear(x, weight, bias))
 
 
 def linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tuning: GemmTuning) -> torch.Tensor:
     """``x @ weight.T + bias``: quack's GEMM from ``tuning.qkv_min_rows`` rows, cuBLAS below."""
     if _quack_fits(x, weight, tuning, tuning.qkv_min_rows):
-        _, gemm, _ = _quack()
+        gemm = _quack()[1]
         out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
         gemm(x, weight.t(), out, bias=bias, config=_gemm_config(tuning.tile))
         return out
     return F.linear(x, weight, bias)
 
 
+GEMM_SETTINGS = frozenset(f"gemm.{f.name}" for f in dataclasses.fields(GemmTuning))
 # What split_k_count and linear_split_k read: a tower that splits K only there reads these.
 SPLIT_K_SETTINGS = frozenset({"gemm.split_k_max_rows", "gemm.split_k", "gemm.split_k_long_rows", "gemm.split_k_long",
                               "gemm.split_k_long_min_k"})
@@ -295,12 +322,13 @@ def linear_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, f
                     _gemm_config(rope_tile(x.shape[0], weight, tuning)))
 
 
-def fc1_kernel(rows: int, weight: torch.Tensor, tuning: GemmTuning) -> tuple | None:
-    """The compiled kernel :func:`linear_quick_gelu` runs for a contiguous input of ``rows``
-    rows, as a hashable key (equal keys: one kernel); None where it runs on cuBLAS."""
-    if not _quack_rows(rows, weight, tuning, tuning.fc1_min_rows, small=_small):
+def fc1_kernel(rows: int, weight: torch.Tensor, tuning: GemmTuning, activation: str = "quick_gelu",
+               gated: bool = False) -> tuple | None:
+    """The compiled kernel :func:`linear_act` runs for a contiguous input of ``rows`` rows, as a
+    hashable key (equal keys: one kernel); None where the MLP's first GEMM runs on cuBLAS."""
+    if not has_epilogue(activation, gated) or not _quack_rows(rows, weight, tuning, tuning.fc1_min_rows, small=_small):
         return None
-    return "fc1", str(weight.dtype), fc1_tile(rows, weight, tuning)
+    return "fc1", str(weight.dtype), fc1_tile(rows, weight, tuning), activation, gated
 
 
 def qkv_kernel(rows: int, weight: torch.Tensor, tuning: GemmTuning) -> tuple | None:

@@ -5,12 +5,12 @@ rotates them in fp32 and writes them again (42 MB at 4096 tokens, one launch per
 the rotation is applied to the fp32 accumulator before the one bf16 store.
 
 A rotation mixes two dims of a head. The tower keeps qkv's weight rows with those two side by
-side (:func:`vitgraph.models.qwen2_vl.interleave_order`), and the Hopper accumulator keeps
+side (:func:`vitgraph.models.tower_base.interleave_order`), and the Hopper accumulator keeps
 adjacent columns of a row in adjacent registers of one thread, so each pair rotates in place.
 
 Angles come from two per-row vectors (the patch's row and column position, ``-1`` for padding
 rows, whose q, k and v are zeroed) and two per-column vectors (the frequency that multiplies
-each position, 0 where it does not apply: :meth:`Qwen2VisionTower.rope_columns`), so
+each position, 0 where it does not apply: :meth:`vitgraph.models.fused_loop.FusedLoop.rope_columns`), so
 ``pos_h * freq_h + pos_w * freq_w`` is the same single fp32 product the reference takes. The
 angle is reduced to ``[-pi, pi]`` and its cosine and sine taken with the hardware
 approximations (absolute error about 1e-6, far below bf16's step). v's columns have zero

@@ -297,7 +297,7 @@ _PAIR_TYPES = {16: torch.int32, 32: torch.int64}  # a rotated pair of 16- or 32-
 def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
             segment_ids: torch.Tensor | None = None, lane_dim: int | None = None, zero_padding: bool = False):
     """fp32 rotary of q and k in ``qkv [T, 3 * H * D]`` (contiguous, q's and k's head dims
-    interleaved: :func:`vitgraph.models.qwen2_vl.interleave_order`); ``cos``/``sin``: fp32
+    interleaved: :func:`vitgraph.models.tower_base.interleave_order`); ``cos``/``sin``: fp32
     ``[T, D/2]``, one angle per rotated pair (:meth:`Qwen2VisionTower.rotary`).
 
     Without ``lane_dim``: rotates in place and returns ``(q, k, v)`` views ``[T, H, D]`` of ``qkv``;
