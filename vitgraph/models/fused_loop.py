@@ -94,16 +94,21 @@ class FusedLoop:
             found.append(("fc1", key))
         return found
 
+    def _attention_ops(self, batch) -> dict[str, object]:
+        """Each attention kind's op name (``JIT_OPS``) and its segmentation of ``batch``."""
+        blocks = self.attention_blocks()
+        return {"attention" if n == 0 else f"attention_{n + 1}": self.attention_segments(batch, i)
+                for n, i in enumerate(blocks)}
+
     def _compiled_attention(self, batch) -> list[tuple[str, object]]:
         """``(op, segmentation)`` of each attention kind that runs a kernel compiled on first use."""
         if not attention_backend(self.attention_backend).compiles:
             return []
         found = []
-        for n, i in enumerate(self.attention_blocks()):
-            segments = self.attention_segments(batch, i)
+        for op, segments in self._attention_ops(batch).items():
             paths = self.fused_paths(batch, segments) if self.fused else None
             if paths is None or (paths.lane is None and not paths.ragged):
-                found.append(("attention" if n == 0 else f"attention_{n + 1}", segments))
+                found.append((op, segments))
         return found
 
     def run_jit_kernel(self, op: str, batch) -> None:
@@ -113,7 +118,7 @@ class FusedLoop:
         cfg, attn = self.config, self.blocks[0].attn
         rows, weight = batch.positions.shape[0], attn.qkv.weight
         h = torch.zeros(rows, cfg.embed_dim, device=weight.device, dtype=weight.dtype)
-        attention = dict(self._compiled_attention(batch))
+        attention = self._attention_ops(batch)
         if op == "qkv_rope":
             linear_qkv_rope(h, weight, attn.qkv.bias, *self.rope_columns(), *self.rope_rows(batch), self.tuning.gemm)
         elif op == "qkv":
@@ -170,11 +175,15 @@ class FusedLoop:
         positions, ids = batch.positions.float(), self.attention_segments(batch, 0).segment_ids
         return torch.where(ids >= 0, positions[:, 0], -1.0), positions[:, 1].contiguous()
 
-    def stream_biases(self) -> torch.Tensor:
-        """proj's and the MLP's last biases in the order they join the residual stream,
-        ``[2 * depth, E]`` (read at every forward, so the graphs follow weights updated in place)."""
-        return torch.stack([b for block in self.blocks
-                            for b in (block.attn.proj.bias, self.mlp_linears(block)[1].bias)])
+    def stream_biases(self, order: list[int] | None = None) -> torch.Tensor:
+        """proj's and the MLP's last biases in the order they join the residual stream, ``[2 * depth,
+        E]`` (read at every forward, so the graphs follow weights updated in place). ``order``: the
+        blocks that run (a warm-up's), their biases first and zeros after, the same shape: one
+        kernel variant of the running sums, and a warm-up's stream equal to a tower of those blocks."""
+        blocks = [self.blocks[i] for i in (range(len(self.blocks)) if order is None else order)]
+        biases = [b for block in blocks for b in (block.attn.proj.bias, self.mlp_linears(block)[1].bias)]
+        rest = 2 * (len(self.blocks) - len(blocks))
+        return torch.stack(biases + [torch.zeros_like(biases[0])] * rest)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -193,7 +202,7 @@ class FusedLoop:
         # rather than between the big activations.
         rotary = self._rotary_inputs(batch, first)
         # The biases the stream would hold after each proj and MLP, summed in fp32 (all blocks': one kernel variant).
-        offsets = kernels.prefix_sums(self.stream_biases()) if first.bias_free else None
+        offsets = kernels.prefix_sums(self.stream_biases(order)) if first.bias_free else None
         kinds = {self.attention_kind(i): self._attention_layout(batch, i) for i in self.attention_blocks()}
         x = self.embed(pixels, batch)
         h = self._add_norm(x, None, self.blocks[order[0]].norm1, None)
@@ -212,16 +221,16 @@ class FusedLoop:
             del qkv
             product = self._into_stream(x, out, block.attn.proj, paths)
             del out
-            h = self._add_norm(x, product, block.norm2, offsets, 2 * i)
+            h = self._add_norm(x, product, block.norm2, offsets, 2 * k)
             del product
             f = self._mlp_in_act(h, block)
             del h
             product = self._into_stream(x, f, mlp_out, paths)
             del f
             norm = self.blocks[order[k + 1]].norm1 if k + 1 < len(order) else self.merger.norm
-            h = self._add_norm(x, product, norm, offsets, 2 * i + 1)  # x: block i's output now
+            h = self._add_norm(x, product, norm, offsets, 2 * k + 1)  # x: block i's output now
             del product
-            feature = self.tap(i, x, fused=True, offset=None if offsets is None else offsets[2 * i + 1])
+            feature = self.tap(i, x, fused=True, offset=None if offsets is None else offsets[2 * k + 1])
             if feature is not None:
                 taps.append(feature)
         merger = self.merger

@@ -216,8 +216,7 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
             x = self.reference_block(self.blocks[i], x, cos, sin, self.attention_segments(batch, i))
             if (feature := self.tap(i, x, fused=False)) is not None:
                 taps.append(feature)
-        merger = self.merger
-        return self.finish(merger.project(merger.norm(x).view(-1, merger.merged_dim)), taps, batch)
+        return self.finish(self.merger(x), taps, batch)
 
     def reference_block(self, block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         segments) -> torch.Tensor:
