@@ -440,7 +440,7 @@ def test_fc1_tiles_give_the_same_bits():
 
     quack = quack_2b()
 
-    gemm_act, _, name = _quack()
+    gemm_act, _, name, _ = _quack()
     torch.manual_seed(0)
     weight = torch.randn(5120, 1280, device="cuda", dtype=torch.bfloat16) * 0.03
     bias = torch.randn(5120, device="cuda", dtype=torch.bfloat16) * 0.1
