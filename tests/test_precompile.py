@@ -560,3 +560,33 @@ def test_from_pretrained_hands_its_early_workers_to_precompile(checkpoint, monke
     enc = vitgraph.runtime.encoder.GraphedVisionEncoder.from_pretrained(checkpoint, device="cuda", budgets=[64],
                                                                  progress=False)
     assert waited_for == [early] and enc._early_workers is None
+
+
+@pytest.mark.parametrize("preset", ["qwen2-vl-2b", "qwen2.5-vl-7b", "qwen3-vl-8b", "qwen3.5-768"])
+def test_every_family_precompiles_what_its_forward_compiles(preset):
+    """Every family's kernels compiled on first use, at its released widths on an H200: the jobs
+    of the default ladder, each op's disk cache known, Qwen2.5-VL's two attention kinds (windows,
+    frames) each compiled; the tower a worker builds from the recipe (one block of each kind)
+    finds the same kernels on the same buckets, so its share of the jobs is the encoder's."""
+    from vitgraph.models import PRESETS, one_block_tower
+    from vitgraph.runtime.precompile import _DISK_CACHE
+
+    def configured(t):
+        t.set_attention_backend("fa4")
+        t.fused = True
+        t.set_tuning(h200(t.config).kernels)
+        return t
+
+    full = configured(build_tower(PRESETS[preset], torch.device("meta"), torch.bfloat16))
+    recipe = full.one_block_recipe()
+    worker = configured(one_block_tower(**recipe["kwargs"], device="meta", dtype=torch.bfloat16))
+    assert len(worker.blocks) in (1, 2) and worker.warm_up_blocks() == list(range(len(worker.blocks)))
+    buckets = buckets_for(full, EngineOptions(), "fa4", torch.device("cuda"), h200(full.config))
+    jobs = kernel_jobs(full, buckets)
+    assert [(j.op, j.key, j.bucket) for j in jobs] == [(j.op, j.key, j.bucket) for j in kernel_jobs(worker, buckets)]
+    ops = {j.op for j in jobs}
+    assert {"qkv_rope", "fc1", "attention"} <= ops and all(op in _DISK_CACHE for op in ops)
+    assert ("attention_2" in ops) == preset.startswith("qwen2.5")
+    fc1 = {j.key[3:] for j in jobs if j.op == "fc1"}  # the activation in the epilogue, gated or not
+    assert fc1 == {{"qwen2-vl-2b": ("quick_gelu", False), "qwen2.5-vl-7b": ("silu", True)}.get(
+        preset, ("gelu_pytorch_tanh", False))}

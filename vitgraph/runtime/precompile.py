@@ -52,7 +52,8 @@ EARLY_WORKERS = 10
 # compile only helps where the kernel persists.
 _FA4_CACHE = ("flash_attn.cute.cache_utils", FA4_CACHE_SWITCH, "0")
 _QUACK_CACHE = ("quack.cache.jit", "QUACK_CACHE_ENABLED", "1")
-_DISK_CACHE = {"attention": _FA4_CACHE, "qkv": _QUACK_CACHE, "qkv_rope": _QUACK_CACHE, "fc1": _QUACK_CACHE}
+_DISK_CACHE = {"attention": _FA4_CACHE, "attention_2": _FA4_CACHE, "qkv": _QUACK_CACHE, "qkv_rope": _QUACK_CACHE,
+               "fc1": _QUACK_CACHE}
 # Where each library puts its disk cache (its variable, else <tempdir>/<user>/<name>), known
 # without importing it: start_early looks there before anything is imported, and precompile
 # adopts the early workers only where the imported libraries name the same directories.
@@ -88,7 +89,7 @@ def kernel_jobs(tower: VisionTower, buckets: Sequence[Bucket]) -> list[KernelJob
     for bucket in sorted(buckets):
         for op, key in tower.jit_kernels(padded_batch(tower, bucket)):
             jobs.setdefault(key, KernelJob(op, key, bucket))
-    return sorted(jobs.values(), key=lambda j: (j.op != "attention", j.bucket))
+    return sorted(jobs.values(), key=lambda j: (not j.op.startswith("attention"), j.bucket))
 
 
 def _persists(op: str) -> bool:
