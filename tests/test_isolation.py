@@ -124,17 +124,15 @@ QUACK_EVERYWHERE = {"gemm.fc1_min_rows": 0, "gemm.qkv_min_rows": 0, "gemm.rope_m
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_non_finite_item_leaves_the_others_bitwise_unchanged_on_cuda(family, backend, fuse):
-    """Every backend, in bf16, fused and reference forward (and Qwen2-VL's fused one with quack's
-    GEMMs at every size): the padded layout eager (packed and, for one item alone, a one-slot
+    """Every backend, in bf16, fused and reference forward (and the fused one with quack's GEMM
+    epilogues at every size): the padded layout eager (packed and, for one item alone, a one-slot
     layout), then replayed from graphs (dense and packed buckets, the cudnn backend's ragged
     attention and the dense variants)."""
     tuning = {"buckets.dense_max_tokens": 1024, "routing.faster_buckets": False}
     if fuse == "quack":
-        if family != "qwen2_vl" or not quack_available("cuda"):
-            pytest.skip("quack's GEMMs: Qwen2-VL's fused forward on a Hopper GPU with quack-kernels")
+        if not quack_available("cuda"):
+            pytest.skip("quack's GEMMs: the fused forward on a Hopper GPU with quack-kernels")
         fuse, tuning = True, {**tuning, **QUACK_EVERYWHERE}
-    elif fuse and family != "qwen2_vl":
-        fuse = None  # the others have one forward
     kwargs = dict(budgets=[64, 256, 1024], max_items=8, tuning=tuning)
     enc = encoder(family, backend, "cuda", torch.bfloat16, mode="graph", fuse=fuse, **kwargs)
     if tuning.get("gemm.rope_min_rows") == 0:

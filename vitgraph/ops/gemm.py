@@ -1,11 +1,11 @@
-"""fc1 with QuickGELU in its epilogue: one CuTe-DSL GEMM instead of cuBLAS plus a Triton pass
-(and qkv through the same GEMM at large row counts, with the rotary in its epilogue:
+"""The MLP's first GEMM with its activation in the epilogue (QuickGELU, GELU-tanh, SiLU, or a
+SwiGLU's ``silu(gate) * up``): one CuTe-DSL GEMM instead of cuBLAS plus a Triton pass (and qkv
+through the same GEMM at large row counts, with the rotary in its epilogue:
 :mod:`vitgraph.ops.gemm_rope`).
 
 The ``quack`` backend runs quack-kernels' Hopper GEMM (installed with the ``fa4`` extra) with
-the bias and ``x * sigmoid(1.702 x)`` applied to the fp32 accumulator before the one bf16
-store: at 4096 tokens that saves the QuickGELU pass over fc1's output (84 MB read and
-written). Which rows take it, and in which tile, is a :class:`GemmTuning` the tower holds
+the bias and the activation applied to the fp32 accumulator before the one bf16 store: at 4096
+tokens Qwen2-VL-2B saves the QuickGELU pass over fc1's output (84 MB read and written). Which rows take it, and in which tile, is a :class:`GemmTuning` the tower holds
 (:func:`gemm_tuning`: from the device and the tower's widths); below its thresholds cuBLAS
 plus the Triton pass is as fast. fc1's and (with the rotary) qkv's tile is picked per row
 count by a wave model (:func:`pick_tile`), so that a bucket's last wave of output tiles is
@@ -60,9 +60,9 @@ class GemmTuning:
     and its tower's widths (:func:`gemm_tuning`) and a tower holds. The defaults are the plain
     path (cuBLAS, no split K), for a tower no encoder configured."""
 
-    backend: str = "cublas"  # "quack": fc1 + QuickGELU and qkv through quack's GEMM (Hopper, bf16)
+    backend: str = "cublas"  # "quack": the MLP's first GEMM + activation and qkv through quack's GEMM (Hopper, bf16)
     sm_count: int = 132  # of the device: the wave model's
-    fc1_min_rows: int = 512  # quack's fc1 + QuickGELU from here (cuBLAS + the Triton pass below)
+    fc1_min_rows: int = 512  # quack's MLP in + activation from here (cuBLAS + the Triton pass below)
     qkv_min_rows: int = 2048  # plain qkv through quack from here
     rope_min_rows: int = 576  # qkv with the rotary in its epilogue from here (vitgraph.ops.gemm_rope)
     small_rows: tuple[int, int] | None = None  # (fewest, most) rows: fc1 and qkv + rotary in 64-row tiles

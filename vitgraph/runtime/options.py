@@ -32,7 +32,7 @@ class EngineOptions:
     max_items: int = 16  # most segments (frames) one replay holds; each empty slot costs attention launch slots
     attention: str = "auto"  # "auto" | "fa4" | "cudnn" | "varlen" | "flash" | "sdpa"
     fuse: bool | None = None  # Triton kernels for the elementwise work; None = on CUDA in fp16/bf16 with triton
-    gemm: str = "auto"  # "quack" (fc1 + QuickGELU as one GEMM, qkv too; Hopper, bf16) | "cublas"; auto = quack where it runs
+    gemm: str = "auto"  # "quack" (qkv + rotary, the MLP in + activation as one GEMM each; Hopper, bf16) | "cublas"; auto = quack where it runs
     # One frame above this runs eagerly at its exact shape (GPU-bound there), as does a step its
     # bucket would pad by tuning plans.eager_min_padding or more. None: never.
     exact_eager_above: int | None = 8192
