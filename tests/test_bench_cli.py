@@ -315,6 +315,38 @@ def test_bench_images_from_jpeg_bytes_on_cpu(tmp_path, capsys):
         assert all(v > 0 for v in r["images_per_s"].values()) and set(r["images_per_s"]) == {"1", "2"}
 
 
+def test_bench_images_formats_writes_a_row_per_format_and_decoder(tmp_path):
+    """``vitgraph bench-images --formats`` on a CPU: one host-decoded row per format (the JPEGs'
+    three subsamplings, qualities and a progressive one, PNGs with and without alpha, a clip
+    array), each timed against the encode alone, with the issue's fields; the samples are what
+    they are named."""
+    import io
+
+    from PIL import Image
+
+    from vitgraph.bench.image_formats import FORMATS, make_samples
+
+    out = tmp_path / "formats.json"
+    rc = cli_main(["bench-images", "--formats", "--preset", "tiny", "--device", "cpu", "--repeats", "1",
+                   "--max-pixels", "12544", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["format"] for r in rows] == [name for name, *_ in FORMATS]  # no GPU here: host decoding only
+    for r in rows:
+        assert {"model", "format", "size", "encode_ms", "p50_ms", "decode", "max_level_diff"} <= set(r)
+        assert r["model"] == "qwen2_vl" and r["decode"] == "host" and r["max_level_diff"] == 0
+        assert r["encode_ms"] > 0 and r["p50_ms"] > 0 and r["images_per_s"] == pytest.approx(1e3 / r["p50_ms"])
+    samples = {s["format"]: s["item"] for s in make_samples(0)}
+    opened = {name: Image.open(io.BytesIO(item)) for name, item in samples.items() if isinstance(item, bytes)}
+    assert opened["png screenshot with alpha"].mode == "RGBA" and opened["png screenshot"].mode == "RGB"
+    assert opened["png screenshot with alpha"].getextrema()[3][0] < 255  # translucent panels
+    assert opened["jpeg q90 progressive"].info.get("progressive") == 1
+    from PIL import JpegImagePlugin
+    assert [JpegImagePlugin.get_sampling(opened[f"jpeg q{q} {s}"]) for q, s in
+            (("90", "4:2:0"), ("95", "4:4:4"), ("90", "4:2:2"))] == [2, 0, 1]
+    assert samples["clip uint8 array"].shape == (8, 448, 448, 3) and samples["clip uint8 array"].dtype.name == "uint8"
+
+
 @pytest.mark.slow
 def test_bench_images_serve_measures_the_ray_app_with_jpegs_and_rows(tmp_path):
     """``vitgraph bench-images --serve`` (in its own process: its own Ray, shut down as it ends):

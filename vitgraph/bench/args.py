@@ -162,6 +162,10 @@ def images_parser() -> argparse.ArgumentParser:
                              "it at saturation with the JPEGs and with the same images as rows")
     parser.add_argument("--port", type=positive_int, default=8765,
                         help="the Ray Serve app's port, with --serve (default 8765)")
+    parser.add_argument("--formats", action="store_true",
+                        help="instead: per format (JPEG qualities and subsamplings, PNG with and without alpha, a "
+                             "clip array), one item per call, 4 x --repeats calls each, host and GPU decoding, "
+                             "against the encode alone")
     parser.add_argument("--json", default=None, help="write the results to this JSON file (default: none)")
     return parser
 

@@ -246,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     _fill_defaults(args, cli_args.resolve_model_args(args))
     enc = cli_args.make_encoder(args, progress=True)
     low, high = pixel_limits(enc.processor, None, args.max_pixels)
+    if args.formats:
+        from . import image_formats
+
+        common.write_json(image_formats.main(args, enc, low, high), args.json)
+        return 0
     device = enc.device
     jpegs = make_jpegs(args.seed)
     systems = build(args.systems, enc, low, high)
