@@ -131,7 +131,9 @@ class MeanPoolTower(torch.nn.Module):
     processor = video_processor = None  # pixel rows only: no images
     tuning_reads = frozenset()  # it runs none of vitgraph's kernels
 
-    def configure(self, attention, fused, tuning):
+    def configure(self, attention, fused, tuning, precision="bf16"):
+        if precision != "bf16":
+            raise ValueError(f"precision={precision!r}: the MeanPoolTower has bf16 GEMMs only")
         self.fused = fused
 
     def __init__(self):

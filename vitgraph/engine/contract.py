@@ -68,9 +68,10 @@ class VisionTower(Protocol):
     tuning_reads: frozenset[str]  # the kernel settings its forwards read: "gemm", "norms.one_row_max_rows", ...
     fused: bool  # whether the fused forward (vitgraph's kernels) runs
 
-    def configure(self, attention: str, fused: bool, tuning: Any) -> None:
-        """Set the attention backend, the fused forward (on or off) and the kernels' tuning
-        (``vitgraph.ops.tuning.KernelTuning``); refuses what cannot run here."""
+    def configure(self, attention: str, fused: bool, tuning: Any, precision: str = "bf16") -> None:
+        """Set the attention backend, the fused forward (on or off), the kernels' tuning
+        (``vitgraph.ops.tuning.KernelTuning``) and the blocks' GEMM precision ("bf16": the
+        weights' dtype; "fp8"); refuses what cannot run here."""
 
     def build_batch(self, grids: Sequence[Grid], *, num_tokens: int | None = None,
                     num_segments: int | None = None, max_seqlen: int | None = None) -> BatchLayout:

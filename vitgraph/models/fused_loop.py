@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops import cudnn_attention, kernels
+from ..ops import cudnn_attention, fp8, kernels
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import LANE_PAD, attend, dense_masked, fa4_kernel, finite_values_
 from ..ops.backend_names import attention_backend
@@ -63,18 +63,22 @@ class FusedLoop:
         segments = self.attention_segments(batch, 0) if segments is None else segments
         lane = self._lane(segments, traits)
         lanes = [self._lane(self.attention_segments(batch, i), traits) for i in self.attention_blocks()]
-        rope = all(v is None for v in lanes) and rope_in_gemm(rows, self.blocks[0].attn.qkv.weight, self.tuning.gemm)
+        qkv = self.blocks[0].attn.qkv
+        rope = all(v is None for v in lanes) and rope_in_gemm(rows, qkv.weight, self.tuning.gemm) \
+            and not fp8.is_quantized(qkv)
         return FusedPaths(lane=lane, rope_epilogue=rope,
                           ragged=segments.padded and not segments.dense and traits.ragged,
                           zero_padding=segments.padded and lane is None and traits.reads_past_segments,
-                          bias_free=bias_free_stream(rows, self.tuning.gemm))
+                          bias_free=bias_free_stream(rows, self.tuning.gemm) and self.precision != "fp8")
 
     def _lane(self, segments, traits) -> int | None:
         return self.config.head_dim + LANE_PAD if segments.dense and segments.padded and traits.lane_pad else None
 
     def _fc1_kernel(self, rows: int) -> tuple | None:
-        weight = self.mlp_linears(self.blocks[0])[0].weight
-        return fc1_kernel(rows, weight, self.tuning.gemm, self.activation, self.GATED)
+        linear = self.mlp_linears(self.blocks[0])[0]
+        if fp8.is_quantized(linear):  # an FP8 GEMM, then the activation's Triton pass
+            return None
+        return fc1_kernel(rows, linear.weight, self.tuning.gemm, self.activation, self.GATED)
 
     def jit_kernels(self, batch) -> list[tuple[str, tuple]]:
         """The kernels compiled on first use (FlashAttention 4's, quack's) that :meth:`forward`
@@ -84,7 +88,8 @@ class FusedLoop:
         found = []
         if self.fused and self.fused_paths(batch).rope_epilogue:
             found.append(("qkv_rope", qkv_rope_kernel(rows, weight, self.tuning.gemm)))
-        elif self.fused and (key := qkv_kernel(rows, weight, self.tuning.gemm)) is not None:
+        elif self.fused and not fp8.is_quantized(self.blocks[0].attn.qkv) \
+                and (key := qkv_kernel(rows, weight, self.tuning.gemm)) is not None:
             found.append(("qkv", key))
         for op, segments in self._compiled_attention(batch):
             key = fa4_kernel(segments.max_seqlen, self.config.num_heads, rows, weight.dtype, self.tuning.attention)
@@ -253,10 +258,13 @@ class FusedLoop:
 
     def _qkv(self, h: torch.Tensor, attn: nn.Module, rotary: tuple, paths: FusedPaths) -> torch.Tensor:
         weight, gemm = attn.qkv.weight, self.tuning.gemm
-        if self._stand_ins and (paths.rope_epilogue or qkv_kernel(h.shape[0], weight, gemm) is not None):
+        quack_qkv = not fp8.is_quantized(attn.qkv) and qkv_kernel(h.shape[0], weight, gemm) is not None
+        if self._stand_ins and (paths.rope_epilogue or quack_qkv):
             return torch.zeros(h.shape[0], weight.shape[0], device=h.device, dtype=h.dtype)
         if paths.rope_epilogue:
             return linear_qkv_rope(h, weight, attn.qkv.bias, *rotary, gemm)
+        if fp8.is_quantized(attn.qkv):
+            return fp8.linear_fp8(h, attn.qkv)
         return linear_qkv(h, weight, attn.qkv.bias, gemm)
 
     def _attend_fused(self, qkv: torch.Tensor, segments, rotary: tuple, paths: FusedPaths, ragged) -> torch.Tensor:
@@ -285,6 +293,8 @@ class FusedLoop:
         if paths.bias_free:
             x.addmm_(y.reshape(x.shape[0], -1), linear.weight.t())
             return None
+        if fp8.is_quantized(linear):
+            return fp8.linear_fp8(y.reshape(x.shape[0], -1), linear), None
         return linear_split_k(y.reshape(x.shape[0], -1), linear.weight, linear.bias, self.tuning.gemm)
 
     def _add_norm(self, x: torch.Tensor, product, norm: nn.Module, offsets: torch.Tensor | None,
@@ -306,7 +316,7 @@ class FusedLoop:
                 width = linear.weight.shape[0] // (2 if self.GATED else 1)
                 return torch.zeros(h.shape[0], width, device=h.device, dtype=h.dtype)
             return linear_act(h, linear.weight, linear.bias, name, self.GATED, self.tuning.gemm)
-        f = F.linear(h, linear.weight, linear.bias)
+        f = fp8.linear_fp8(h, linear) if fp8.is_quantized(linear) else F.linear(h, linear.weight, linear.bias)
         if self.GATED:
             if name == "silu":
                 return kernels.silu_mul(f)

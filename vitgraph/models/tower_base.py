@@ -24,12 +24,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..engine.contract import TowerDims
-from ..ops import kernels
+from ..ops import fp8, kernels
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import attend
 from ..ops.tuning import KernelTuning
 from .fused_loop import FusedLoop
 from .rotary import RotaryFrequencies
+
+
+PRECISIONS = ("bf16", "fp8")  # the blocks' GEMMs: the weights' dtype, or FP8 (vitgraph.ops.fp8)
 
 
 def tower_dims(config) -> TowerDims:
@@ -132,7 +135,7 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
     NORM = "layer"
     MLP = ("fc1", "fc2")
     GATED = False
-    SPLIT_K = True
+    precision = "bf16"  # set_precision's
 
     def _init_tower(self, cfg) -> None:
         self.config = cfg
@@ -170,12 +173,36 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
     def activation(self) -> str:
         return self.config.hidden_act
 
-    def configure(self, attention: str, fused: bool, tuning) -> None:
-        """The attention backend, whether the fused forward runs, and the kernels' tuning
-        (:class:`vitgraph.ops.tuning.KernelTuning`): everything the runtime sets."""
+    def configure(self, attention: str, fused: bool, tuning, precision: str = "bf16") -> None:
+        """The attention backend, whether the fused forward runs, the kernels' tuning
+        (:class:`vitgraph.ops.tuning.KernelTuning`) and the blocks' GEMM precision: everything
+        the runtime sets."""
         self.set_attention_backend(attention)
         self.fuse(fused)
         self.set_tuning(tuning)
+        self.set_precision(precision)
+
+    def block_linears(self, block: nn.Module) -> tuple[nn.Linear, ...]:
+        """qkv, proj and the MLP's two: the GEMMs ``precision="fp8"`` runs in FP8 (not the merger's)."""
+        return (block.attn.qkv, block.attn.proj, *self.mlp_linears(block))
+
+    def set_precision(self, precision: str) -> None:
+        """``"fp8"``: the fused forward runs the blocks' four GEMMs in FP8 (:mod:`vitgraph.ops.fp8`:
+        weights quantized per output channel now, activations per row at each call); ``"bf16"``:
+        in the weights' dtype. Call it after the tower has its device and dtype."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        linears = [linear for block in self.blocks for linear in self.block_linears(block)]
+        if precision == "fp8":
+            if not self.fused:
+                raise ValueError("precision='fp8' runs in the fused forward: it needs fuse=True")
+            unaligned = sorted({(lin.in_features, lin.out_features) for lin in linears if not fp8.fits(lin)})
+            if unaligned:
+                raise ValueError(f"precision='fp8': FP8 GEMMs take widths in multiples of {fp8.ALIGN}; the "
+                                 f"{type(self).__name__} has linears (in, out) {unaligned}")
+        for linear in linears:
+            fp8.quantize_linear_(linear) if precision == "fp8" else fp8.dequantize_linear_(linear)
+        self.precision = precision
 
     def set_attention_backend(self, backend: str) -> None:
         for block in self.blocks:

@@ -39,6 +39,7 @@ def encoder_stats(encoder) -> dict[str, Any]:
             "attention": encoder.attention,
             "fused": encoder.tower.fused,
             "gemm": encoder.gemm if encoder.device.type == "cuda" else "torch",  # the CPU's own matmul
+            "precision": encoder.options.precision,  # the blocks' GEMMs: "bf16" (the weights' dtype) or "fp8"
             "mode": "graph" if encoder.use_graphs else "eager",
             "calls": encoder._counters.calls,
             "buckets": buckets,

@@ -15,6 +15,8 @@ from ..ops import kernels
 from ..ops.attention import fa4_short_cap, resolve_backend
 from ..ops.backend_names import attention_backend
 from ..ops.gemm import GEMM_BACKENDS, resolve_gemm
+
+PRECISIONS = ("bf16", "fp8")  # EngineOptions.precision (the tower's set_precision)
 from .tuning import Tuning, check_overrides
 from .validation import check_int
 
@@ -33,6 +35,9 @@ class EngineOptions:
     attention: str = "auto"  # "auto" | "fa4" | "cudnn" | "varlen" | "flash" | "sdpa"
     fuse: bool | None = None  # Triton kernels for the elementwise work; None = on CUDA in fp16/bf16 with triton
     gemm: str = "auto"  # "quack" (qkv + rotary, the MLP in + activation as one GEMM each; Hopper, bf16) | "cublas"; auto = quack where it runs
+    # The blocks' four GEMMs: "bf16" (the weights' dtype) or "fp8" (weights per channel, activations
+    # per row, torch._scaled_mm; the fused forward, cuBLAS GEMMs; vitgraph.ops.fp8). The merger stays.
+    precision: str = "bf16"
     # One frame above this runs eagerly at its exact shape (GPU-bound there), as does a step its
     # bucket would pad by tuning plans.eager_min_padding or more. None: never.
     exact_eager_above: int | None = 8192
@@ -61,6 +66,12 @@ class EngineOptions:
         check_int("exact_eager_above", self.exact_eager_above, minimum=0, optional=True)
         check_int("compile_workers", self.compile_workers, minimum=0, optional=True)
         check_int("front_threads", self.front_threads, minimum=1, optional=True)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision == "fp8" and self.gemm == "quack":
+            raise ValueError("precision='fp8' runs its GEMMs on cuBLAS (torch._scaled_mm): use gemm='auto' or 'cublas'")
+        if self.precision == "fp8" and self.fuse is False:
+            raise ValueError("precision='fp8' runs in the fused forward: use fuse=True or None")
         if self.gemm not in ("auto",) + GEMM_BACKENDS:
             raise ValueError(f"gemm must be 'auto' or one of {GEMM_BACKENDS}, got {self.gemm!r}")
         if self.fuse is not None and not isinstance(self.fuse, bool):
@@ -113,6 +124,14 @@ def short_cap_rule(options: EngineOptions, backend: str, heads: int, device: tor
     return lambda budget: fa4_short_cap(budget, heads, unit, tuning.attention)
 
 
+def check_fp8_device(device: torch.device) -> None:
+    """FP8 GEMMs run on CUDA devices of compute capability 8.9 or more (Ada, Hopper), and on a CPU
+    (torch's own kernel: slow, for tests)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"precision='fp8' needs a GPU of compute capability 8.9 or more (FP8 tensor cores); "
+                         f"{device} has {torch.cuda.get_device_capability(device)}")
+
+
 def configure_tower(tower: VisionTower, options: EngineOptions, tuning: Tuning, device: torch.device,
                     dtype: torch.dtype) -> tuple[str, Tuning]:
     """Set ``tower``'s attention backend, fusion, GEMM backend and kernel tuning as ``options``
@@ -125,9 +144,16 @@ def configure_tower(tower: VisionTower, options: EngineOptions, tuning: Tuning, 
     if options.gemm not in ("auto", "cublas") and options.gemm not in tower.gemm_backends:
         raise ValueError(f"gemm={options.gemm!r}: the {type(tower).__name__} has no {options.gemm} GEMM path; "
                          f"use 'cublas' or 'auto'")
-    gemm = resolve_gemm(options.gemm, device, dtype, fuse and "quack" in tower.gemm_backends)
+    quack = fuse and "quack" in tower.gemm_backends and options.precision != "fp8"
+    gemm = resolve_gemm(options.gemm, device, dtype, quack)
+    if options.precision == "fp8":
+        check_fp8_device(device)
+        if not fuse:
+            raise ValueError(f"precision='fp8' runs in the fused forward, which needs triton and a CUDA device "
+                             f"(or TRITON_INTERPRET=1); got device {device}")
     tuning = dataclasses.replace(tuning, gemm=dataclasses.replace(tuning.gemm, backend=gemm))
-    tower.configure(attention, fuse, tuning.kernels)  # refuses fuse=True where the kernels cannot run
+    # refuses fuse=True where the kernels cannot run, and FP8 for widths _scaled_mm does not take
+    tower.configure(attention, fuse, tuning.kernels, options.precision)
     return attention, tuning
 
 

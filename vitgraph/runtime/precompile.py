@@ -229,7 +229,8 @@ def _early_caches(device: torch.device, dtype: torch.dtype, options: dict) -> li
     if ((options["attention"] == "auto" or (named is not None and named.compiles)) and dtype in (torch.float16, torch.bfloat16) and _persists("attention")
             and _has_fa4(device)):
         caches.append(_FA4_CACHE[0])
-    if (options["gemm"] in ("auto", "quack") and dtype == torch.bfloat16 and options["fuse"] is not False
+    if (options["gemm"] in ("auto", "quack") and options.get("precision") != "fp8" and dtype == torch.bfloat16
+            and options["fuse"] is not False
             and _persists("fc1") and quack_available(device)):
         caches.append(_QUACK_CACHE[0])
     return caches

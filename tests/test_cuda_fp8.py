@@ -1,0 +1,71 @@
+"""``precision="fp8"`` in CUDA graphs, at the released towers' widths (two blocks: one of each
+kind): every bucket replays bitwise equal to eager, a NaN item leaves the others' rows bitwise,
+and the error from the fp32 reference stays within 1.1x the floor's (each GEMM's input and weight
+rounded to e4m3 at the kernel's granularity, :mod:`vitgraph.models.fp8_floor`).
+
+Needs a GPU of compute capability 8.9 or more; ``python -m pytest -m cuda -s``.
+"""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from helpers import load_random_frames, random_pixels, rel_err, run_eager
+
+from vitgraph import GraphedVisionEncoder
+from vitgraph.checkpoints.loading import build_tower
+from vitgraph.models import PRESETS
+from vitgraph.models.fp8_floor import fp8_floor
+from vitgraph.models.tower_base import one_block_fields
+
+pytestmark = pytest.mark.cuda
+
+PRESET_NAMES = ["qwen2-vl-2b", "qwen2.5-vl-7b", "qwen3-vl-8b"]
+GRIDS = [(1, 32, 32), (1, 20, 28), (2, 16, 16), (1, 8, 12)]
+
+
+@pytest.fixture(scope="module", params=PRESET_NAMES)
+def setup(request):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with FP8 tensor cores (compute capability 8.9 or more)")
+    config = PRESETS[request.param]
+    config = dataclasses.replace(config, **one_block_fields(config))
+    torch.manual_seed(0)
+    state = build_tower(config, torch.device("cpu"), torch.float32).state_dict()
+    encoders = {precision: GraphedVisionEncoder.from_state_dict(
+        state, config, device="cuda", dtype=torch.bfloat16, precision=precision, budgets=[1024, 4096], max_items=8,
+        progress=False) for precision in ("fp8", "bf16")}
+    return request.param, config, state, encoders
+
+
+def test_replay_is_bitwise_equal_to_eager_in_fp8(setup):
+    bank, rng = setup[3]["fp8"].bank, random.Random(0)
+    for bucket in bank.buckets:
+        _, tokens = load_random_frames(bank, bucket, rng)
+        replayed = bank.replay(bucket)[:tokens // 4].clone()
+        assert torch.equal(replayed, run_eager(bank, bucket)[:tokens // 4]), bucket.name
+
+
+def test_fp8_graphs_sit_at_the_floor(setup):
+    name, config, state, encoders = setup
+    reference = build_tower(config, torch.device("cuda"), torch.float32)
+    reference.load_state_dict(state)
+    pixels = random_pixels(GRIDS, reference.input_width, seed=3).cuda()
+    batch = reference.build_batch(GRIDS).to(torch.device("cuda"))
+    with torch.inference_mode():
+        ref = reference.forward_reference(pixels, batch)
+        with fp8_floor(reference):
+            floor = reference.forward_reference(pixels, batch)
+    fp8, bf16 = (rel_err(encoders[p].encode(pixels, GRIDS).float(), ref) for p in ("fp8", "bf16"))
+    print(f"\n[{name}] from fp32: fp8 graphs {fp8:.3e}, floor {rel_err(floor, ref):.3e}, bf16 graphs {bf16:.3e}")
+    assert fp8 <= 1.1 * rel_err(floor, ref)
+
+
+def test_a_nan_item_leaves_the_others_rows_bitwise_in_fp8(setup):
+    enc = setup[3]["fp8"]
+    pixels = random_pixels(GRIDS, enc.tower.input_width, seed=4).cuda()
+    clean = enc.encode(pixels, GRIDS)
+    pixels[1024:1024 + 560] = float("nan")
+    got = enc.encode(pixels, GRIDS)
+    assert torch.equal(got[:256], clean[:256]) and torch.equal(got[256 + 140:], clean[256 + 140:])

@@ -1,0 +1,28 @@
+"""The floor of FP8's error: a tower's reference forward with each of the blocks' four GEMMs fed
+e4m3-rounded inputs (one scale per row) and weights (one per output channel), in the tower's own
+dtype (fp32 for the study): what any kernel at that scale granularity gives, whatever it
+accumulates in. ``precision="fp8"``'s error is judged against it."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from ..ops.fp8 import fake_quantize_rows, fake_quantize_weight
+
+
+@contextmanager
+def fp8_floor(tower):
+    """Within it, ``tower.forward_reference`` computes the floor; the weights are restored after."""
+    linears = [linear for block in tower.blocks for linear in tower.block_linears(block)]
+    saved = [linear.weight.data for linear in linears]
+    hooks = [linear.register_forward_pre_hook(lambda module, args: (fake_quantize_rows(args[0]),) + args[1:])
+             for linear in linears]
+    try:
+        for linear in linears:
+            linear.weight.data = fake_quantize_weight(linear.weight.data)
+        yield tower
+    finally:
+        for linear, weight in zip(linears, saved):
+            linear.weight.data = weight
+        for hook in hooks:
+            hook.remove()

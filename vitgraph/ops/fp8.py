@@ -1,0 +1,76 @@
+"""FP8 GEMMs of a block's four linears (``precision="fp8"``): e4m3 weights with one scale per
+output channel, e4m3 activations with one scale per row, fp32 accumulation, through
+``torch._scaled_mm`` (cuBLAS on Hopper; torch's own kernel on a CPU).
+
+Rowwise scaling was the fastest of the scalings measured on an H100 (block-128 ran 4-16% slower
+at these shapes). ``_scaled_mm`` takes dimensions in multiples of 16; the towers' widths are
+(Qwen2.5-VL's 3420-wide MLP is kept padded to 3456). A row's scale is its absolute maximum over
+448, e4m3's largest value, so a non-finite value spoils its own row only: items stay apart.
+
+:func:`fake_quantize_rows` and :func:`fake_quantize_weight` give the same rounding in the input's
+dtype: the floor every FP8 kernel shares (the reference with each GEMM's input rounded to e4m3 at
+the kernel's scale granularity), against which the FP8 forward's error is judged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+MIN_SCALE = 2.0 ** -126  # an all-zero row's scale: its e4m3 values are zeros whatever it is
+ALIGN = 16  # _scaled_mm's dimensions: multiples of 16
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, K]`` -> e4m3 ``[T, K]`` and fp32 ``[T, 1]`` scales, ``x ~ q * scale`` row by row."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp_min(MIN_SCALE)
+    return (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` -> e4m3 ``[N, K]`` and fp32 ``[1, N]`` scales, one per output channel."""
+    q, scale = quantize_rows(weight)
+    return q.contiguous(), scale.reshape(1, -1).contiguous()
+
+
+def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded as :func:`quantize_rows` rounds it, back in ``x``'s dtype."""
+    q, scale = quantize_rows(x)
+    return (q.float() * scale).to(x.dtype)
+
+
+def fake_quantize_weight(weight: torch.Tensor) -> torch.Tensor:
+    q, scale = quantize_weight(weight)
+    return (q.float() * scale.reshape(-1, 1)).to(weight.dtype)
+
+
+def fits(linear: torch.nn.Linear) -> bool:
+    """Whether ``linear``'s widths are multiples of 16 (what ``_scaled_mm`` takes)."""
+    return linear.in_features % ALIGN == 0 and linear.out_features % ALIGN == 0
+
+
+def quantize_linear_(linear: torch.nn.Linear) -> None:
+    """Give ``linear`` its e4m3 weight ``[N, K]`` and per-channel scales ``[1, N]`` (``linear.fp8``): a
+    plain attribute, neither in state dicts nor cast by ``Module.to`` (which would cast e4m3 too);
+    its float weight stays (the reference forward's)."""
+    linear.fp8 = quantize_weight(linear.weight.detach())
+
+
+def dequantize_linear_(linear: torch.nn.Linear) -> None:
+    linear.__dict__.pop("fp8", None)
+
+
+def is_quantized(linear: torch.nn.Module) -> bool:
+    return getattr(linear, "fp8", None) is not None
+
+
+def linear_fp8(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+    """``x @ W.T + b`` in FP8 (``x [T, K]`` bf16, ``linear`` quantized by :func:`quantize_linear_`):
+    the rows quantized here, then one ``_scaled_mm`` (rowwise scales give bf16 only)."""
+    q, scale = quantize_rows(x)
+    weight, weight_scale = linear.fp8
+    bias = linear.bias.to(torch.bfloat16) if linear.bias is not None else None
+    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, bias=bias, out_dtype=torch.bfloat16)
+    return out.to(x.dtype)
