@@ -1,0 +1,96 @@
+"""FP8 against bf16 graphs, one process per preset: speed and distance from fp32.
+
+    python benchmarks/fp8.py --json benchmarks/results/h100-fp8.json      # the three presets, GPU
+    python benchmarks/fp8.py --presets tiny --device cpu --cases 1x256 --rounds 1   # runs anywhere
+
+Per preset, two graph encoders of the same random weights, ``precision="bf16"`` and ``"fp8"``,
+timed in strictly alternating blocks after a preheat (``vitgraph.bench.common.alternating_ab``):
+the patch counts of 1024, 4096 and 16384 tokens and the standard cases. Per case, the distance
+from the fp32 reference (the same weights, the plain forward) of the FP8 graph, of the floor (the
+reference with each GEMM's input and weight rounded to e4m3 at FP8's granularity) and of the
+bf16 graph. Writes ``{"gpu": ..., "cases": [{"model", "case", "tokens", "bf16_ms", "fp8_ms",
+"rel_err_fp8", "rel_err_floor", "rel_err_bf16"}]}`` with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from vitgraph import GraphedVisionEncoder
+from vitgraph.bench.common import alternating_ab
+from vitgraph.bench.latency import CASES
+from vitgraph.checkpoints.loading import build_tower
+from vitgraph.models import PRESETS
+from vitgraph.models.fp8_floor import fp8_floor
+
+TOKENS = {"1024": [(1, 32, 32)], "4096": [(1, 64, 64)], "16384": [(1, 128, 128)]}
+
+
+def errors(reference, encoders: dict, grids, device) -> dict:
+    """The distance of each encoder's output, and of the floor's, from the fp32 reference."""
+    gen = torch.Generator().manual_seed(1)
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), reference.input_width, generator=gen).to(device)
+    batch = reference.build_batch(grids).to(device)
+    with torch.inference_mode():
+        ref = reference.forward_reference(pixels, batch).double()
+        with fp8_floor(reference):
+            floor = reference.forward_reference(pixels, batch).double()
+
+    def rel(x):
+        return ((x.double() - ref).norm() / ref.norm()).item()
+
+    return {"rel_err_fp8": rel(encoders["fp8"].encode(pixels, grids)), "rel_err_floor": rel(floor),
+            "rel_err_bf16": rel(encoders["bf16"].encode(pixels, grids))}
+
+
+def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iters: int) -> list[dict]:
+    config = PRESETS[preset]
+    torch.manual_seed(0)
+    reference = build_tower(config, device, torch.float32)
+    state = reference.state_dict()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    encoders = {p: GraphedVisionEncoder.from_state_dict(state, config, device=device, dtype=dtype, precision=p,
+                                                        fuse=True, progress=False) for p in ("bf16", "fp8")}
+    rows = alternating_ab(lambda key, pixels, grids: encoders[key].encode(pixels.to(dtype), grids),
+                          ("bf16", "fp8"), cases, reference.input_width, device, rounds, iters)
+    out = []
+    for name, bf16_ms, fp8_ms, _ in rows:
+        grids = cases[name]
+        entry = {"model": preset, "case": name, "tokens": sum(t * h * w for t, h, w in grids),
+                 "bf16_ms": bf16_ms, "fp8_ms": fp8_ms, **errors(reference, encoders, grids, device)}
+        print(f"{preset:14} {name:14} {entry['tokens']:6}  bf16 {bf16_ms:8.2f}  fp8 {fp8_ms:8.2f} ms "
+              f"({bf16_ms / fp8_ms:.2f}x)  from fp32: fp8 {entry['rel_err_fp8']:.2e}, floor "
+              f"{entry['rel_err_floor']:.2e}, bf16 {entry['rel_err_bf16']:.2e}", flush=True)
+        out.append(entry)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=["qwen2-vl-2b", "qwen2.5-vl-7b", "qwen3-vl-8b"],
+                        choices=sorted(PRESETS))
+    parser.add_argument("--cases", nargs="+", default=list(TOKENS) + list(CASES),
+                        choices=list(TOKENS) + list(CASES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cases = {name: TOKENS.get(name) or CASES[name] for name in args.cases}
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result = {"gpu": gpu, "torch": torch.__version__, "cases": []}
+    for preset in args.presets:
+        result["cases"] += run_preset(preset, cases, device, args.rounds, args.iters)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
