@@ -21,7 +21,7 @@ import sys
 import torch
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.bench.common import alternating_ab
+from vitgraph.bench.common import PREHEAT_SECONDS, alternating_ab
 from vitgraph.bench.latency import CASES
 from vitgraph.checkpoints.loading import build_tower
 from vitgraph.models import PRESETS
@@ -47,7 +47,7 @@ def errors(reference, encoders: dict, grids, device) -> dict:
             "rel_err_bf16": rel(encoders["bf16"].encode(pixels, grids))}
 
 
-def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iters: int) -> list[dict]:
+def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iters: int, preheat: float) -> list[dict]:
     config = PRESETS[preset]
     torch.manual_seed(0)
     reference = build_tower(config, device, torch.float32)
@@ -56,7 +56,7 @@ def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iter
     encoders = {p: GraphedVisionEncoder.from_state_dict(state, config, device=device, dtype=dtype, precision=p,
                                                         fuse=True, progress=False) for p in ("bf16", "fp8")}
     rows = alternating_ab(lambda key, pixels, grids: encoders[key].encode(pixels.to(dtype), grids),
-                          ("bf16", "fp8"), cases, reference.input_width, device, rounds, iters)
+                          ("bf16", "fp8"), cases, reference.input_width, device, rounds, iters, preheat)
     out = []
     for name, bf16_ms, fp8_ms, _ in rows:
         grids = cases[name]
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--preheat", type=float, default=PREHEAT_SECONDS, help="seconds of calls before each case")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {"gpu": gpu, "torch": torch.__version__, "cases": []}
     for preset in args.presets:
-        result["cases"] += run_preset(preset, cases, device, args.rounds, args.iters)
+        result["cases"] += run_preset(preset, cases, device, args.rounds, args.iters, args.preheat)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
