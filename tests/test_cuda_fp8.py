@@ -69,3 +69,33 @@ def test_a_nan_item_leaves_the_others_rows_bitwise_in_fp8(setup):
     pixels[1024:1024 + 560] = float("nan")
     got = enc.encode(pixels, GRIDS)
     assert torch.equal(got[:256], clean[:256]) and torch.equal(got[256 + 140:], clean[256 + 140:])
+
+
+@pytest.mark.parametrize("width", [1280, 1152, 3456])
+def test_the_quantizing_kernels_round_as_torch_does(width):
+    """The kernels that hand FP8 GEMMs their inputs (vitgraph.ops.fp8_kernels) give the e4m3 values
+    and scales of vitgraph.ops.fp8.quantize_rows, bit for bit: attention's output, the norms'
+    and the activations' (with a zero row and a NaN row among them)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with FP8 tensor cores (compute capability 8.9 or more)")
+    from vitgraph.ops import kernels
+    from vitgraph.ops.fp8 import quantize_rows
+    from vitgraph.ops.fp8_kernels import activation_fp8, add_norm_fp8, quantize_rows_fp8
+
+    def same(got, expected, what):
+        assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8)), what
+        assert torch.equal(got[1], expected[1]), what
+
+    torch.manual_seed(0)
+    x = torch.randn(1000, width, device="cuda", dtype=torch.bfloat16) * 3
+    x[5] = 0
+    x[7, 3] = float("nan")
+    same(quantize_rows_fp8(x), quantize_rows(x), "rows")
+    w, b = torch.randn(width, device="cuda"), torch.randn(width, device="cuda")
+    for rms in (False, True):
+        stream = torch.randn(1000, width, device="cuda", dtype=torch.bfloat16)
+        got = add_norm_fp8(stream.clone(), x, w, b, 1e-6, rms=rms)
+        same(got, quantize_rows(kernels.add_layernorm(stream.clone(), x, w, b, 1e-6, rms=rms)), f"norm rms={rms}")
+    for name in ("quick_gelu", "gelu_pytorch_tanh", "silu"):
+        same(activation_fp8(x, name, False), quantize_rows(kernels.activation_(x.clone(), name)), name)
+    same(activation_fp8(x, "silu", True), quantize_rows(kernels.silu_mul(x)), "silu * up")

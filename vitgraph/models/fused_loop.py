@@ -16,6 +16,7 @@ from ..ops import cudnn_attention, fp8, kernels
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import LANE_PAD, attend, dense_masked, fa4_kernel, finite_values_
 from ..ops.backend_names import attention_backend
+from ..ops.fp8_kernels import activation_fp8, add_norm_fp8, quantize_rows_fp8
 from ..ops.gemm import (bias_free_stream, fc1_kernel, linear_act, linear_qkv, linear_qkv_rope, linear_split_k,
                         qkv_kernel, qkv_rope_kernel, rope_in_gemm)
 
@@ -153,6 +154,10 @@ class FusedLoop:
         finally:
             del self._stand_ins
 
+    @property
+    def _stream_dtype(self) -> torch.dtype:
+        return self.blocks[0].attn.proj.bias.dtype
+
     # -- the rotary's inputs -------------------------------------------------------------
 
     def rope_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,8 +237,9 @@ class FusedLoop:
             del h
             product = self._into_stream(x, f, mlp_out, paths)
             del f
-            norm = self.blocks[order[k + 1]].norm1 if k + 1 < len(order) else self.merger.norm
-            h = self._add_norm(x, product, norm, offsets, 2 * k + 1)  # x: block i's output now
+            last = k + 1 == len(order)
+            norm = self.merger.norm if last else self.blocks[order[k + 1]].norm1
+            h = self._add_norm(x, product, norm, offsets, 2 * k + 1, gemm_input=not last)  # x: block i's output now
             del product
             feature = self.tap(i, x, fused=True, offset=None if offsets is None else offsets[2 * k + 1])
             if feature is not None:
@@ -264,7 +270,7 @@ class FusedLoop:
         if paths.rope_epilogue:
             return linear_qkv_rope(h, weight, attn.qkv.bias, *rotary, gemm)
         if fp8.is_quantized(attn.qkv):
-            return fp8.linear_fp8(h, attn.qkv)
+            return fp8.linear_fp8(h, attn.qkv, self._stream_dtype)
         return linear_qkv(h, weight, attn.qkv.bias, gemm)
 
     def _attend_fused(self, qkv: torch.Tensor, segments, rotary: tuple, paths: FusedPaths, ragged) -> torch.Tensor:
@@ -293,30 +299,43 @@ class FusedLoop:
         if paths.bias_free:
             x.addmm_(y.reshape(x.shape[0], -1), linear.weight.t())
             return None
-        if fp8.is_quantized(linear):
-            return fp8.linear_fp8(y.reshape(x.shape[0], -1), linear), None
+        if fp8.is_quantized(linear):  # attention's output quantized here, the MLP's by its activation
+            y = y if isinstance(y, tuple) else quantize_rows_fp8(y.reshape(x.shape[0], -1))
+            return fp8.linear_fp8(y, linear, x.dtype), None
         return linear_split_k(y.reshape(x.shape[0], -1), linear.weight, linear.bias, self.tuning.gemm)
 
     def _add_norm(self, x: torch.Tensor, product, norm: nn.Module, offsets: torch.Tensor | None,
-                  index: int = 0) -> torch.Tensor:
+                  index: int = 0, gemm_input: bool = True):
         """``x += product`` (if any, see :meth:`_into_stream`), then ``norm(x)``; ``offsets``: the
-        bias-free stream's summed biases, row ``index`` of them added."""
+        bias-free stream's summed biases, row ``index`` of them added. The input of a block's FP8
+        GEMM (``gemm_input``, not the merger's) comes as e4m3 rows and their scales."""
         y, y_bias = (None, None) if product is None else product
         offset = None if offsets is None else offsets[index]
         rms = self.NORM == "rms"
-        return kernels.add_layernorm(x, y, norm.weight, norm.weight if rms else norm.bias, norm.eps, y_bias,
-                                     offset=offset, rms=rms, tuning=self.tuning.norms)
+        add_norm = add_norm_fp8 if gemm_input and self.precision == "fp8" else kernels.add_layernorm
+        return add_norm(x, y, norm.weight, norm.weight if rms else norm.bias, norm.eps, y_bias, offset=offset, rms=rms,
+                        tuning=self.tuning.norms)
 
-    def _mlp_in_act(self, h: torch.Tensor, block: nn.Module) -> torch.Tensor:
+    def _mlp_in_act(self, h, block: nn.Module):
         """The MLP's first GEMM and its activation: one quack GEMM with the activation (or
-        ``act(gate) * up``) in its epilogue where it fits, else cuBLAS and a Triton pass."""
+        ``act(gate) * up``) in its epilogue where it fits, else cuBLAS and a Triton pass; in FP8,
+        the activation's kernel hands the last GEMM e4m3 rows."""
         linear, name = self.mlp_linears(block)[0], self.activation
+        if fp8.is_quantized(linear):
+            f = fp8.linear_fp8(h, linear, self._stream_dtype)
+            if name in kernels.FUSED_ACTIVATIONS:
+                return activation_fp8(f, name, self.GATED)
+            return quantize_rows_fp8(self._activate(f).contiguous())
         if self._fc1_kernel(h.shape[0]) is not None:
             if self._stand_ins:
                 width = linear.weight.shape[0] // (2 if self.GATED else 1)
                 return torch.zeros(h.shape[0], width, device=h.device, dtype=h.dtype)
             return linear_act(h, linear.weight, linear.bias, name, self.GATED, self.tuning.gemm)
-        f = fp8.linear_fp8(h, linear) if fp8.is_quantized(linear) else F.linear(h, linear.weight, linear.bias)
+        return self._activate(F.linear(h, linear.weight, linear.bias))
+
+    def _activate(self, f: torch.Tensor) -> torch.Tensor:
+        """The MLP's activation of its first GEMM's output (a Triton pass where there is one)."""
+        name = self.activation
         if self.GATED:
             if name == "silu":
                 return kernels.silu_mul(f)

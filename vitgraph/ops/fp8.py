@@ -66,11 +66,16 @@ def is_quantized(linear: torch.nn.Module) -> bool:
     return getattr(linear, "fp8", None) is not None
 
 
-def linear_fp8(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """``x @ W.T + b`` in FP8 (``x [T, K]`` bf16, ``linear`` quantized by :func:`quantize_linear_`):
-    the rows quantized here, then one ``_scaled_mm`` (rowwise scales give bf16 only)."""
-    q, scale = quantize_rows(x)
+def linear_fp8(x, linear: torch.nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W.T + b`` in FP8, ``linear`` quantized by :func:`quantize_linear_`: ``x`` a ``[T, K]``
+    tensor (its rows quantized here) or the ``(e4m3 [T, K], fp32 [T, 1])`` pair a kernel made
+    (:mod:`vitgraph.ops.fp8_kernels`); one ``_scaled_mm`` (rowwise scales give bf16), then ``dtype``
+    (default: ``x``'s, bf16 for a pair)."""
+    if isinstance(x, torch.Tensor):
+        dtype = dtype or x.dtype
+        x = quantize_rows(x)
+    q, scale = x
     weight, weight_scale = linear.fp8
     bias = linear.bias.to(torch.bfloat16) if linear.bias is not None else None
     out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, bias=bias, out_dtype=torch.bfloat16)
-    return out.to(x.dtype)
+    return out.to(dtype or torch.bfloat16)

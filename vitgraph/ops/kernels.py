@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections import namedtuple
 from dataclasses import dataclass
 
 import torch
-
 
 PAD_KEY_SCORE = -16384.0  # extra-lane value of a padding key: q.k gains -16384, exp() of it is 0
 
@@ -100,10 +100,17 @@ if available():
         return diff * rstd * w + b
 
     @triton.jit
+    def store_fp8_rows(hf, q_ptr, scale_ptr, offs, r, mask, rows, MIN: tl.constexpr):  # vitgraph.ops.fp8_kernels
+        scale = tl.maximum(tl.max(tl.abs(hf), axis=1)[:, None] / 448.0, MIN)
+        tl.store(q_ptr + offs, tl.math.div_rn(hf, scale).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + r, scale, mask=r < rows)
+
+    @triton.jit
     def _add_layernorm_kernel(x_ptr, y_ptr, y_bias_ptr, offset_ptr, h_ptr, w_ptr, b_ptr, rows, eps,
                               N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_Y: tl.constexpr,
                               SPLITS: tl.constexpr, HAS_Y_BIAS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                              LAUNCH_DEPENDENTS: tl.constexpr, RMS: tl.constexpr = False):
+                              LAUNCH_DEPENDENTS: tl.constexpr, RMS: tl.constexpr = False, scale_ptr=None,
+                              QUANT: tl.constexpr = False, MIN_SCALE: tl.constexpr = 0.0):
         if LAUNCH_DEPENDENTS:
             tl.extra.cuda.gdc_launch_dependents()
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -128,10 +135,13 @@ if available():
             # RMSNorm as Qwen2.5-VL has it: fp32 statistics, rounded, then times the weight.
             rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1)[:, None] / N + eps)
             w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-            h = (xf * rstd).to(h_ptr.dtype.element_ty).to(tl.float32) * w
+            h = (xf * rstd).to(x.dtype).to(tl.float32) * w
         else:
             h = layernorm_rows(xf, mask, c, w_ptr, b_ptr, N, eps)
-        tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+        if QUANT:  # e4m3 rows and their scales for an FP8 GEMM (vitgraph.ops.fp8_kernels)
+            store_fp8_rows(h.to(x.dtype).to(tl.float32), h_ptr, scale_ptr, offs, r, mask, rows, MIN_SCALE)
+        else:
+            tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _unpack_pair(v, dtype: tl.constexpr, BITS: tl.constexpr):
@@ -247,10 +257,7 @@ def _rows_per_program(rows: int, width: int, per_program: int = 8192) -> int:
     return min(per, triton.next_power_of_2(max(rows, 1)))
 
 
-@dataclass(frozen=True)
-class LayerNormLaunch:
-    rows: int  # rows per program
-    warps: int
+LayerNormLaunch = namedtuple("LayerNormLaunch", ["rows", "warps"])  # rows per program, warps per program
 
 
 def layernorm_launch(rows: int, width: int, tuning: NormTuning = DEFAULT_NORMS) -> LayerNormLaunch:
@@ -266,17 +273,19 @@ def layernorm_launch(rows: int, width: int, tuning: NormTuning = DEFAULT_NORMS) 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
                   eps: float, y_bias: torch.Tensor | None = None, offset: torch.Tensor | None = None,
                   launch: LayerNormLaunch | None = None, rms: bool = False,
-                  tuning: NormTuning = DEFAULT_NORMS) -> torch.Tensor:
+                  tuning: NormTuning = DEFAULT_NORMS, quant: bool = False):
     """``x += y`` in place (when ``y`` is given), then return ``LayerNorm(x)``. ``x``: ``[T, N]``
     contiguous; ``y``: ``[T, N]``, or ``[S, T, N]`` partial products that are summed (in fp32,
     with ``y_bias [N]`` when given) before the add. ``offset``: fp32 ``[N]`` added to every row
     before the LayerNorm and not stored (``LayerNorm(x + offset)``), for a residual stream that
     keeps its biases aside (``Qwen2VisionTower.forward_fused``). ``tuning``: the tower's
-    (:class:`NormTuning`); ``launch``: a layout other than the one it gives."""
+    (:class:`NormTuning`); ``launch``: a layout other than the one it gives. ``quant``: return the
+    normalized rows, rounded to x's dtype, as e4m3 and their fp32 scales ``[T, 1]`` (an FP8 GEMM's input)."""
     rows, n = x.shape
-    h = torch.empty_like(x)
+    h = torch.empty_like(x, dtype=torch.float8_e4m3fn if quant else x.dtype)
+    scale = torch.empty(rows, 1, device=x.device, dtype=torch.float32) if quant else None
     if rows == 0:
-        return h
+        return (h, scale) if quant else h
     if y is not None and (not y.is_contiguous() or y.shape[-2:] != x.shape or y.dim() not in (2, 3)):
         raise ValueError(f"y must be a contiguous [T, N] or [S, T, N] tensor for x {tuple(x.shape)}, "
                          f"got {tuple(y.shape)}")
@@ -287,8 +296,9 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
         x, y if y is not None else x, y_bias if y_bias is not None else x, offset if offset is not None else x, h,
         weight, bias, rows, eps, N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=launch.rows, HAS_Y=y is not None,
         SPLITS=y.shape[0] if y is not None and y.dim() == 3 else 1, HAS_Y_BIAS=y_bias is not None,
-        HAS_OFFSET=offset is not None, LAUNCH_DEPENDENTS=_launches_dependents(x, tuning), RMS=rms, num_warps=launch.warps)
-    return h
+        HAS_OFFSET=offset is not None, LAUNCH_DEPENDENTS=_launches_dependents(x, tuning), RMS=rms, scale_ptr=scale,
+        QUANT=quant, MIN_SCALE=2.0 ** -126, num_warps=launch.warps)
+    return (h, scale) if quant else h
 
 
 _PAIR_TYPES = {16: torch.int32, 32: torch.int64}  # a rotated pair of 16- or 32-bit values, read as one integer

@@ -1,0 +1,89 @@
+"""Triton kernels that hand the FP8 GEMMs their inputs (:mod:`vitgraph.ops.fp8`): each row rounded
+to the stream's dtype, then scaled by its absolute maximum over 448 and stored as e4m3, with its
+scale, by the kernel that produces it, so no separate quantize pass reads the activation again:
+
+* add+LayerNorm / RMSNorm (:func:`vitgraph.ops.kernels.add_layernorm` with ``quant=True``): qkv's
+  and the MLP's first GEMM's inputs;
+* :func:`activation_fp8`: the MLP's activation (or ``silu(gate) * up``) of the first GEMM's
+  output, the last GEMM's input;
+* :func:`quantize_rows_fp8`: attention's output, proj's input (FlashAttention's kernel is not ours).
+
+One program holds whole rows, so a row's maximum needs no second pass. The values are those of
+:func:`vitgraph.ops.fp8.quantize_rows` on the rounded rows. Under Triton's CPU interpreter, whose
+cast to e4m3 loses a binade where rounding carries into the exponent (-124.9 becomes -64, not
+-128), the rows are produced by the plain kernels and quantized by torch instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+from .fp8 import E4M3, MIN_SCALE, quantize_rows
+
+if kernels.available():
+    import triton
+    import triton.language as tl
+
+    from .kernels import _activate, store_fp8_rows
+
+    @triton.jit
+    def _activation_fp8_kernel(f_ptr, q_ptr, scale_ptr, rows, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
+                               ACT: tl.constexpr, GATED: tl.constexpr, MIN: tl.constexpr):
+        # f [T, WIDTH] (GATED: [T, 2 * WIDTH], each row's gate, then its up) -> e4m3 [T, WIDTH], scales [T, 1].
+        r = tl.program_id(0) + tl.arange(0, 1)[:, None]
+        c = tl.arange(0, BLOCK_N)[None, :]
+        mask = (r < rows) & (c < WIDTH)
+        src = r.to(tl.int64) * (2 * WIDTH if GATED else WIDTH) + c
+        g = tl.load(f_ptr + src, mask=mask, other=0.0)
+        a = _activate(g.to(tl.float32), ACT)
+        if GATED:
+            a = a * tl.load(f_ptr + src + WIDTH, mask=mask, other=0.0).to(tl.float32)
+        store_fp8_rows(a.to(g.dtype).to(tl.float32), q_ptr, scale_ptr, r.to(tl.int64) * WIDTH + c, r, mask, rows, MIN)
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, rows, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
+                              MIN: tl.constexpr):
+        r = tl.program_id(0) + tl.arange(0, 1)[:, None]
+        c = tl.arange(0, BLOCK_N)[None, :]
+        mask = (r < rows) & (c < WIDTH)
+        offs = r.to(tl.int64) * WIDTH + c
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        store_fp8_rows(x, q_ptr, scale_ptr, offs, r, mask, rows, MIN)
+
+
+def _outputs(rows: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(rows, width, device=device, dtype=E4M3),
+            torch.empty(rows, 1, device=device, dtype=torch.float32))
+
+
+def add_norm_fp8(x: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vitgraph.ops.kernels.add_layernorm`'s rows as e4m3 and their fp32 scales ``[T, 1]``."""
+    if kernels.interpreted():
+        return quantize_rows(kernels.add_layernorm(x, *args, **kwargs))
+    return kernels.add_layernorm(x, *args, **kwargs, quant=True)
+
+
+def activation_fp8(f: torch.Tensor, name: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``name`` of ``f [T, W]`` (``gated``: ``name(gate) * up`` of ``f [T, 2W]``, ``name`` silu), rounded
+    to ``f``'s dtype, as e4m3 rows and their fp32 scales ``[T, 1]``; ``f`` contiguous."""
+    if kernels.interpreted():
+        return quantize_rows(kernels.silu_mul(f) if gated else kernels.activation_(f, name))
+    rows, width = f.shape[0], f.shape[1] // (2 if gated else 1)
+    q, scale = _outputs(rows, width, f.device)
+    if rows:
+        _activation_fp8_kernel[(rows,)](f, q, scale, rows, WIDTH=width, BLOCK_N=triton.next_power_of_2(width),
+                                        ACT=kernels.FUSED_ACTIVATIONS[name], GATED=gated, MIN=MIN_SCALE, num_warps=8)
+    return q, scale
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vitgraph.ops.fp8.quantize_rows` of ``x [T, W]`` (contiguous) in one kernel."""
+    if kernels.interpreted():
+        return quantize_rows(x)
+    rows, width = x.shape
+    q, scale = _outputs(rows, width, x.device)
+    if rows:
+        _quantize_rows_kernel[(rows,)](x, q, scale, rows, WIDTH=width, BLOCK_N=triton.next_power_of_2(width),
+                                       MIN=MIN_SCALE, num_warps=8)
+    return q, scale
