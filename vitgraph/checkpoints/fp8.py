@@ -15,10 +15,12 @@ config's ``modules_to_not_convert`` (ModelOpt: ``ignore`` or ``exclude_modules``
 the modules it names, spelled ``model.visual.``, ``visual.`` or bare, a module or a prefix of
 modules (``*`` and ``?`` wildcards too, as ModelOpt writes them).
 
-FP8 checkpoints currently run dequantized on every machine: each quantized linear becomes
-``weight * scale`` in fp32 on load, then the compute dtype (bf16 or fp32), and the tower is built,
-captured and run exactly as from a float checkpoint. Nothing runs an FP8 GEMM yet;
-:class:`QuantizedLinear` holds what one will take (the FP8 weight, its scale and scale kind, the
+FP8 checkpoints load dequantized on every machine: each quantized linear becomes ``weight *
+scale`` in fp32 on load, then the compute dtype (bf16 or fp32), and the tower is built, captured
+and run exactly as from a float checkpoint. ``precision="fp8"`` (:mod:`vitgraph.ops.fp8`) then
+quantizes the blocks' linears again, one scale per output channel, whatever the checkpoint's
+scales were: a second rounding (the checkpoint's own e4m3 values and scales are not yet used).
+:class:`QuantizedLinear` holds what they are (the FP8 weight, its scale and scale kind, the
 static input scale).
 
 Other methods (AWQ, GPTQ, compressed-tensors, ModelOpt's NVFP4, ...) mostly leave the vision
