@@ -34,7 +34,7 @@ class EngineOptions:
     fuse: bool | None = None  # Triton kernels for the elementwise work; None = on CUDA in fp16/bf16 with triton
     gemm: str = "auto"  # "quack" (qkv + rotary, the MLP in + activation as one GEMM each; Hopper, bf16) | "cublas"; auto = quack where it runs
     # One frame above this runs eagerly at its exact shape (GPU-bound there), as does a step its
-    # bucket would pad by tuning plans.eager_min_padding or more. None: never.
+    # bucket would pad by EAGER_MIN_PADDING (vitgraph.engine.planner) or more. None: never.
     exact_eager_above: int | None = 8192
     capture: bool = True  # capture on construction; else call encoder.capture()
     # Where FlashAttention 4's or quack's kernel caches are cold, compile those kernels in up to
