@@ -85,9 +85,9 @@ def test_layernorm_launching_its_dependents_changes_no_bit(graph_enc):
 
 
 @pytest.mark.parametrize("long_splits", [None, 1, 2])
-def test_split_k_partials_summed_by_layernorm_at_every_split_size(long_splits):
+def test_split_k_partials_summed_by_layernorm_at_every_split_size(long_splits, monkeypatch):
     """proj and fc2 at the real widths, split in K up to split_k_max_rows rows on Hopper (fc2 in
-    split_k_long slices at split_k_long_rows rows, or there unsplit or in two): the
+    SPLIT_K_LONG slices at split_k_long_rows rows, or there unsplit or in two): the
     add+LayerNorm that sums the partials (one row per program, or several above
     one_row_max_rows) matches the unsplit GEMM plus add and LayerNorm in fp32."""
     from vitgraph.models import tower_dims
@@ -99,7 +99,7 @@ def test_split_k_partials_summed_by_layernorm_at_every_split_size(long_splits):
     beta = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
     tuning = derive_tuning(tower_dims(PRESETS["qwen2-vl-2b"]), torch.device("cuda")).gemm
     if long_splits is not None:
-        tuning = dataclasses.replace(tuning, split_k_long=long_splits)
+        monkeypatch.setattr(vitgraph.ops.gemm, "SPLIT_K_LONG", long_splits)
     for rows in (256, 288, 320, 416, 704, 896):
         for k in (width, 4 * width):  # proj, fc2
             splits = vitgraph.ops.gemm.split_k_count(rows, k, tuning)
@@ -436,7 +436,7 @@ def test_quack_gemm_against_cublas_in_and_out_of_a_graph(layer):
 def test_fc1_tiles_give_the_same_bits():
     """fc1's tile follows a wave model (128x128 at 1152 rows on an H200, the default tile at 4096):
     every candidate gives the bits the picked one gives."""
-    from vitgraph.ops.gemm import _gemm_config, _quack
+    from vitgraph.ops.gemm import FC1_SMALL_TILE, _gemm_config, _quack
 
     quack = quack_2b()
 
@@ -447,7 +447,7 @@ def test_fc1_tiles_give_the_same_bits():
     for rows in (256, 1152, 4096):
         x = torch.randn(rows, 1280, device="cuda", dtype=torch.bfloat16)
         got = linear_quick_gelu(x, weight, bias, quack)
-        for tile in [quack.tile, quack.fc1_small_tile] + [tile for tile, _ in quack.fc1_tiles]:
+        for tile in [FC1_SMALL_TILE] + [tile for tile, _ in quack.fc1_tiles]:
             other = torch.empty_like(got)
             gemm_act(x, weight.t(), None, other, None, bias, name, config=_gemm_config(tile))
             assert torch.equal(other, got), (rows, tile)
@@ -459,7 +459,7 @@ def test_qkv_rope_epilogue_against_gemm_plus_triton_rotary():
     the real widths, positions far from 0 (angles up to ~1000 rad), NaN in the padding rows'
     inputs; eagerly and replayed on new inputs."""
     from vitgraph.models import PRESETS
-    from vitgraph.ops.gemm import _gemm_config, linear_qkv_rope
+    from vitgraph.ops.gemm import ROPE_SMALL_TILE, _gemm_config, linear_qkv_rope
     from vitgraph.ops.gemm_rope import qkv_rope
     from vitgraph.models.qwen2_vl import Qwen2VisionTower
 
@@ -487,7 +487,7 @@ def test_qkv_rope_epilogue_against_gemm_plus_triton_rotary():
         assert rel_err(got[:real].float(), ref[:real].float()) <= 1e-2
         # Whichever tile the wave model picks (128x240 for 1024 rows on an H200), the others
         # give the same bits: the tiles differ in N, not in the order K is summed.
-        for tile in [quack.tile, quack.rope_small_tile] + [tile for tile, _ in quack.rope_tiles]:
+        for tile in [ROPE_SMALL_TILE] + [tile for tile, _ in quack.rope_tiles]:
             other = qkv_rope(x, weight, bias, freq_h, freq_w, pos_h, pos_w, _gemm_config(tile))
             assert torch.equal(other, got), tile
         v = slice(2 * heads * head_dim, None)  # v is not rotated

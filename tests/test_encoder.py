@@ -391,8 +391,8 @@ def test_tuning_is_data_each_encoder_holds():
         GraphedVisionEncoder.from_config("tiny", device="cpu", tuning={"gemm.tile_k": 1})
     with pytest.raises(ValueError, match="unknown setting 'gemm.backend'"):  # that is EngineOptions.gemm
         EngineOptions(tuning={"gemm.backend": "quack"})
-    with pytest.raises(ValueError, match="routing.margin"):
-        EngineOptions(tuning={"routing.margin": "big"})
+    with pytest.raises(ValueError, match="routing.faster_next_max_tokens"):
+        EngineOptions(tuning={"routing.faster_next_max_tokens": "big"})
     with pytest.raises(ValueError, match="routing.single_frames"):
         EngineOptions(tuning={"routing.single_frames": 1})  # a bool setting takes a bool
     with pytest.raises(ValueError, match="tuning must be a mapping"):
@@ -400,7 +400,7 @@ def test_tuning_is_data_each_encoder_holds():
     tile = [128, 192, True, 1, 2]
     for name, value in (("gemm.tile", "abcde"), ("gemm.tile", [128, "x", True, 1, 2]),
                         ("gemm.tile", [128, 192, 1, 1, 2]),
-                        ("gemm.rope_tiles", [[tile]]), ("gemm.rope_tiles", [[tile, "x"]]),
+                        ("gemm.rope_tiles", [[tile]]), ("gemm.rope_tiles", [[tile, "x"]]), ("gemm.fc1_tiles", []),
                         ("gemm.small_rows", ["a", "b"]), ("attention.short_tile", [128, "x"])):
         with pytest.raises(ValueError, match=f"tuning\\['{name}'\\]"):  # a tile's fields, tuples of numbers
             EngineOptions(tuning={name: value})
@@ -410,6 +410,32 @@ def test_tuning_is_data_each_encoder_holds():
     from vitgraph.ops.gemm import Tile
     changed = apply_overrides(Tuning(), options.tuning).gemm
     assert changed.tile == Tile(64, 128, False, 1, 1) and changed.rope_tiles == ((Tile(128, 192, True, 1, 2), 11.0),)
+
+
+# Settings that became module constants, table entries or a backend trait (benchmarks/HISTORY.md).
+FOLDED = ("gemm.tile_margin", "gemm.fc1_small_tile", "gemm.rope_small_tile", "gemm.split_k_long",
+          "gemm.split_k_long_min_k", "gemm.fc1_wave_us", "gemm.rope_wave_us", "norms.wide_min_rows",
+          "norms.wide_layout", "norms.wide_widths", "attention.tiny_max_rows", "routing.min_tokens",
+          "routing.margin", "routing.faster_next_margin", "routing.faster_next_reps", "plans.eager_min_padding",
+          "plans.packed_eager_slower")
+
+
+@pytest.mark.parametrize("name", FOLDED)
+def test_folded_settings_are_unknown(name):
+    """A fixed measured constant is no setting: naming one is the unknown-setting error."""
+    from vitgraph.runtime.tuning import _names
+
+    assert len(_names()) <= 30 and name not in _names()
+    with pytest.raises(ValueError, match=f"unknown setting '{name}'"):
+        EngineOptions(tuning={name: 1})
+
+
+def test_cudnn_graphs_are_never_traded_for_eager_calls():
+    """Only cuDNN's ragged graphs attend faster than its eager calls (FA2 varlen): there padding
+    never sends a step eager."""
+    from vitgraph.ops.backend_names import ATTENTION
+
+    assert [name for name, traits in ATTENTION.items() if traits.eager_slower] == ["cudnn"]
 
 
 def test_repr_names_family_device_dtype_mode_and_buckets():

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from helpers import rel_err
 
-from vitgraph.ops import kernels
+from vitgraph.ops import gemm, kernels
 from vitgraph.models import PRESETS
-from vitgraph.ops.gemm import TILE, Tile, gemm_tuning, rope_in_gemm
+from vitgraph.ops.gemm import FC1_SMALL_TILE, ROPE_SMALL_TILE, TILE, Tile, gemm_tuning, rope_in_gemm
 from vitgraph.models.qwen2_vl import Qwen2VisionTower
 from vitgraph.models.tower_base import apply_rotary
 from vitgraph.ops.activations import quick_gelu
@@ -45,10 +45,10 @@ def test_add_layernorm(dtype, rows, width):
 
 
 @pytest.mark.parametrize("launch", [(1, 2), (2, 2), (4, 8), (8, 4)])
-def test_add_layernorm_layouts(launch):
+def test_add_layernorm_layouts(launch, monkeypatch):
     """Every layout of rows per program and warps normalizes every row, including a last
-    program that is only partly filled (37 rows); the tuning picks the layout from
-    ``wide_min_rows`` for widths in ``wide_widths``."""
+    program that is only partly filled (37 rows); the layout is ``WIDE_LAYOUT`` from
+    ``WIDE_MIN_ROWS`` for widths in ``WIDE_WIDTHS``."""
     rows, width = 37, 80
     g = torch.Generator().manual_seed(6)
     x, y = (torch.randn(rows, width, generator=g).to(DEVICE) for _ in range(2))
@@ -57,15 +57,16 @@ def test_add_layernorm_layouts(launch):
     got = kernels.add_layernorm(got_x, y, w, b, 1e-6, launch=kernels.LayerNormLaunch(*launch))
     assert torch.equal(got_x, x + y)
     assert rel_err(got, F.layer_norm(x + y, (width,), w, b, eps=1e-6)) <= TOL[torch.float32]
-    tuning = kernels.NormTuning(wide_layout=launch, wide_widths=(64, 1024))
-    wide = tuning.wide_min_rows
+    monkeypatch.setattr(kernels, "WIDE_LAYOUT", launch)
+    monkeypatch.setattr(kernels, "WIDE_WIDTHS", (64, 1024))
+    tuning, wide = kernels.NormTuning(), kernels.WIDE_MIN_ROWS
     assert kernels.layernorm_launch(wide, width, tuning) == kernels.LayerNormLaunch(*launch)
     assert kernels.layernorm_launch(wide - 1, width, tuning) == kernels.LayerNormLaunch(
         kernels._rows_per_program(wide - 1, width), 8)
     assert kernels.layernorm_launch(tuning.one_row_max_rows, width, tuning) == kernels.LayerNormLaunch(1, 8)
     width_rule = kernels.LayerNormLaunch(kernels._rows_per_program(wide, width), 8)
-    assert kernels.layernorm_launch(wide, width, dataclasses.replace(tuning, wide_layout=None)) == width_rule
-    assert kernels.layernorm_launch(wide, width, dataclasses.replace(tuning, wide_widths=(81, 1024))) == width_rule
+    monkeypatch.setattr(kernels, "WIDE_WIDTHS", (81, 1024))
+    assert kernels.layernorm_launch(wide, width, tuning) == width_rule
 
 
 def test_norm_tuning_follows_the_device():
@@ -74,7 +75,7 @@ def test_norm_tuning_follows_the_device():
     assert kernels.norm_tuning(9).launch_dependents_max_rows == 2048
     assert kernels.norm_tuning(8).launch_dependents_max_rows == kernels.norm_tuning(None).launch_dependents_max_rows == 0
     tuning = kernels.norm_tuning(9)
-    rows = tuning.wide_min_rows
+    rows = kernels.WIDE_MIN_ROWS
     assert all(kernels.layernorm_launch(rows, w, tuning) == kernels.LayerNormLaunch(2, 2) for w in (1152, 1280))
     assert all(kernels.layernorm_launch(rows, w, tuning).warps == 8 for w in (1024, 4608))
 
@@ -244,8 +245,8 @@ def test_the_256_row_bucket_takes_quacks_64_row_tiles():
 
     qkv, fc1 = torch.empty(3 * 1280, 1280), torch.empty(5120, 1280)
     assert rope_in_gemm(256, qkv, H200_2B) and not rope_in_gemm(256, qkv, dataclasses.replace(H200_2B, backend="cublas"))
-    assert rope_tile(256, qkv, H200_2B) == H200_2B.rope_small_tile == Tile(64, 128, True, 2, 1)
-    assert fc1_tile(256, fc1, H200_2B) == H200_2B.fc1_small_tile == Tile(64, 160, True, 2, 1)
+    assert rope_tile(256, qkv, H200_2B) == ROPE_SMALL_TILE == Tile(64, 128, True, 2, 1)
+    assert fc1_tile(256, fc1, H200_2B) == FC1_SMALL_TILE == Tile(64, 160, True, 2, 1)
     assert fc1_kernel(256, fc1, H200_2B) is not None
     for rows in (64, 252, 260, 288, 480):  # next to it cuBLAS and the Triton passes stay (measured slower)
         assert not rope_in_gemm(rows, qkv, H200_2B) and fc1_kernel(rows, fc1, H200_2B) is None, rows
@@ -256,7 +257,7 @@ def test_the_512_row_bucket_takes_the_64_row_tile_for_qkv_only():
 
     qkv = torch.empty(3 * 1280, 1280)
     assert rope_in_gemm(512, qkv, H200_2B)
-    assert rope_tile(512, qkv, H200_2B) == H200_2B.rope_small_tile
+    assert rope_tile(512, qkv, H200_2B) == ROPE_SMALL_TILE
     # fc1 keeps the 128-row tile there (quack from fc1_min_rows = 512, by the wave model)
     assert H200_2B.fc1_min_rows == 512 and fc1_tile(512, torch.empty(5120, 1280), H200_2B) == TILE
     for rows in (448, 480, 508, 516, 544):  # next to it: cuBLAS and the Triton rotary pass
@@ -266,8 +267,8 @@ def test_the_512_row_bucket_takes_the_64_row_tile_for_qkv_only():
 def test_rope_tile_follows_the_wave_model():
     from vitgraph.ops.gemm import rope_tile
 
-    (wide, _), (wider, _) = H200_2B.rope_tiles
-    assert (wide.tile_n, wider.tile_n) == (192, 240)
+    (default, _), (wide, _), (wider, _) = H200_2B.rope_tiles
+    assert (default, wide.tile_n, wider.tile_n) == (TILE, 192, 240)
     qkv = torch.empty(3 * 1280, 1280)
     # The row counts measured: 1024 rows take 8 x 16 = 128 tiles of 240 (one wave on 132 SMs)
     # against 8 x 24 = 192 of 160; 1536 rows 12 x 20 = 240 of 192 (two waves) against 288 (three).
@@ -281,21 +282,22 @@ def test_rope_tile_follows_the_wave_model():
     assert rope_tile(640, qkv, H200_2B) == TILE and rope_tile(768, qkv, H200_2B) == wide
     assert rope_tile(896, qkv, H200_2B) == wider
     assert rope_tile(1024, qkv, dataclasses.replace(H200_2B, sm_count=114)) == TILE  # the 128 tiles of 240: two waves
-    alone = dataclasses.replace(H200_2B, rope_tiles=())
+    alone = dataclasses.replace(H200_2B, rope_tiles=H200_2B.rope_tiles[:1])  # the default tile only
     assert rope_tile(1024, qkv, alone) == rope_tile(1536, qkv, alone) == TILE
 
 
 def test_fc1_tile_follows_the_wave_model():
     from vitgraph.ops.gemm import fc1_tile
 
-    (narrow, _), = H200_2B.fc1_tiles
+    (default, _), (narrow, _) = H200_2B.fc1_tiles
+    assert default == TILE
     fc1 = torch.empty(5120, 1280)
     # 1152 rows: 9 x 40 = 360 tiles of 128 and 9 x 32 = 288 of 160, three waves either way;
     # 1664 rows: 520 of 128 and 416 of 160, four waves either way.
     assert fc1_tile(1152, fc1, H200_2B) == fc1_tile(1664, fc1, H200_2B) == narrow
     for rows in (1024, 1280, 1536, 2304, 4096):  # the default tile measured fastest (or within 2%) there
         assert fc1_tile(rows, fc1, H200_2B) == TILE, rows
-    assert fc1_tile(1152, fc1, dataclasses.replace(H200_2B, fc1_tiles=())) == TILE
+    assert fc1_tile(1152, fc1, dataclasses.replace(H200_2B, fc1_tiles=H200_2B.fc1_tiles[:1])) == TILE
 
 
 def test_gemm_tuning_follows_the_widths_and_the_device():
@@ -307,7 +309,9 @@ def test_gemm_tuning_follows_the_widths_and_the_device():
     assert qwen3.split_k_max_rows == 1024 and qwen3.small_rows is None and qwen3.split_k_long_rows == ()
     assert gemm_tuning("cublas", 9, 132, 1024, 4096).split_k_max_rows == 1152
     assert qwen3.fc1_min_rows == 128 * 5  # 34 column tiles of 160: 4 row tiles fill 132 SMs
-    assert qwen3.fc1_wave_us == pytest.approx(H200_2B.fc1_wave_us * 1152 / 1280)  # a wave's work grows with K
+    for table in ("fc1_tiles", "rope_tiles"):  # a wave's work grows with K: every tile's µs per wave
+        assert [us for _, us in getattr(qwen3, table)] == pytest.approx(
+            [us * 1152 / 1280 for _, us in getattr(H200_2B, table)])
     assert gemm_tuning("cublas", 9, 114, 1280, 5120).small_rows is None  # other SM counts: not measured
     for arch, sms in ((8, 108), (None, None)):
         assert gemm_tuning("cublas", arch, sms, 1280, 5120).split_k_max_rows == 0
@@ -321,7 +325,7 @@ def test_quick_gelu_in_place(dtype):
     assert got.data_ptr() == x.data_ptr() and rel_err(got, expect) <= TOL[dtype] / 2
 
 
-def test_linear_split_k():
+def test_linear_split_k(monkeypatch):
     """Up to split_k_max_rows rows: two partial products over K's halves plus the bias, which
     sum to the plain linear; above it, or where it is 0 (no Hopper), the plain linear."""
     from vitgraph.ops.gemm import GemmTuning, linear_split_k
@@ -336,14 +340,16 @@ def test_linear_split_k():
     y, bias = linear_split_k(x, w, b, dataclasses.replace(tuning, split_k_max_rows=16))
     assert bias is None and torch.equal(y, F.linear(x, w, b))
     # Long K at split_k_long_rows rows: four partials; shorter K, or other rows: split_k.
-    long = dataclasses.replace(tuning, split_k_long_rows=(24,), split_k_long_min_k=64)
+    monkeypatch.setattr(gemm, "SPLIT_K_LONG_MIN_K", 64)
+    long = dataclasses.replace(tuning, split_k_long_rows=(24,))
     parts, bias = linear_split_k(x, w, b, long)
     assert parts.shape == (4, 24, 32) and bias is b
     torch.testing.assert_close(parts.sum(0) + b, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert linear_split_k(x[:20], w, b, long)[0].shape == (2, 20, 32)  # other rows
     short_x, short_w = x[:, :32].contiguous(), w[:, :32].contiguous()
     assert linear_split_k(short_x, short_w, b, long)[0].shape == (2, 24, 32)  # K below the minimum
-    y, bias = linear_split_k(x, w, b, dataclasses.replace(long, split_k_long=1))  # a split of 1: the plain linear
+    monkeypatch.setattr(gemm, "SPLIT_K_LONG", 1)
+    y, bias = linear_split_k(x, w, b, long)  # a split of 1: the plain linear
     assert bias is None and torch.equal(y, F.linear(x, w, b))
     assert linear_split_k(x, w, b, GemmTuning())[1] is None  # the default: never split
 

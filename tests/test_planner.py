@@ -182,8 +182,7 @@ def test_measured_thresholds_send_small_single_frames_to_the_packed_bucket():
 
 
 def test_routing_thresholds_follow_the_measured_times():
-    from vitgraph.engine.routing import RoutingTuning
-    from vitgraph.engine.routing import single_frame_thresholds
+    from vitgraph.engine.routing import SINGLE_FRAME_MARGIN, single_frame_thresholds
 
     class FakeBank:  # replay time: dense flat; packed = 1 + (frame tokens / 1000)^2 ms
         def __init__(self, dense_ms):
@@ -195,7 +194,7 @@ def test_routing_thresholds_follow_the_measured_times():
             self.calls.append((bucket.name, h * w))
             return self.dense_ms[bucket.tokens] if bucket.max_segments == 1 else 1 + (h * w / 1000) ** 2
 
-    margin = 1 - RoutingTuning().margin  # packed must beat dense x (1 - margin)
+    margin = 1 - SINGLE_FRAME_MARGIN  # packed must beat dense x (1 - margin)
     bank = FakeBank({1024: 1.5 / margin, 2048: 5.0 / margin, 4096: 100.0})
     got = single_frame_thresholds(bank.buckets, bank.time_replay, lambda n: (1, 2, n // 2), unit=4)
     # 1024 (frames of 4..1024 tokens land there: no smaller budget): packed wins below
@@ -231,7 +230,7 @@ def test_steps_of_a_bucket_the_next_one_beats_replay_there():
 
 
 def test_faster_next_buckets_follow_the_measured_times():
-    from vitgraph.engine.routing import RoutingTuning, faster_next_buckets
+    from vitgraph.engine.routing import FASTER_NEXT_MARGIN, FASTER_NEXT_REPS, RoutingTuning, faster_next_buckets
 
     class FakeBank:  # replay time per bucket, whatever the input; records what was timed
         def __init__(self, ms):
@@ -244,7 +243,7 @@ def test_faster_next_buckets_follow_the_measured_times():
             return self.ms[bucket.tokens]
 
     tuning = RoutingTuning(faster_next_max_tokens=2048)
-    margin = 1 - tuning.faster_next_margin
+    margin = 1 - FASTER_NEXT_MARGIN
     bank = FakeBank({256: 1.0, 320: 1.2, 352: 1.1, 384: 1.2 * margin * 1.001, 416: 1.2 * margin, 4096: 9.0,
                      4608: 1.0})
     got = faster_next_buckets(bank.buckets, bank.time_replay, lambda n: (1, 2, n // 2), tuning)
@@ -254,7 +253,7 @@ def test_faster_next_buckets_follow_the_measured_times():
     assert all(name.endswith("x16") for name, _ in bank.calls)  # packed buckets only
     assert ("352x16", 320) in bank.calls and ("320x16", 320) in bank.calls  # the pair on the smaller's input
     assert ("4096x16", 416) in bank.calls and not any(n == 4096 or name.startswith("4608") for name, n in bank.calls)
-    assert len([c for c in bank.calls if c == ("320x16", 320)]) == tuning.faster_next_reps
+    assert len([c for c in bank.calls if c == ("320x16", 320)]) == FASTER_NEXT_REPS
     small = FakeBank({256: 1.0, 512: 2.0})
     assert faster_next_buckets(small.buckets, small.time_replay, lambda n: (1, 2, n // 2)) == {}
     slow_first = {256: 2.0, 512: 1.0}

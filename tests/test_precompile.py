@@ -19,7 +19,7 @@ import vitgraph.models.fused_loop
 import vitgraph.runtime.precompile
 from vitgraph.engine.planner import Bucket
 from vitgraph.models import VisionConfig
-from vitgraph.ops.gemm import gemm_tuning
+from vitgraph.ops.gemm import FC1_SMALL_TILE, ROPE_SMALL_TILE, gemm_tuning
 from vitgraph.runtime.options import EngineOptions, buckets_for
 from vitgraph.models import one_block_recipe, tower_dims
 from vitgraph.runtime.tuning import Tuning, tuning_for
@@ -92,8 +92,8 @@ def test_one_job_per_kernel_of_the_default_ladder_each_on_its_smallest_bucket():
     # each is its own kernel.
     tiles = {op: {j.key[2:] if op == "attention" else j.key[2] for j in jobs if j.op == op} for op in set(ops)}
     g, a = t.tuning.gemm, t.tuning.attention
-    assert tiles["fc1"] == {g.tile, g.fc1_small_tile} | {tile for tile, _ in g.fc1_tiles}
-    assert tiles["qkv_rope"] == {g.tile, g.rope_small_tile} | {tile for tile, _ in g.rope_tiles}
+    assert tiles["fc1"] == {FC1_SMALL_TILE} | {tile for tile, _ in g.fc1_tiles}
+    assert tiles["qkv_rope"] == {ROPE_SMALL_TILE} | {tile for tile, _ in g.rope_tiles}
     assert tiles["attention"] == {(a.long_tile,), (a.short_tile,), (a.tiny_tile,)}
     assert "qkv" not in tiles  # every default bucket rotates in qkv's epilogue
     # start_early cannot count the kernels before the libraries load: its constant must match.

@@ -197,6 +197,10 @@ def smallest_fit(buckets: Sequence[Bucket], tokens: int, segments: int, longest:
     return min((b for b in buckets if b.holds(tokens, segments, longest)), default=None)
 
 
+# Above exact_eager_above a step padded this much runs eager: eager costs a little more (benchmarks/HISTORY.md).
+EAGER_MIN_PADDING = 0.04
+
+
 def plan_call(grids: Sequence[Grid], buckets: Sequence[Bucket], exact_eager_above: int | None = None,
               packed_single_below: Mapping[int, int] | None = None, eager_padding: float | None = None,
               faster_next: Mapping[Bucket, Bucket] | None = None) -> Plan:

@@ -15,7 +15,7 @@ capture:
 The packed graph's time grows with the frame's attention, about as ``n**2``; between the
 two measured sizes it is interpolated in ``n**2``. The result, per budget: single frames
 of fewer tokens than the threshold replay in the packed bucket. Each time is one replay, to
-keep capture short; the packed bucket must win by a margin (:class:`RoutingTuning`), so that
+keep capture short; the packed bucket must win by a margin (``SINGLE_FRAME_MARGIN``), so that
 timing noise never moves a frame that fills its dense bucket.
 """
 
@@ -29,22 +29,24 @@ from .planner import Bucket, Grid
 
 @dataclass(frozen=True)
 class RoutingTuning:
-    """What routing times at capture, and by how much a faster graph must win."""
+    """What routing times at capture."""
 
     single_frames: bool = True  # time dense against packed graphs; send single frames to the faster
     faster_buckets: bool = True  # time small packed buckets against the next larger; send steps to the faster
-    min_tokens: int = 1024  # below it attention is a few percent of a replay: not worth the capture time
-    margin: float = 0.01  # the packed bucket must be predicted this much faster than the dense one
     # Packed buckets of up to this many tokens may hand their steps to the next larger one: below
     # it a library's per-shape GEMM choice can make a bucket slower than the next.
     faster_next_max_tokens: int = 1024
-    faster_next_margin: float = 0.02  # the larger bucket must be this much faster, on the smaller one's input
-    faster_next_reps: int = 3  # interleaved replays of each, the least kept
+
+
+# By how much a faster graph must win, and what is timed at all (benchmarks/HISTORY.md, change 9 and 39).
+MIN_TOKENS = 1024  # below it attention is a few percent of a replay: not worth the capture time
+SINGLE_FRAME_MARGIN = 0.01  # the packed bucket must be predicted this much faster than the dense one
+FASTER_NEXT_MARGIN = 0.02  # the larger bucket must be this much faster, on the smaller one's input
+FASTER_NEXT_REPS = 3  # interleaved replays of each, the least kept
 
 
 def single_frame_thresholds(buckets: Sequence[Bucket], time: Callable[[Bucket, list[Grid]], float],
-                            frame_grid: Callable[[int], Grid], unit: int,
-                            tuning: RoutingTuning = RoutingTuning()) -> dict[int, int]:
+                            frame_grid: Callable[[int], Grid], unit: int) -> dict[int, int]:
     """``{budget: n}``: a single frame of fewer than ``n`` tokens replays faster in the packed
     bucket of that budget than in its dense one. Budgets without both graphs, or where the
     dense one always wins, are left out. ``time(bucket, grids)``: GPU ms of one replay of the
@@ -59,10 +61,10 @@ def single_frame_thresholds(buckets: Sequence[Bucket], time: Callable[[Bucket, l
     for tokens in sorted(pairs):
         low, previous = -(-(previous + 1) // unit) * unit, tokens
         pair = pairs[tokens]
-        if tokens < tuning.min_tokens or len(pair) != 2:
+        if tokens < MIN_TOKENS or len(pair) != 2:
             continue
         dense, packed = pair[True], pair[False]
-        d = time(dense, [frame_grid(tokens)]) * (1 - tuning.margin)
+        d = time(dense, [frame_grid(tokens)]) * (1 - SINGLE_FRAME_MARGIN)
         p_full = time(packed, [frame_grid(tokens)])
         if p_full <= d:
             thresholds[tokens] = tokens + 1  # packed wins even for a frame that fills the bucket
@@ -80,7 +82,7 @@ def faster_next_buckets(buckets: Sequence[Bucket], time: Callable[[Bucket, list[
                         tuning: RoutingTuning = RoutingTuning()) -> dict[Bucket, Bucket]:
     """``{bucket: larger}``: packed buckets of up to ``tuning.faster_next_max_tokens`` tokens
     whose filling input (one frame, ``frame_grid(bucket.tokens)``) replays at least
-    ``tuning.faster_next_margin`` faster in the next larger packed bucket, which holds every
+    ``FASTER_NEXT_MARGIN`` faster in the next larger packed bucket, which holds every
     step the smaller one does. Each pair is timed on the same input, its replays interleaved
     so that both see the same clock."""
     packed = sorted(b for b in buckets if b.max_seqlen == b.tokens and b.max_segments > 1)
@@ -92,9 +94,9 @@ def faster_next_buckets(buckets: Sequence[Bucket], time: Callable[[Bucket, list[
             continue
         grids = [frame_grid(small.tokens)]
         times = {small: [], large: []}
-        for _ in range(tuning.faster_next_reps):
+        for _ in range(FASTER_NEXT_REPS):
             for bucket in (small, large):
                 times[bucket].append(time(bucket, grids))
-        if min(times[large]) < min(times[small]) * (1 - tuning.faster_next_margin):
+        if min(times[large]) < min(times[small]) * (1 - FASTER_NEXT_MARGIN):
             faster[small] = large
     return faster

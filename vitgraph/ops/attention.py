@@ -79,9 +79,8 @@ class AttentionTuning:
     short_tile: tuple | None = (128, 128)
     long_tile: tuple | None = None
     own_tile_m: int = 192  # the query tile FA4 picks itself (Hopper, non-causal)
-    # Below tiny_max_rows rows, tiny_tile where one frame fits one wave with it. None: off.
+    # Below TINY_MAX_ROWS rows, tiny_tile where one frame fits one wave with it. None: off.
     tiny_tile: tuple | None = (64, 128)
-    tiny_max_rows: int = 1024
 
 
 def attention_tuning(arch: int | None, sm_count: int | None, head_dim: int) -> AttentionTuning:
@@ -95,6 +94,7 @@ def attention_tuning(arch: int | None, sm_count: int | None, head_dim: int) -> A
 
 
 DEFAULT_ATTENTION = AttentionTuning()
+TINY_MAX_ROWS = 1024  # the tiny tile only below it: above, FA4's persistent kernel takes over (benchmarks/HISTORY.md)
 
 
 def _has_torch_varlen() -> bool:
@@ -214,7 +214,7 @@ def fa4_tile(max_seqlen: int, heads: int, rows: int | None = None,
         return None
     if not fa4_prefers_short_tile(max_seqlen, heads, tuning):
         return tuning.long_tile
-    if rows is not None and rows < tuning.tiny_max_rows and fa4_prefers_tiny_tile(max_seqlen, heads, tuning):
+    if rows is not None and rows < TINY_MAX_ROWS and fa4_prefers_tiny_tile(max_seqlen, heads, tuning):
         return tuning.tiny_tile
     return tuning.short_tile
 

@@ -20,11 +20,12 @@ class AttentionBackend:
     lane_pad: bool = True  # a dense padded bucket masks its padding keys with one extra head lane
     compiles: bool = False  # compiles kernels on first use (kernel precompile, a disk cache)
     tiles: bool = False  # FA4's per-batch tiles: short-frame buckets, packed single frames
+    eager_slower: bool = False  # eager calls attend slower than its graphs: padding never sends a step eager
 
 
 ATTENTION = {b.name: b for b in (
     AttentionBackend("fa4", reads_past_segments=True, compiles=True, tiles=True),
-    AttentionBackend("cudnn", ragged=True),
+    AttentionBackend("cudnn", ragged=True, eager_slower=True),  # eager: FA2 varlen (benchmarks/HISTORY.md)
     AttentionBackend("varlen"),
     AttentionBackend("flash"),
     AttentionBackend("sdpa", half_only=False, lane_pad=False),

@@ -67,19 +67,13 @@ class GemmTuning:
     rope_min_rows: int = 576  # qkv with the rotary in its epilogue from here (vitgraph.ops.gemm_rope)
     small_rows: tuple[int, int] | None = None  # (fewest, most) rows: fc1 and qkv + rotary in 64-row tiles
     rope_small_rows: tuple[int, int] | None = None  # also qkv + rotary in its 64-row tile
-    tile: Tile = TILE
-    fc1_wave_us: float = 9.04  # µs per wave of ``tile``, fc1 with QuickGELU
-    fc1_tiles: tuple = ()  # alternatives: (Tile, µs per wave) pairs
-    rope_wave_us: float = 9.37  # µs per wave of ``tile``, qkv with the rotary
-    rope_tiles: tuple = ()
-    tile_margin: float = 0.05  # an alternative must be predicted this much faster
-    fc1_small_tile: Tile = Tile(64, 160, True, 2, 1)
-    rope_small_tile: Tile = Tile(64, 128, True, 2, 1)
+    tile: Tile = TILE  # plain qkv's
+    # (Tile, µs per wave) pairs: the first the default, the others alternatives (pick_tile)
+    fc1_tiles: tuple = ((TILE, 9.04),)  # fc1 with QuickGELU
+    rope_tiles: tuple = ((TILE, 9.37),)  # qkv with the rotary
     split_k_max_rows: int = 0  # proj and fc2 up to here: K in ``split_k`` slices (0: never)
     split_k: int = 2
-    split_k_long_rows: tuple[int, ...] = ()  # there fc2 (K >= split_k_long_min_k) splits in split_k_long
-    split_k_long: int = 4
-    split_k_long_min_k: int = 4096
+    split_k_long_rows: tuple[int, ...] = ()  # there fc2 (K >= SPLIT_K_LONG_MIN_K) splits in SPLIT_K_LONG
     bias_free: bool = True  # where K is not split, proj and fc2 add into the stream, biases kept aside
 
     def __post_init__(self) -> None:
@@ -90,12 +84,17 @@ class GemmTuning:
 # Rows, bands and tiles measured on Hopper for Qwen2-VL's tower (K = 1280; fc1 N = 5120, qkv N = 3840),
 # each kept only where it beat the A/A noise end to end; the timings are in benchmarks/HISTORY.md.
 _MEASURED = dict(fc1_min_rows=512, qkv_min_rows=2048, rope_min_rows=576, small_rows=(256, 256),
-                 rope_small_rows=(512, 512),
-                 fc1_tiles=((Tile(128, 128, True, 1, 2), 7.39),),
-                 rope_tiles=((Tile(128, 192, True, 1, 2), 11.36), (Tile(128, 240, False, 1, 2), 17.15)),
-                 split_k_long_rows=(320, 416))
+                 rope_small_rows=(512, 512), split_k_long_rows=(320, 416))
 _MEASURED_SHAPE = (1280, 5120)  # (embed, MLP) widths of the tower those were measured on
 _MEASURED_K = 1280  # the wave times' K
+# The wave model's alternatives to the default tile, with their µs per wave at _MEASURED_K (benchmarks/HISTORY.md).
+_ALTERNATIVES = dict(fc1_tiles=((Tile(128, 128, True, 1, 2), 7.39),),
+                     rope_tiles=((Tile(128, 192, True, 1, 2), 11.36), (Tile(128, 240, False, 1, 2), 17.15)))
+TILE_MARGIN = 0.05  # an alternative must be predicted this much faster (benchmarks/HISTORY.md)
+FC1_SMALL_TILE = Tile(64, 160, True, 2, 1)  # fc1 in small_rows, measured in 2x1 clusters (benchmarks/HISTORY.md)
+ROPE_SMALL_TILE = Tile(64, 128, True, 2, 1)  # qkv + rotary in its small bands (benchmarks/HISTORY.md)
+SPLIT_K_LONG = 4  # fc2's slices at split_k_long_rows rows (benchmarks/HISTORY.md)
+SPLIT_K_LONG_MIN_K = 4096  # the least K split in SPLIT_K_LONG (fc2's, not proj's: benchmarks/HISTORY.md)
 
 
 def _row_tiles_filling(waves: float, sm_count: int, cols: int, tile_n: int) -> int:
@@ -116,14 +115,13 @@ def gemm_tuning(backend: str, arch: int | None, sm_count: int | None, embed: int
     split_rows = 128 * int(0.55 * sms // math.ceil(embed / 128)) if hopper else 0
     scale = embed / _MEASURED_K  # each wave's work grows with K
     base = dict(backend=backend, sm_count=sms, split_k_max_rows=split_rows,
-                fc1_wave_us=GemmTuning.fc1_wave_us * scale, rope_wave_us=GemmTuning.rope_wave_us * scale)
+                **{name: tuple((t, us * scale) for t, us in getattr(GemmTuning, name) + alternatives)
+                   for name, alternatives in _ALTERNATIVES.items()})
     if hopper and (embed, mlp) == _MEASURED_SHAPE and sms == GemmTuning.sm_count:
         return GemmTuning(**base, **_MEASURED)
     return GemmTuning(**base, fc1_min_rows=_row_tiles_filling(1, sms, mlp, TILE.tile_n),
                       qkv_min_rows=_row_tiles_filling(3, sms, 3 * embed, TILE.tile_n),
-                      rope_min_rows=_row_tiles_filling(1, sms, 3 * embed, TILE.tile_n),
-                      fc1_tiles=tuple((t, us * scale) for t, us in _MEASURED["fc1_tiles"]),
-                      rope_tiles=tuple((t, us * scale) for t, us in _MEASURED["rope_tiles"]))
+                      rope_min_rows=_row_tiles_filling(1, sms, 3 * embed, TILE.tile_n))
 
 
 def quack_available(device: torch.device | str) -> bool:
@@ -269,16 +267,15 @@ def linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tuning
 
 GEMM_SETTINGS = frozenset(f"gemm.{f.name}" for f in dataclasses.fields(GemmTuning))
 # What split_k_count and linear_split_k read: a tower that splits K only there reads these.
-SPLIT_K_SETTINGS = frozenset({"gemm.split_k_max_rows", "gemm.split_k", "gemm.split_k_long_rows", "gemm.split_k_long",
-                              "gemm.split_k_long_min_k"})
+SPLIT_K_SETTINGS = frozenset({"gemm.split_k_max_rows", "gemm.split_k", "gemm.split_k_long_rows"})
 
 
 def split_k_count(rows: int, k: int, tuning: GemmTuning) -> int:
     """How many slices of K :func:`linear_split_k` splits ``rows`` rows into (1: unsplit)."""
     if rows > tuning.split_k_max_rows:
         return 1
-    if k >= tuning.split_k_long_min_k and rows in tuning.split_k_long_rows:
-        return tuning.split_k_long
+    if k >= SPLIT_K_LONG_MIN_K and rows in tuning.split_k_long_rows:
+        return SPLIT_K_LONG
     return tuning.split_k
 
 
@@ -348,34 +345,35 @@ def _tiles(rows: int, cols: int, tile: Tile) -> int:
     return -(-rows // tile.tile_m) * -(-cols // tile.tile_n)
 
 
-def pick_tile(rows: int, cols: int, tuning: GemmTuning, wave_us: float, alternatives) -> Tile:
-    """The tile predicted fastest for ``rows x cols``: one of ``alternatives`` (``(tile, µs per
-    wave)`` pairs) where it saves ``tuning.tile_margin`` or more against ``tuning.tile`` at
-    ``wave_us`` per wave (a wave: one CTA per SM), else ``tuning.tile``. The tiles differ in N,
-    not in the order K is summed: every tile gives the same bits."""
+def pick_tile(rows: int, cols: int, tuning: GemmTuning, tiles) -> Tile:
+    """The tile predicted fastest for ``rows x cols`` among ``tiles`` (``(tile, µs per wave)``
+    pairs; a wave: one CTA per SM): one of the others where it saves ``TILE_MARGIN`` or more
+    against the first, else the first. The tiles differ in N, not in the order K is summed:
+    every tile gives the same bits."""
     def cost(tile: Tile, per_wave: float) -> float:
         return -(-_tiles(rows, cols, tile) // tuning.sm_count) * per_wave
 
-    default = cost(tuning.tile, wave_us)
-    best, best_cost = tuning.tile, default
+    (first, wave_us), *alternatives = tiles
+    default = cost(first, wave_us)
+    best, best_cost = first, default
     for tile, per_wave in alternatives:
         if cost(tile, per_wave) < best_cost:
             best, best_cost = tile, cost(tile, per_wave)
-    return best if best_cost <= (1 - tuning.tile_margin) * default else tuning.tile
+    return best if best_cost <= (1 - TILE_MARGIN) * default else first
 
 
 def rope_tile(rows: int, weight: torch.Tensor, tuning: GemmTuning) -> Tile:
     """qkv with the rotary (``weight [N, K]``): its 64-row tile in its bands, else the wave model's."""
     if _small_rope(rows, tuning):
-        return tuning.rope_small_tile
-    return pick_tile(rows, weight.shape[0], tuning, tuning.rope_wave_us, tuning.rope_tiles)
+        return ROPE_SMALL_TILE
+    return pick_tile(rows, weight.shape[0], tuning, tuning.rope_tiles)
 
 
 def fc1_tile(rows: int, weight: torch.Tensor, tuning: GemmTuning) -> Tile:
     """fc1 with QuickGELU: its 64-row tile in its band, else the wave model's."""
     if _small(rows, tuning):
-        return tuning.fc1_small_tile
-    return pick_tile(rows, weight.shape[0], tuning, tuning.fc1_wave_us, tuning.fc1_tiles)
+        return FC1_SMALL_TILE
+    return pick_tile(rows, weight.shape[0], tuning, tuning.fc1_tiles)
 
 
 @functools.cache

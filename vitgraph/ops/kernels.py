@@ -62,13 +62,6 @@ class NormTuning:
     # it measured slower: benchmarks/HISTORY.md); 0: never.
     launch_dependents_max_rows: int = 0
     one_row_max_rows: int = 512  # one row per program, 8 warps, up to here: fills more SMs
-    # From wide_min_rows rows of widths in wide_widths: (rows per program, warps) = wide_layout
-    # (else the width rule, about 8k elements a program). 2 rows and 2 warps measured faster at
-    # 1280 wide (benchmarks/HISTORY.md): kept for rows of the same power-of-two block, which a program's
-    # registers hold the same way.
-    wide_min_rows: int = 2049
-    wide_layout: tuple[int, int] | None = (2, 2)
-    wide_widths: tuple[int, int] = (1025, 2048)
 
 
 def norm_tuning(arch: int | None) -> NormTuning:
@@ -78,6 +71,11 @@ def norm_tuning(arch: int | None) -> NormTuning:
 
 
 DEFAULT_NORMS = NormTuning()
+# From WIDE_MIN_ROWS rows of widths in WIDE_WIDTHS (one power-of-two block): (rows per program,
+# warps) = WIDE_LAYOUT, measured faster at 1280 wide (benchmarks/HISTORY.md); else the width rule.
+WIDE_MIN_ROWS = 2049
+WIDE_LAYOUT = (2, 2)
+WIDE_WIDTHS = (1025, 2048)
 
 
 def _launches_dependents(t: torch.Tensor, tuning: NormTuning) -> bool:
@@ -264,9 +262,8 @@ def layernorm_launch(rows: int, width: int, tuning: NormTuning = DEFAULT_NORMS) 
     """How :func:`add_layernorm` lays out ``rows`` rows of ``width`` over its programs."""
     if rows <= tuning.one_row_max_rows:
         return LayerNormLaunch(1, 8)
-    if (rows >= tuning.wide_min_rows and tuning.wide_layout is not None
-            and tuning.wide_widths[0] <= width <= tuning.wide_widths[1]):
-        return LayerNormLaunch(*tuning.wide_layout)
+    if rows >= WIDE_MIN_ROWS and WIDE_WIDTHS[0] <= width <= WIDE_WIDTHS[1]:
+        return LayerNormLaunch(*WIDE_LAYOUT)
     return LayerNormLaunch(_rows_per_program(rows, width), 8)
 
 

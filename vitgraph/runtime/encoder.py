@@ -18,8 +18,9 @@ from ..images.decode import MAX_IMAGE_PIXELS, MAX_ITEMS_PER_REQUEST
 from ..models import FAMILIES, PRESETS, family_for, family_of, one_block_recipe
 from ..engine.contract import Precompiled, VisionTower
 from ..engine.graphs import GraphBank
-from ..engine.planner import Bucket, Plan, Step, padded_batch, plan_call
+from ..engine.planner import EAGER_MIN_PADDING, Bucket, Plan, Step, padded_batch, plan_call
 from ..engine.routing import faster_next_buckets, single_frame_thresholds
+from ..ops.backend_names import attention_backend
 from ..checkpoints.loading import build_tower, find_checkpoint, load_tower, read_config, tower_from_state_dict
 from .options import (EngineOptions, buckets_for, configure_tower, engine_options, resolve_device, resolve_dtype,
                       uses_graphs)
@@ -211,7 +212,7 @@ class GraphedVisionEncoder(ImageInput):
 
                 if self.tuning.routing.single_frames:
                     self._packed_single_below = single_frame_thresholds(
-                        self.bank.buckets, self._time_replay, frame, self.tower.merge_unit, self.tuning.routing)
+                        self.bank.buckets, self._time_replay, frame, self.tower.merge_unit)
                 if self.tuning.routing.faster_buckets:
                     self._faster_next = faster_next_buckets(self.bank.buckets, self._time_replay, frame,
                                                             self.tuning.routing)
@@ -245,13 +246,12 @@ class GraphedVisionEncoder(ImageInput):
         if prepared is not None:
             return prepared
         start = time.perf_counter()
-        plans = self.tuning.plans
-        eager_padding = None if self.attention in plans.packed_eager_slower else plans.eager_min_padding
+        eager_padding = None if attention_backend(self.attention).eager_slower else EAGER_MIN_PADDING
         plan = plan_call(grids, self.buckets, self.options.exact_eager_above, self._packed_single_below,
                          eager_padding, self._faster_next)
         staged = [None if step.bucket is None else self._stage(step.bucket, step.grids) for step in plan.steps]
         prepared = PreparedPlan(plan, staged)
-        self._plans.add(key, prepared, time.perf_counter() - start, cache, plans)
+        self._plans.add(key, prepared, time.perf_counter() - start, cache, self.tuning.plans)
         return prepared
 
     @torch.inference_mode()

@@ -39,7 +39,7 @@ class EngineOptions:
     # per row, torch._scaled_mm; the fused forward, cuBLAS GEMMs; vitgraph.ops.fp8). The merger stays.
     precision: str = "bf16"
     # One frame above this runs eagerly at its exact shape (GPU-bound there), as does a step its
-    # bucket would pad by tuning plans.eager_min_padding or more. None: never.
+    # bucket would pad by EAGER_MIN_PADDING (vitgraph.engine.planner) or more. None: never.
     exact_eager_above: int | None = 8192
     capture: bool = True  # capture on construction; else call encoder.capture()
     # Where FlashAttention 4's or quack's kernel caches are cold, compile those kernels in up to

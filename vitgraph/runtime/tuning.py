@@ -35,10 +35,6 @@ class PlanTuning:
 
     cache_entries: int = 4096  # plans kept, keyed by the call's grids
     cache_bytes: int = 64 << 20  # their staged metadata (12 bytes per token)
-    # Eager above exact_eager_above where the bucket would pad the step by this share or more.
-    eager_min_padding: float = 0.04
-    # Backends whose graphs attend through a faster kernel than eager calls do: never eager there.
-    packed_eager_slower: tuple[str, ...] = ("cudnn",)
 
 
 @dataclass(frozen=True)
@@ -190,9 +186,9 @@ def _coerce(name: str, current, value):
             raise bad()
         return value
     if value is None or isinstance(value, (list, tuple)):  # tuples, optional ones included
-        if name.endswith("_tiles") and value is not None:  # (Tile, µs per wave) pairs
-            pairs = [pair for pair in value if isinstance(pair, (list, tuple)) and len(pair) == 2]
-            if len(pairs) != len(value) or not all(_number(us) for _, us in pairs):
+        if name.endswith("_tiles"):  # (Tile, µs per wave) pairs, the default tile's first
+            pairs = [pair for pair in value or () if isinstance(pair, (list, tuple)) and len(pair) == 2]
+            if not pairs or len(pairs) != len(value) or not all(_number(us) for _, us in pairs):
                 raise bad()
             return tuple((_tile(tile, bad), float(us)) for tile, us in pairs)
         converted = _tuples(value)
