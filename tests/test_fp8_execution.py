@@ -36,7 +36,7 @@ def test_each_row_is_scaled_by_its_own_maximum():
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1) and scale.dtype == torch.float32
     for row in (0, 1, 2, 5):  # its largest value lands on e4m3's largest
         assert q[row].float().abs().max().item() == E4M3_MAX
-        assert torch.equal(scale[row], x[row].abs().max().reshape(1) / E4M3_MAX)
+        assert torch.equal(scale[row], x[row].abs().max().reshape(1) * (1.0 / E4M3_MAX))
     assert scale[3].item() == MIN_SCALE and not q[3].float().any()  # an all-zero row: zeros
     assert scale[4].isnan().all() and q[4].float().isnan().all()  # NaN spoils its own row only
     assert torch.isfinite(q[[0, 1, 2, 3, 5]].float()).all()

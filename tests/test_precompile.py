@@ -569,7 +569,7 @@ def test_every_family_precompiles_what_its_forward_compiles(preset):
     frames) each compiled; the tower a worker builds from the recipe (one block of each kind)
     finds the same kernels on the same buckets, so its share of the jobs is the encoder's."""
     from vitgraph.models import PRESETS, one_block_tower
-    from vitgraph.runtime.precompile import _DISK_CACHE
+    from vitgraph.runtime.precompile import _cache_of
 
     def configured(t):
         t.set_attention_backend("fa4")
@@ -585,7 +585,7 @@ def test_every_family_precompiles_what_its_forward_compiles(preset):
     jobs = kernel_jobs(full, buckets)
     assert [(j.op, j.key, j.bucket) for j in jobs] == [(j.op, j.key, j.bucket) for j in kernel_jobs(worker, buckets)]
     ops = {j.op for j in jobs}
-    assert {"qkv_rope", "fc1", "attention"} <= ops and all(op in _DISK_CACHE for op in ops)
+    assert {"qkv_rope", "fc1", "attention"} <= ops and all(_cache_of(op) for op in ops)
     assert ("attention_2" in ops) == preset.startswith("qwen2.5")
     fc1 = {j.key[3:] for j in jobs if j.op == "fc1"}  # the activation in the epilogue, gated or not
     assert fc1 == {{"qwen2-vl-2b": ("quick_gelu", False), "qwen2.5-vl-7b": ("silu", True)}.get(

@@ -323,7 +323,7 @@ class FusedLoop:
         linear, name = self.mlp_linears(block)[0], self.activation
         if fp8.is_quantized(linear):
             f = fp8.linear_fp8(h, linear, self._stream_dtype)
-            if name in kernels.FUSED_ACTIVATIONS:
+            if name in kernels.FUSED_ACTIVATIONS and (not self.GATED or name == "silu"):
                 return activation_fp8(f, name, self.GATED)
             return quantize_rows_fp8(self._activate(f).contiguous())
         if self._fc1_kernel(h.shape[0]) is not None:

@@ -9,7 +9,6 @@ family file declares only what differs, as class attributes and hooks:
 * ``NORM``: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm), the kernel the fused loop calls;
 * ``MLP``: the names of a block's MLP linears (in, out), ``GATED``: whether ``in`` is
   ``[gate; up]`` and the MLP ``act(gate) * up``; ``config.hidden_act`` names the activation;
-* ``SPLIT_K``: whether proj and the MLP's last GEMM split K at small row counts;
 * hooks: :meth:`embed` (patch rows to the blocks' input), :meth:`attention_segments` (windows),
   :meth:`tap` (deepstack features), :meth:`finish` (the output from the merger's rows), and the
   ``merger`` module (``norm``, ``merged_dim``, ``project``).
@@ -30,9 +29,6 @@ from ..ops.attention import attend
 from ..ops.tuning import KernelTuning
 from .fused_loop import FusedLoop
 from .rotary import RotaryFrequencies
-
-
-PRECISIONS = ("bf16", "fp8")  # the blocks' GEMMs: the weights' dtype, or FP8 (vitgraph.ops.fp8)
 
 
 def tower_dims(config) -> TowerDims:
@@ -189,9 +185,10 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
     def set_precision(self, precision: str) -> None:
         """``"fp8"``: the fused forward runs the blocks' four GEMMs in FP8 (:mod:`vitgraph.ops.fp8`:
         weights quantized per output channel now, activations per row at each call); ``"bf16"``:
-        in the weights' dtype. Call it after the tower has its device and dtype."""
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        in the weights' dtype. Call it after the tower has its device and dtype: the FP8 weights are
+        a copy taken now, so weights changed in place later reach the bf16 forward only (call it again)."""
+        if precision not in fp8.PRECISIONS:
+            raise ValueError(f"precision must be one of {fp8.PRECISIONS}, got {precision!r}")
         linears = [linear for block in self.blocks for linear in self.block_linears(block)]
         if precision == "fp8":
             if not self.fused:
@@ -224,6 +221,8 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
         Triton's interpreter)."""
         if enabled and not kernels.usable(self.patch_embed.proj.weight.device):
             raise ValueError("fuse=True needs the triton package and a CUDA device (or TRITON_INTERPRET=1)")
+        if not enabled and self.precision == "fp8":
+            raise ValueError("precision='fp8' runs in the fused forward: set_precision('bf16') before fuse(False)")
         self.fused = enabled
 
     def forward(self, pixels: torch.Tensor, batch) -> torch.Tensor:

@@ -67,6 +67,8 @@ def add_norm_fp8(x: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.
 def activation_fp8(f: torch.Tensor, name: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``name`` of ``f [T, W]`` (``gated``: ``name(gate) * up`` of ``f [T, 2W]``, ``name`` silu), rounded
     to ``f``'s dtype, as e4m3 rows and their fp32 scales ``[T, 1]``; ``f`` contiguous."""
+    if gated and name != "silu":
+        raise ValueError(f"a gated MLP's FP8 activation is silu(gate) * up, got {name!r}")
     if kernels.interpreted():
         return quantize_rows(kernels.silu_mul(f) if gated else kernels.activation_(f, name))
     rows, width = f.shape[0], f.shape[1] // (2 if gated else 1)
@@ -81,6 +83,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`vitgraph.ops.fp8.quantize_rows` of ``x [T, W]`` (contiguous) in one kernel."""
     if kernels.interpreted():
         return quantize_rows(x)
+    x = x.contiguous()  # rows read at a stride of their width
     rows, width = x.shape
     q, scale = _outputs(rows, width, x.device)
     if rows:

@@ -7,21 +7,18 @@ of v, the activation's few):
 * :func:`add_layernorm`: ``x += y`` (in place), then ``LayerNorm(x)``. It joins each
   residual add to the LayerNorm after it, across the block boundary too (or, where the
   GEMM before it added into ``x`` itself, normalizes ``x`` plus the biases kept aside);
-* :func:`rotary_`: fp32 2-D rotary of q and k inside the packed ``qkv`` rows (each rotated
-  pair of dims side by side, the tower's interleaved layout, read as one integer). It either
-  rotates in place (packed attention reads q, k, v straight out of ``qkv``; padding rows
-  optionally zeroed, for kernels that read past a segment's end), or writes q
-  and k into a wider head dim whose extra lane masks padding keys (dense attention over
-  a padded bucket, see :mod:`vitgraph.ops.attention`);
+* :func:`rotary_`: fp32 2-D rotary of q and k inside the packed ``qkv`` rows (each rotated pair
+  side by side, read as one integer), in place (padding rows optionally zeroed, for kernels
+  that read past a segment's end), or into a wider head dim whose extra lane masks padding keys
+  (dense attention over a padded bucket, see :mod:`vitgraph.ops.attention`);
 * :func:`activation_` (QuickGELU, GELU-tanh, SiLU) in place, and :func:`silu_mul` (SwiGLU's
   ``silu(gate) * up``); :func:`add_rmsnorm` is add+LayerNorm's RMSNorm form;
 * :func:`prefix_sums`: the fp32 running sums of the biases a residual stream keeps aside.
 
-Arithmetic is fp32 inside; results are rounded once to the tensor dtype, where the
-plain forward rounds after every op. Each kernel handles whole rows in one program and
-never reads a row another program writes, so in-place updates are safe (``prefix_sums``
-handles whole columns and writes a new tensor). They run on
-CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them).
+Arithmetic is fp32 inside; results are rounded once to the tensor dtype, where the plain
+forward rounds after every op. Each kernel handles whole rows in one program and never reads a
+row another program writes, so in-place updates are safe (``prefix_sums`` handles whole columns
+and writes a new tensor). They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -98,8 +95,14 @@ if available():
         return diff * rstd * w + b
 
     @triton.jit
+    def _max_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
     def store_fp8_rows(hf, q_ptr, scale_ptr, offs, r, mask, rows, MIN: tl.constexpr):  # vitgraph.ops.fp8_kernels
-        scale = tl.maximum(tl.max(tl.abs(hf), axis=1)[:, None] / 448.0, MIN)
+        # NaN kept (a NaN row's scale is NaN, as torch's); times 1/448, which rounds alike everywhere
+        amax = tl.reduce(tl.abs(hf), 1, _max_nan)[:, None]
+        scale = tl.maximum(amax * (1.0 / 448.0), MIN, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + offs, tl.math.div_rn(hf, scale).to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + r, scale, mask=r < rows)
 

@@ -14,9 +14,8 @@ from ..engine.contract import VisionTower
 from ..ops import kernels
 from ..ops.attention import fa4_short_cap, resolve_backend
 from ..ops.backend_names import attention_backend
+from ..ops.fp8 import PRECISIONS
 from ..ops.gemm import GEMM_BACKENDS, resolve_gemm
-
-PRECISIONS = ("bf16", "fp8")  # EngineOptions.precision (the tower's set_precision)
 from .tuning import Tuning, check_overrides
 from .validation import check_int
 
@@ -148,12 +147,15 @@ def configure_tower(tower: VisionTower, options: EngineOptions, tuning: Tuning, 
     gemm = resolve_gemm(options.gemm, device, dtype, quack)
     if options.precision == "fp8":
         check_fp8_device(device)
+        if dtype == torch.float16:
+            raise ValueError("precision='fp8' gives its GEMMs' results in bf16: use dtype bf16 (or fp32 on a CPU)")
         if not fuse:
             raise ValueError(f"precision='fp8' runs in the fused forward, which needs triton and a CUDA device "
                              f"(or TRITON_INTERPRET=1); got device {device}")
     tuning = dataclasses.replace(tuning, gemm=dataclasses.replace(tuning.gemm, backend=gemm))
     # refuses fuse=True where the kernels cannot run, and FP8 for widths _scaled_mm does not take
-    tower.configure(attention, fuse, tuning.kernels, options.precision)
+    precision = {} if options.precision == "bf16" else {"precision": options.precision}  # towers without FP8 take 3
+    tower.configure(attention, fuse, tuning.kernels, **precision)
     return attention, tuning
 
 

@@ -52,8 +52,12 @@ EARLY_WORKERS = 10
 # compile only helps where the kernel persists.
 _FA4_CACHE = ("flash_attn.cute.cache_utils", FA4_CACHE_SWITCH, "0")
 _QUACK_CACHE = ("quack.cache.jit", "QUACK_CACHE_ENABLED", "1")
-_DISK_CACHE = {"attention": _FA4_CACHE, "attention_2": _FA4_CACHE, "qkv": _QUACK_CACHE, "qkv_rope": _QUACK_CACHE,
-               "fc1": _QUACK_CACHE}
+_DISK_CACHE = {"attention": _FA4_CACHE, "qkv": _QUACK_CACHE, "qkv_rope": _QUACK_CACHE, "fc1": _QUACK_CACHE}
+
+
+def _cache_of(op: str) -> tuple:
+    """The disk cache of ``op``'s library (every attention kind's, "attention_2" ..., is FA4's)."""
+    return _DISK_CACHE["attention" if op.startswith("attention") else op]
 # Where each library puts its disk cache (its variable, else <tempdir>/<user>/<name>), known
 # without importing it: start_early looks there before anything is imported, and precompile
 # adopts the early workers only where the imported libraries name the same directories.
@@ -94,7 +98,7 @@ def kernel_jobs(tower: VisionTower, buckets: Sequence[Bucket]) -> list[KernelJob
 
 def _persists(op: str) -> bool:
     """The op's library keeps compiled kernels on disk (FA4 reads its switch once, at import)."""
-    module, switch, default = _DISK_CACHE[op]
+    module, switch, default = _cache_of(op)
     loaded = sys.modules.get(module)
     if loaded is not None and hasattr(loaded, "CUTE_DSL_CACHE_ENABLED"):
         return bool(loaded.CUTE_DSL_CACHE_ENABLED)
@@ -316,7 +320,7 @@ def precompile(tower: VisionTower, setup: TowerSetup, buckets: Sequence[Bucket],
     shares = _shares(rest, min(workers, len(rest)))
     procs = None  # not started
     try:
-        caches = sorted({_DISK_CACHE[job.op][0] for job in jobs})
+        caches = sorted({_cache_of(job.op)[0] for job in jobs})
         if early is not None:  # no kernel was on disk when they started: cold for certain
             procs = early.adopt(_cache_roots(caches))
             if procs is not None:
