@@ -12,13 +12,46 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+_LAST_SERVE_CLUSTER_USER = pytest.StashKey()  # the item after whose teardown serve_cluster shuts down
+_SERVE_CLUSTER = pytest.StashKey()
+_SERVE_CLUSTER_DONE = pytest.StashKey()  # whether the last test using serve_cluster has run
+
+
 def pytest_collection_modifyitems(config, items):
+    users = [item for item in items if "serve_cluster" in getattr(item, "fixturenames", ())]
+    config.stash[_LAST_SERVE_CLUSTER_USER] = users[-1] if users else None
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def serve_cluster(request):
+    """One Ray instance with Serve for the modules that deploy on a real cluster (test_serve.py,
+    test_serve_handoff.py): each deploys its own application on it and deletes it. Started once,
+    and shut down right after the last test that uses it (not at the session's end)."""
+    pytest.importorskip("ray.serve")
+    from helpers import ServeCluster
+
+    cluster = ServeCluster()
+    request.addfinalizer(cluster.close)
+    request.config.stash[_SERVE_CLUSTER] = cluster
+    return cluster
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the item's fixtures are torn down, its module's too where the next item is in another module
+    stash = item.config.stash
+    if item is stash.get(_LAST_SERVE_CLUSTER_USER, None):
+        stash[_SERVE_CLUSTER_DONE] = True
+    if stash.get(_SERVE_CLUSTER_DONE, False) and (nextitem is None or nextitem.module is not item.module):
+        cluster = stash.get(_SERVE_CLUSTER, None)
+        if cluster is not None:
+            cluster.close()  # after the applications the last module using it deletes at its end
 
 
 @pytest.fixture(scope="session")
