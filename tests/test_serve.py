@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from helpers import rel_err
+from helpers import SERVE_REQUEST_TIMEOUT_S, rel_err
 from PIL import Image
 
 ray = pytest.importorskip("ray")
@@ -26,7 +26,7 @@ from vitgraph import GraphedVisionEncoder, preprocess_images  # noqa: E402
 
 BUDGET = 512  # the deployment's largest bucket: a batch holds at most this many patch tokens
 MAX_PIXELS = 65536  # images are resized to at most this many pixels (334 patch tokens)
-REQUEST_TIMEOUT_S = 20  # the proxy answers any request within this (408), whatever happens to its replica
+REQUEST_TIMEOUT_S = SERVE_REQUEST_TIMEOUT_S  # the proxy answers any request within this (408), whatever happens to its replica
 MAX_ITEMS = 8  # images (or grid rows) per request
 
 
@@ -37,18 +37,16 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(serve_cluster):
+    """The application "vitgraph" at / on conftest's cluster (the proxy's timeout REQUEST_TIMEOUT_S)."""
     from vitgraph.serve import build_app
 
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": REQUEST_TIMEOUT_S})
+    assert serve_cluster.request_timeout_s == REQUEST_TIMEOUT_S
     handle = serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, max_wait_ms=250,
                                  max_budget=BUDGET, max_pixels=MAX_PIXELS, max_items_per_request=MAX_ITEMS),
                        name="vitgraph", route_prefix="/")
-    yield f"http://127.0.0.1:{port}/encode", handle
-    serve.shutdown()
-    ray.shutdown()
+    yield f"{serve_cluster.url}/encode", handle
+    serve.delete("vitgraph", _blocking=False)  # the cluster goes on meanwhile; its shutdown waits for it
 
 
 @pytest.fixture(scope="module")
@@ -180,20 +178,64 @@ def test_the_python_handle(app, direct):
         handle.encode.remote(pixels, [(1, 4, 5)]).result()
 
 
-@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
-def test_the_cli_serves_until_interrupted(tmp_path, stop):
-    """``vitgraph serve`` starts Ray and the app, answers, and Ctrl-C (SIGINT) or SIGTERM stops
-    both cleanly. Whatever happens, nothing it started is left running (its process group)."""
+def kill_group(proc) -> None:
+    """Kill ``proc``'s process group (the process and anything it left behind) and reap it."""
     import os
     import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+SATURATION_ARGS = ["--preset", "tiny", "--device", "cpu", "--closed-loop", "2", "--requests", "4",
+                   "--systems", "vitgraph_eager", "--target", "serve", "--replicas", "2"]
+
+
+@pytest.fixture(scope="module")
+def own_ray(request, tmp_path_factory):
+    """The module's processes that start a Ray instance of their own, those of the selected tests:
+    a ``vitgraph serve`` per signal test_the_cli_serves_until_interrupted stops one with, and
+    ``vitgraph bench-serving --target serve``. All start together when the first of these tests
+    runs (their start-ups, seconds of Ray each, overlap on the two cores); each test then waits for
+    its own. Whatever happens, every process group they started is killed when the module ends."""
     import subprocess
     import sys
+
+    selected = [(item.originalname, getattr(item, "callspec", None)) for item in request.session.items
+                if item.module is request.module]
+    procs = {}
+    try:
+        for name, callspec in selected:
+            if name == "test_the_cli_serves_until_interrupted":
+                port = free_port()
+                procs[callspec.params["stop"]] = port, subprocess.Popen(
+                    [sys.executable, "-m", "vitgraph", "serve", "--preset", "tiny", "--device", "cpu",
+                     "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    start_new_session=True)
+            elif name == "test_the_saturation_benchmark_drives_the_app_over_http":
+                out = tmp_path_factory.mktemp("saturation") / "saturation.json"
+                procs["saturation"] = out, subprocess.Popen(
+                    [sys.executable, "-m", "vitgraph", "bench-serving", *SATURATION_ARGS, "--port", str(free_port()),
+                     "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    start_new_session=True)
+        yield procs
+    finally:
+        for _, proc in procs.values():
+            kill_group(proc)
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_the_cli_serves_until_interrupted(own_ray, stop):
+    """``vitgraph serve`` starts Ray and the app, answers, and Ctrl-C (SIGINT) or SIGTERM stops
+    both cleanly. Whatever happens, nothing it started is left running (its process group).
+    (The process of each signal starts with the other's: own_ray.)"""
+    import signal
     import time
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "vitgraph", "serve", "--preset", "tiny", "--device", "cpu",
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    port, proc = own_ray[stop]
     try:
         try:
             pixels, body = rows_payload([(1, 4, 4)], seed=1)
@@ -205,18 +247,14 @@ def test_the_cli_serves_until_interrupted(tmp_path, stop):
                         break
                 except (urllib.error.URLError, ConnectionError):
                     pass
-                time.sleep(1)
+                time.sleep(0.25)
             assert status == 200, (status, proc.poll())
             assert load_safetensors(answer)["embeddings"].shape == (4, 48)
         finally:
             proc.send_signal(getattr(signal, stop))
             out, err = proc.communicate(timeout=120)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the server and any Ray process it left behind
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_group(proc)  # the server and any Ray process it left behind
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err
     assert out == "", out[-3000:]  # no Ray line (its coloured "(raylet) ..." shutdown noise) on stdout either
@@ -229,10 +267,11 @@ def test_the_cli_serves_until_interrupted(tmp_path, stop):
 
 
 def test_the_cli_on_an_existing_cluster_touches_only_its_own_application(app):
-    """``vitgraph serve`` with RAY_ADDRESS naming this module's cluster, whose Serve instance
+    """``vitgraph serve`` with RAY_ADDRESS naming the cluster of this module's app, whose Serve instance
     already runs the application "vitgraph" (at /, port and timeout of its own): the CLI refuses
     that name; under its own name it warns of each HTTP option that cannot apply, serves at its
-    own prefix on the cluster's port, and on SIGTERM deletes its application alone."""
+    own prefix on the cluster's port, and on SIGTERM deletes its application alone. (The refused
+    process and the one under its own name run side by side.)"""
     import os
     import signal
     import subprocess
@@ -248,8 +287,7 @@ def test_the_cli_on_an_existing_cluster_touches_only_its_own_application(app):
     url, _ = app
     env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
     command = [sys.executable, "-m", "vitgraph", "serve", "--preset", "tiny", "--device", "cpu"]
-    taken = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert taken.returncode == 2 and "--app-name vitgraph: the cluster already runs" in taken.stderr, taken.stderr[-2000:]
+    taken = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     proc = subprocess.Popen(command + ["--app-name", "mine", "--port", str(free_port())], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     mine = url.replace("/encode", "/mine/encode")
@@ -258,6 +296,9 @@ def test_the_cli_on_an_existing_cluster_touches_only_its_own_application(app):
     reader.start()
     try:
         try:
+            _, taken_err = taken.communicate(timeout=300)
+            assert taken.returncode == 2 and "--app-name vitgraph: the cluster already runs" in taken_err, \
+                taken_err[-2000:]
             deadline = time.time() + 150
             while time.time() < deadline and proc.poll() is None and not any("vitgraph serving" in x for x in lines):
                 time.sleep(0.5)
@@ -270,6 +311,8 @@ def test_the_cli_on_an_existing_cluster_touches_only_its_own_application(app):
             reader.join(timeout=30)
             err = "".join(lines)
     finally:
+        taken.kill()
+        taken.wait()
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever it left behind (the cluster is the fixture's)
         except ProcessLookupError:
@@ -384,18 +427,16 @@ def test_serve_with_a_missing_model_exits_2_in_seconds():
     assert "/nonexistent/checkpoint" in proc.stderr and time.perf_counter() - start < 60
 
 
-def test_the_saturation_benchmark_drives_the_app_over_http(tmp_path):
+def test_the_saturation_benchmark_drives_the_app_over_http(own_ray):
     """``vitgraph bench-serving --closed-loop --target serve --replicas 2`` (in its own process: its own
-    Ray): both replicas answer as the benchmark's own encoder does, and report themselves."""
-    import subprocess
-    import sys
-
-    out = tmp_path / "saturation.json"
-    proc = subprocess.run([sys.executable, "-m", "vitgraph", "bench-serving", "--preset", "tiny", "--device", "cpu",
-                           "--closed-loop", "2", "--requests", "4", "--systems", "vitgraph_eager", "--target", "serve",
-                           "--replicas", "2", "--port", str(free_port()), "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    Ray; started with the module's other such processes, own_ray): both replicas answer as the
+    benchmark's own encoder does, and report themselves."""
+    out, proc = own_ray["saturation"]
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, err[-3000:]
     result = json.loads(out.read_text())
     systems = {r["system"]: r for r in result["closed_loop"]}
     assert set(systems) == {"vitgraph_eager", "ray_serve", "ray_handle"}
@@ -406,14 +447,23 @@ def test_the_saturation_benchmark_drives_the_app_over_http(tmp_path):
     assert all(r["device"] == "cpu" and r["memory"] == {} for r in result["replicas"].values())
 
 
-def test_two_replicas_share_the_requests(app, direct):
-    """N replicas (here two, on the CPU): requests are routed to both, each answer is right."""
+@pytest.fixture(scope="module")
+def two_replicas(app):
+    """The application "two" (two replicas, on the CPU) at /two beside ``app``'s: its URL. Used by
+    test_two_replicas_share_the_requests, then by test_a_replica_killed_under_load, which kills one
+    of the replicas (so it comes after in this file)."""
     from vitgraph.serve import build_app
 
     url, _ = app
-    serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, num_replicas=2, max_wait_ms=50,
+    serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, num_replicas=2, max_wait_ms=10,
                         max_budget=BUDGET), name="two", route_prefix="/two")
-    two = url.replace("/encode", "/two/encode")
+    yield url.replace("/encode", "/two/encode")
+    serve.delete("two", _blocking=False)  # the cluster goes on meanwhile; its shutdown waits for it
+
+
+def test_two_replicas_share_the_requests(two_replicas, direct):
+    """N replicas (here two, on the CPU): requests are routed to both, each answer is right."""
+    two = two_replicas
     payloads = [rows_payload([(1, 8, 8)], seed=200 + i) for i in range(24)]
     replicas = set()
 
@@ -429,7 +479,6 @@ def test_two_replicas_share_the_requests(app, direct):
         replicas.add(replica)
         assert rel_err(load_safetensors(body)["embeddings"], direct.encode(pixels, [(1, 8, 8)])) <= 1e-5
     assert len(replicas) == 2, replicas
-    serve.delete("two")
 
 
 def test_build_app_refuses_a_bad_max_ongoing_requests():
@@ -566,19 +615,14 @@ def test_http_edge_cases_are_400s_with_readable_messages(app):
     assert status == 400 and b"images[0]: declares 9000x9000" in answer, answer
 
 
-def test_a_replica_killed_under_load(app, direct):
+def test_a_replica_killed_under_load(two_replicas, direct):
     """Two replicas under a closed loop of 6 clients; one is killed mid-load. Every request gets
     an answer (no hang past the proxy's timeout), only requests in flight at the kill may fail,
     and throughput comes back. The numbers are printed (-s)."""
     import threading
     import time
 
-    from vitgraph.serve import build_app
-
-    url, _ = app
-    serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, num_replicas=2, max_wait_ms=10,
-                        max_budget=BUDGET), name="kill", route_prefix="/kill")
-    target = url.replace("/encode", "/kill/encode")
+    target = two_replicas
     pixels, body = rows_payload([(1, 8, 8)], seed=300)
     want = direct.encode(pixels, [(1, 8, 8)])
     results, stop = [], threading.Event()
@@ -598,7 +642,7 @@ def test_a_replica_killed_under_load(app, direct):
         t.start()
     time.sleep(3)
     replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["name"].startswith("SERVE_REPLICA::kill#")]
+                if a["name"].startswith("SERVE_REPLICA::two#")]
     assert len(replicas) == 2, replicas
     killed_at = time.perf_counter()
     ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
@@ -617,7 +661,6 @@ def test_a_replica_killed_under_load(app, direct):
     assert all(start < killed_at + REQUEST_TIMEOUT_S for start, _, _ in failed)
     assert longest <= REQUEST_TIMEOUT_S + 10
     assert recovered is not None and sum(ok for start, _, ok in after if start > killed_at + 10) > 10
-    serve.delete("kill")
 
 
 def test_build_app_refuses_a_bad_max_image_pixels():
