@@ -18,12 +18,34 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+import early_runs  # noqa: E402
+from early_runs import early_run  # noqa: E402,F401 - the fixture
+
 _LAST_SERVE_CLUSTER_USER = pytest.StashKey()  # the item after whose teardown serve_cluster shuts down
 _SERVE_CLUSTER = pytest.StashKey()
 _SERVE_CLUSTER_DONE = pytest.StashKey()  # whether the last test using serve_cluster has run
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "early_run(commands): commands run to completion ahead of the test "
+                                       "(tests/early_runs.py)")
+
+
+def pytest_collection_finish(session):
+    early_runs.start(session)
+
+
+def pytest_sessionfinish(session):
+    early_runs.stop(session)
+
+
+def pytest_terminal_summary(terminalreporter):
+    early_runs.summary(terminalreporter)
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config, items):
+    early_runs.order_last(items)
     users = [item for item in items if "serve_cluster" in getattr(item, "fixturenames", ())]
     config.stash[_LAST_SERVE_CLUSTER_USER] = users[-1] if users else None
     if torch.cuda.is_available():
