@@ -6,9 +6,11 @@ import base64
 import io
 import json
 import socket
+import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -178,84 +180,25 @@ def test_the_python_handle(app, direct):
         handle.encode.remote(pixels, [(1, 4, 5)]).result()
 
 
-def kill_group(proc) -> None:
-    """Kill ``proc``'s process group (the process and anything it left behind) and reap it."""
-    import os
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+def _until_signal(stop):
+    """tests/serve_until_signal.py STOP, run ahead of the test (tests/early_runs.py)."""
+    script = str(Path(__file__).with_name("serve_until_signal.py"))
+    return pytest.mark.early_run(lambda out: [dict(args=[sys.executable, script, stop], timeout=400)])
 
 
-SATURATION_ARGS = ["--preset", "tiny", "--device", "cpu", "--closed-loop", "2", "--requests", "4",
-                   "--systems", "vitgraph_eager", "--target", "serve", "--replicas", "2"]
-
-
-@pytest.fixture(scope="module")
-def own_ray(request, tmp_path_factory):
-    """The module's processes that start a Ray instance of their own, those of the selected tests:
-    a ``vitgraph serve`` per signal test_the_cli_serves_until_interrupted stops one with, and
-    ``vitgraph bench-serving --target serve``. All start together when the first of these tests
-    runs (their start-ups, seconds of Ray each, overlap on the two cores); each test then waits for
-    its own. Whatever happens, every process group they started is killed when the module ends."""
-    import subprocess
-    import sys
-
-    selected = [(item.originalname, getattr(item, "callspec", None)) for item in request.session.items
-                if item.module is request.module]
-    procs = {}
-    try:
-        for name, callspec in selected:
-            if name == "test_the_cli_serves_until_interrupted":
-                port = free_port()
-                procs[callspec.params["stop"]] = port, subprocess.Popen(
-                    [sys.executable, "-m", "vitgraph", "serve", "--preset", "tiny", "--device", "cpu",
-                     "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                    start_new_session=True)
-            elif name == "test_the_saturation_benchmark_drives_the_app_over_http":
-                out = tmp_path_factory.mktemp("saturation") / "saturation.json"
-                procs["saturation"] = out, subprocess.Popen(
-                    [sys.executable, "-m", "vitgraph", "bench-serving", *SATURATION_ARGS, "--port", str(free_port()),
-                     "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                    start_new_session=True)
-        yield procs
-    finally:
-        for _, proc in procs.values():
-            kill_group(proc)
-
-
-@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
-def test_the_cli_serves_until_interrupted(own_ray, stop):
+@pytest.mark.parametrize("stop", [pytest.param(stop, marks=_until_signal(stop), id=stop)
+                                  for stop in ("SIGINT", "SIGTERM")])
+def test_the_cli_serves_until_interrupted(early_run, stop):
     """``vitgraph serve`` starts Ray and the app, answers, and Ctrl-C (SIGINT) or SIGTERM stops
-    both cleanly. Whatever happens, nothing it started is left running (its process group).
-    (The process of each signal starts with the other's: own_ray.)"""
-    import signal
-    import time
-
-    port, proc = own_ray[stop]
-    try:
-        try:
-            pixels, body = rows_payload([(1, 4, 4)], seed=1)
-            deadline, status = time.time() + 150, None
-            while time.time() < deadline and proc.poll() is None:
-                try:
-                    status, answer = post(f"http://127.0.0.1:{port}/encode", body, "application/octet-stream")
-                    if status != 404:  # 404: the proxy is up, the app not deployed yet
-                        break
-                except (urllib.error.URLError, ConnectionError):
-                    pass
-                time.sleep(0.25)
-            assert status == 200, (status, proc.poll())
-            assert load_safetensors(answer)["embeddings"].shape == (4, 48)
-        finally:
-            proc.send_signal(getattr(signal, stop))
-            out, err = proc.communicate(timeout=120)
-    finally:
-        kill_group(proc)  # the server and any Ray process it left behind
-    assert proc.returncode == 0, err[-3000:]
+    both cleanly. Whatever happens, nothing it started is left running (its process group). (The
+    server is started, asked and stopped by tests/serve_until_signal.py, ahead of the test.)"""
+    _, (driver,) = early_run
+    assert driver.returncode == 0, driver.stderr[-3000:]
+    run = json.loads(driver.stdout)
+    assert run["status"] == 200, (run["status"], run["poll"])
+    assert run["shape"] == [4, 48]
+    err, out = run["err"], run["out"]
+    assert run["returncode"] == 0, err[-3000:]
     assert "Traceback" not in err
     assert out == "", out[-3000:]  # no Ray line (its coloured "(raylet) ..." shutdown noise) on stdout either
     # A quiet start: on a pipe no status line (a terminal's only), and the line that says what is
@@ -427,17 +370,17 @@ def test_serve_with_a_missing_model_exits_2_in_seconds():
     assert "/nonexistent/checkpoint" in proc.stderr and time.perf_counter() - start < 60
 
 
-def test_the_saturation_benchmark_drives_the_app_over_http(own_ray):
+@pytest.mark.early_run(lambda out: [dict(
+    args=[sys.executable, "-m", "vitgraph", "bench-serving", "--preset", "tiny", "--device", "cpu", "--closed-loop", "2",
+          "--requests", "4", "--systems", "vitgraph_eager", "--target", "serve", "--replicas", "2",
+          "--port", str(free_port()), "--json", str(out / "saturation.json")], timeout=300)])
+def test_the_saturation_benchmark_drives_the_app_over_http(early_run):
     """``vitgraph bench-serving --closed-loop --target serve --replicas 2`` (in its own process: its own
-    Ray; started with the module's other such processes, own_ray): both replicas answer as the
-    benchmark's own encoder does, and report themselves."""
-    out, proc = own_ray["saturation"]
-    try:
-        _, err = proc.communicate(timeout=300)
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 0, err[-3000:]
-    result = json.loads(out.read_text())
+    Ray; run ahead of the test, tests/early_runs.py): both replicas answer as the benchmark's own
+    encoder does, and report themselves."""
+    out, (proc,) = early_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "saturation.json").read_text())
     systems = {r["system"]: r for r in result["closed_loop"]}
     assert set(systems) == {"vitgraph_eager", "ray_serve", "ray_handle"}
     assert systems["ray_serve"]["throughput_rps"] > 0 and systems["ray_handle"]["throughput_rps"] > 0
