@@ -108,7 +108,10 @@ def order_last(items) -> None:
 
 
 def start(session) -> None:
-    """Start the thread on the selected items' runs (those not already marked to skip)."""
+    """Start the thread on the selected items' runs (those not already marked to skip; none where
+    the session only collects)."""
+    if session.config.option.collectonly:
+        return
     root = Path(tempfile.mkdtemp(prefix="vitgraph-early-runs-"))
     runs = {item.nodeid: EarlyRun(item.nodeid, item.get_closest_marker("early_run").args[0], root)
             for item in session.items if item.get_closest_marker("early_run")}
