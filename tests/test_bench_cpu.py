@@ -2,7 +2,6 @@
 a CPU run leaves out is said first, and --help shows every default."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -75,9 +74,10 @@ def _defaults(command, *sizes):
                  marks=_defaults("bench-images", "--saturation-images", "2", "--max-pixels", "200704"),
                  id="bench-images-rows1")])
 def test_the_cpu_defaults_finish(early_run, command, rows):
-    """Each benchmark with its defaults on a CPU (``bench`` about 10 s on 2 cores; ``bench-images``
-    with its sizes given): it ends, with a row per case or system (the CPU's own: no preset or
-    system given), after a first line that says what a CPU run leaves out."""
+    """Each benchmark with its CPU defaults (``bench``: all of them, about 10 s on 2 cores;
+    ``bench-images``: all but its sizes, given smaller): it ends, with a row per case or system
+    (the CPU's: no preset, case or system given), after a first line that says what a CPU run
+    leaves out. (Run ahead of the test: tests/early_runs.py.)"""
     _, (proc,) = early_run
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"{command} on a CPU: " in proc.stderr.splitlines()[0]
