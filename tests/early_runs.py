@@ -3,16 +3,16 @@ run ahead of the test: one at a time, on a thread of their own from the start of
 on the core the session's mostly single-threaded tests leave idle (the suite's two cores).
 
 A test names its commands with the mark ``early_run(commands)`` (a lambda, or
-``early_run.with_args(function)``: a named function alone is taken for the test to mark):
-``commands(out)`` gives a list
-of keyword arguments for :func:`subprocess.run` (``args`` and optionally ``env``, ``cwd``,
-``timeout``: default 600 s), ``out`` a folder of the run's own for the files they write. The
-test's fixture ``early_run`` is ``(out, [CompletedProcess, ...])``, each with ``seconds`` (its
-wall time): it waits for the commands, or runs them itself where the thread has not started
-them yet. A command that times out or cannot start fails the test that asked for it.
+``early_run.with_args(function)``: a named function alone is taken for the test to mark).
+``commands(out)`` gives a list of keyword arguments for :class:`subprocess.Popen` (``args`` and
+optionally ``env``, ``cwd``; ``timeout``: default 600 s), ``out`` a folder of the run's own for
+the files they write. The test's fixture ``early_run`` is ``(out, [CompletedProcess, ...])``,
+each with ``seconds`` (its wall time): it waits for the commands, or runs them itself where the
+thread has not started them yet. A command that times out or cannot start errors the test.
 
 These tests run after the session's others (conftest orders them last, keeping their order),
 so that their commands are done when they come; every selected test is run, whatever it asks.
+A session that ends first (-x, Ctrl-C) kills what still runs.
 """
 
 from __future__ import annotations
