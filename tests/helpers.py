@@ -424,3 +424,43 @@ def png_bytes(size, color) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", size, color).save(buffer, "PNG")
     return buffer.getvalue()
+
+
+# -- A Ray Serve instance for the modules that deploy on a real cluster (conftest's serve_cluster) --
+
+SERVE_REQUEST_TIMEOUT_S = 20  # the proxy answers any request within this (408), whatever happens to its replica
+
+
+class ServeCluster:
+    """A local Ray instance (2 CPUs) with Serve's HTTP proxy on 127.0.0.1:``port``, requests
+    timing out after ``request_timeout_s``."""
+
+    def __init__(self, request_timeout_s: float = SERVE_REQUEST_TIMEOUT_S):
+        import socket
+
+        import ray
+        from ray import serve
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url, self.request_timeout_s = f"http://127.0.0.1:{self.port}", request_timeout_s
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": self.port,
+                                      "request_timeout_s": request_timeout_s})
+        except BaseException:
+            ray.shutdown()
+            raise
+        self.up = True
+
+    def close(self):
+        if self.up:
+            import ray
+            from ray import serve
+
+            self.up = False
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()

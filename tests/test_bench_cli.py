@@ -1,10 +1,12 @@
 """The benchmarks (tiny preset, CPU) and the vitgraph command line."""
 
+import importlib.util
 import io
 import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +17,17 @@ from safetensors.torch import load_file
 from vitgraph import GraphedVisionEncoder
 from vitgraph.bench import latency, serving
 from vitgraph.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+AB_SETTING = str(ROOT / "benchmarks" / "ab_setting.py")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -187,17 +200,18 @@ def test_call_timer_counts_every_call_and_keeps_the_result():
 
 
 @pytest.mark.slow
-def test_ab_setting_runs_both_build_orders():
+@pytest.mark.early_run(lambda out: [
+    dict(args=[sys.executable, AB_SETTING, "gemm.split_k=4", "--both-orders", "--preset", "tiny", "--device", "cpu",
+               "--rounds", "1", "--iters", "1", "--cases", "1x256", "--frames", "8x10", "--preheat", "0"],
+         timeout=300),
+    dict(args=[sys.executable, AB_SETTING, "gemm.no_such_field=1", "--preset", "tiny", "--device", "cpu"],
+         timeout=300)])
+def test_ab_setting_runs_both_build_orders(early_run):
     """benchmarks/ab_setting.py on the tiny preset (CPU, eager), both build orders with new
     encoders and the two deltas side by side. The setting changes nothing on the CPU (split-K
-    runs on Hopper only), so both encoders give the same output; an unknown setting is refused."""
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_setting.py"
-    proc = subprocess.run([sys.executable, str(script), "gemm.split_k=4", "--both-orders", "--preset", "tiny",
-                           "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256", "--frames", "8x10",
-                           "--preheat", "0"],
-                          capture_output=True, text=True, timeout=300)
+    runs on Hopper only), so both encoders give the same output; an unknown setting is refused.
+    (Run ahead of the test: tests/early_runs.py.)"""
+    _, (proc, bad) = early_run
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "gemm.split_k: default 2, changed 4" in out
@@ -207,8 +221,6 @@ def test_ab_setting_runs_both_build_orders():
     assert last[1].split()[:1] == ["case"] and last[2].split()[0] == "1x256" and last[2].split()[-1] in ("yes", "no")
     assert last[3].split()[:3] == ["1", "frame", "8x10"]  # --frames: one frame of 8x10 patches
     assert "0.0e+00" in out  # the same output either way
-    bad = subprocess.run([sys.executable, str(script), "gemm.no_such_field=1", "--preset", "tiny", "--device", "cpu"],
-                         capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "unknown setting 'gemm.no_such_field'" in bad.stderr
 
 
@@ -247,16 +259,14 @@ def test_alternating_ab_preheats_then_alternates_strictly():
 
 
 @pytest.mark.slow
-def test_ab_setting_control_encoder_reports_an_a_a():
+@pytest.mark.early_run(lambda out: [dict(
+    args=[sys.executable, AB_SETTING, "gemm.split_k=4", "--both-orders", "--control", "--preset", "tiny",
+          "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256", "--preheat", "0"], timeout=300)])
+def test_ab_setting_control_encoder_reports_an_a_a(early_run):
     """``--control``: a third encoder with the default settings, built last and timed in turn
-    with the other two; each table gains its time and its delta from ``default`` (an A/A)."""
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_setting.py"
-    proc = subprocess.run([sys.executable, str(script), "gemm.split_k=4", "--both-orders", "--control",
-                           "--preset", "tiny", "--device", "cpu", "--rounds", "1", "--iters", "1", "--cases", "1x256",
-                           "--preheat", "0"],
-                          capture_output=True, text=True, timeout=300)
+    with the other two; each table gains its time and its delta from ``default`` (an A/A).
+    (Run ahead of the test: tests/early_runs.py.)"""
+    _, (proc,) = early_run
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "build order: default, changed, control" in out and "build order: changed, default, control" in out
@@ -348,24 +358,21 @@ def test_bench_images_formats_writes_a_row_per_format_and_decoder(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_images_serve_measures_the_ray_app_with_jpegs_and_rows(tmp_path):
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray Serve (pip install 'vitgraph[serve]')")
+@pytest.mark.early_run(lambda out: [dict(
+    args=[sys.executable, "-m", "vitgraph", "bench-images", "--preset", "tiny", "--device", "cpu",
+          "--systems", "vitgraph_device", "--repeats", "1", "--concurrency", "2", "--saturation-images", "4",
+          "--max-pixels", "50176", "--serve", "--port", str(free_port()), "--json", str(out / "images_serve.json")],
+    timeout=300, cwd=ROOT)])
+def test_bench_images_serve_measures_the_ray_app_with_jpegs_and_rows(early_run):
     """``vitgraph bench-images --serve`` (in its own process: its own Ray, shut down as it ends):
     the JPEGs over HTTP (multipart) and through the handle, and the same images as client-made
     uint8 rows both ways, each at saturation; a mode whose answers are wrong or that errors
-    fails the run (each mode's answers are checked against encode_images' rows first)."""
-    import socket
-    from pathlib import Path
-
+    fails the run (each mode's answers are checked against encode_images' rows first). (Run
+    ahead of the test: tests/early_runs.py.)"""
     pytest.importorskip("ray.serve")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "images_serve.json"
-    proc = subprocess.run([sys.executable, "-m", "vitgraph", "bench-images", "--preset", "tiny", "--device", "cpu",
-                           "--systems", "vitgraph_device", "--repeats", "1", "--concurrency", "2",
-                           "--saturation-images", "4", "--max-pixels", "50176", "--serve", "--port", str(port),
-                           "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    out, (proc,) = early_run
+    out = out / "images_serve.json"
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "vitgraph serve (Ray Serve, one replica)" in proc.stdout and "serve_rows_handle" in proc.stdout
     result = json.loads(out.read_text())
@@ -389,17 +396,16 @@ def test_bench_images_jpegs_are_seeded_and_decodable():
 
 
 @pytest.mark.slow
-def test_the_kernel_profile_sums_time_by_class(tmp_path):
+@pytest.mark.early_run(lambda out: [dict(
+    args=[sys.executable, str(ROOT / "benchmarks" / "profile_kernels.py"), "--presets", "tiny", "--device", "cpu",
+          "--calls", "1", "--cases", "1x256", "4x1024", "--json", str(out / "profile.json")], timeout=300)])
+def test_the_kernel_profile_sums_time_by_class(early_run):
     """benchmarks/profile_kernels.py (run on the H200 to choose what to speed up) on a CPU: every
-    case gets ms per class summing to its total, GEMMs and attention among them."""
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_kernels.py"
-    out = tmp_path / "profile.json"
-    proc = subprocess.run([sys.executable, str(script), "--presets", "tiny", "--device", "cpu", "--calls", "1",
-                           "--cases", "1x256", "4x1024", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    case gets ms per class summing to its total, GEMMs and attention among them. (Run ahead of
+    the test: tests/early_runs.py.)"""
+    out, (proc,) = early_run
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result = json.loads((out / "profile.json").read_text())
     assert set(result) == {"tiny 1x256", "tiny 4x1024"}
     for entry in result.values():
         assert {"gemm", "attention"} <= set(entry["ms_per_class"])

@@ -55,18 +55,28 @@ def test_pixel_limits_are_checked_before_the_model_loads(png, tmp_path, capsys, 
     assert words in one_error_line(code, capsys.readouterr().err)
 
 
+def _unreachable_hub(out):
+    """``vitgraph [-v] info --model Qwen/No-Such-VL`` with a closed port for the Hub (vitgraph_cli's
+    command and environment), HF_HOME a fresh folder."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(out),
+           "HF_HUB_OFFLINE": "0"}
+    return [dict(args=[sys.executable, "-m", "vitgraph", *verbose, "info", "--model", "Qwen/No-Such-VL", "--device",
+                       "cpu"], env=env, timeout=120) for verbose in (["-v"], [])]
+
+
 @pytest.mark.slow
-def test_an_unreachable_hub_is_named_at_once_and_logged_once(tmp_path):
+@pytest.mark.early_run.with_args(_unreachable_hub)  # (a named function alone would be decorated)
+def test_an_unreachable_hub_is_named_at_once_and_logged_once(early_run):
     """A closed port stands in for the Hub: one request, no retries, the model named; with -v
-    no line is printed twice (huggingface_hub's own handler and the root's)."""
-    env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "0"}
-    code, err, seconds = vitgraph_cli("-v", "info", "--model", "Qwen/No-Such-VL", "--device", "cpu", env=env)
+    no line is printed twice (huggingface_hub's own handler and the root's). (Run ahead of the
+    test: tests/early_runs.py.)"""
+    _, (verbose, quiet) = early_run
+    code, err, seconds = verbose.returncode, verbose.stderr, verbose.seconds
     lines = err.strip().splitlines()
     assert code == 2 and seconds < 20 and len(lines) == len(set(lines)), err
     assert lines[-1].startswith("vitgraph info: error: model Qwen/No-Such-VL: config.json is not in the local "
                                 "Hugging Face cache and the Hugging Face Hub cannot be reached")
-    code, err, _ = vitgraph_cli("info", "--model", "Qwen/No-Such-VL", "--device", "cpu", env=env)
-    assert "Qwen/No-Such-VL" in one_error_line(code, err)
+    assert "Qwen/No-Such-VL" in one_error_line(quiet.returncode, quiet.stderr)
 
 
 def test_an_input_folder_is_named_as_one(tmp_path, capsys, no_load):

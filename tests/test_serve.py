@@ -6,14 +6,16 @@ import base64
 import io
 import json
 import socket
+import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import rel_err
+from helpers import SERVE_REQUEST_TIMEOUT_S, rel_err
 from PIL import Image
 
 ray = pytest.importorskip("ray")
@@ -26,7 +28,7 @@ from vitgraph import GraphedVisionEncoder, preprocess_images  # noqa: E402
 
 BUDGET = 512  # the deployment's largest bucket: a batch holds at most this many patch tokens
 MAX_PIXELS = 65536  # images are resized to at most this many pixels (334 patch tokens)
-REQUEST_TIMEOUT_S = 20  # the proxy answers any request within this (408), whatever happens to its replica
+REQUEST_TIMEOUT_S = SERVE_REQUEST_TIMEOUT_S  # the proxy answers any request within this (408), whatever happens to its replica
 MAX_ITEMS = 8  # images (or grid rows) per request
 
 
@@ -37,18 +39,16 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(serve_cluster):
+    """The application "vitgraph" at / on conftest's cluster (the proxy's timeout REQUEST_TIMEOUT_S)."""
     from vitgraph.serve import build_app
 
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": REQUEST_TIMEOUT_S})
+    assert serve_cluster.request_timeout_s == REQUEST_TIMEOUT_S
     handle = serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, max_wait_ms=250,
                                  max_budget=BUDGET, max_pixels=MAX_PIXELS, max_items_per_request=MAX_ITEMS),
                        name="vitgraph", route_prefix="/")
-    yield f"http://127.0.0.1:{port}/encode", handle
-    serve.shutdown()
-    ray.shutdown()
+    yield f"{serve_cluster.url}/encode", handle
+    serve.delete("vitgraph", _blocking=False)  # the cluster goes on meanwhile; its shutdown waits for it
 
 
 @pytest.fixture(scope="module")
@@ -180,44 +180,25 @@ def test_the_python_handle(app, direct):
         handle.encode.remote(pixels, [(1, 4, 5)]).result()
 
 
-@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
-def test_the_cli_serves_until_interrupted(tmp_path, stop):
-    """``vitgraph serve`` starts Ray and the app, answers, and Ctrl-C (SIGINT) or SIGTERM stops
-    both cleanly. Whatever happens, nothing it started is left running (its process group)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+def _until_signal(stop):
+    """tests/serve_until_signal.py STOP, run ahead of the test (tests/early_runs.py)."""
+    script = str(Path(__file__).with_name("serve_until_signal.py"))
+    return pytest.mark.early_run(lambda out: [dict(args=[sys.executable, script, stop], timeout=400)])
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "vitgraph", "serve", "--preset", "tiny", "--device", "cpu",
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        try:
-            pixels, body = rows_payload([(1, 4, 4)], seed=1)
-            deadline, status = time.time() + 150, None
-            while time.time() < deadline and proc.poll() is None:
-                try:
-                    status, answer = post(f"http://127.0.0.1:{port}/encode", body, "application/octet-stream")
-                    if status != 404:  # 404: the proxy is up, the app not deployed yet
-                        break
-                except (urllib.error.URLError, ConnectionError):
-                    pass
-                time.sleep(1)
-            assert status == 200, (status, proc.poll())
-            assert load_safetensors(answer)["embeddings"].shape == (4, 48)
-        finally:
-            proc.send_signal(getattr(signal, stop))
-            out, err = proc.communicate(timeout=120)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the server and any Ray process it left behind
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    assert proc.returncode == 0, err[-3000:]
+
+@pytest.mark.parametrize("stop", [pytest.param(stop, marks=_until_signal(stop), id=stop)
+                                  for stop in ("SIGINT", "SIGTERM")])
+def test_the_cli_serves_until_interrupted(early_run, stop):
+    """``vitgraph serve`` starts Ray and the app, answers, and Ctrl-C (SIGINT) or SIGTERM stops
+    both cleanly. Whatever happens, nothing it started is left running (its process group). (The
+    server is started, asked and stopped by tests/serve_until_signal.py, ahead of the test.)"""
+    _, (driver,) = early_run
+    assert driver.returncode == 0, driver.stderr[-3000:]
+    run = json.loads(driver.stdout)
+    assert run["status"] == 200, (run["status"], run["poll"])
+    assert run["shape"] == [4, 48]
+    err, out = run["err"], run["out"]
+    assert run["returncode"] == 0, err[-3000:]
     assert "Traceback" not in err
     assert out == "", out[-3000:]  # no Ray line (its coloured "(raylet) ..." shutdown noise) on stdout either
     # A quiet start: on a pipe no status line (a terminal's only), and the line that says what is
@@ -229,10 +210,11 @@ def test_the_cli_serves_until_interrupted(tmp_path, stop):
 
 
 def test_the_cli_on_an_existing_cluster_touches_only_its_own_application(app):
-    """``vitgraph serve`` with RAY_ADDRESS naming this module's cluster, whose Serve instance
+    """``vitgraph serve`` with RAY_ADDRESS naming the cluster of this module's app, whose Serve instance
     already runs the application "vitgraph" (at /, port and timeout of its own): the CLI refuses
     that name; under its own name it warns of each HTTP option that cannot apply, serves at its
-    own prefix on the cluster's port, and on SIGTERM deletes its application alone."""
+    own prefix on the cluster's port, and on SIGTERM deletes its application alone. (The refused
+    process and the one under its own name run side by side.)"""
     import os
     import signal
     import subprocess
@@ -248,8 +230,7 @@ def test_the_cli_on_an_existing_cluster_touches_only_its_own_application(app):
     url, _ = app
     env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
     command = [sys.executable, "-m", "vitgraph", "serve", "--preset", "tiny", "--device", "cpu"]
-    taken = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert taken.returncode == 2 and "--app-name vitgraph: the cluster already runs" in taken.stderr, taken.stderr[-2000:]
+    taken = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     proc = subprocess.Popen(command + ["--app-name", "mine", "--port", str(free_port())], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     mine = url.replace("/encode", "/mine/encode")
@@ -258,6 +239,9 @@ def test_the_cli_on_an_existing_cluster_touches_only_its_own_application(app):
     reader.start()
     try:
         try:
+            _, taken_err = taken.communicate(timeout=300)
+            assert taken.returncode == 2 and "--app-name vitgraph: the cluster already runs" in taken_err, \
+                taken_err[-2000:]
             deadline = time.time() + 150
             while time.time() < deadline and proc.poll() is None and not any("vitgraph serving" in x for x in lines):
                 time.sleep(0.5)
@@ -270,6 +254,8 @@ def test_the_cli_on_an_existing_cluster_touches_only_its_own_application(app):
             reader.join(timeout=30)
             err = "".join(lines)
     finally:
+        taken.kill()
+        taken.wait()
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever it left behind (the cluster is the fixture's)
         except ProcessLookupError:
@@ -384,19 +370,17 @@ def test_serve_with_a_missing_model_exits_2_in_seconds():
     assert "/nonexistent/checkpoint" in proc.stderr and time.perf_counter() - start < 60
 
 
-def test_the_saturation_benchmark_drives_the_app_over_http(tmp_path):
+@pytest.mark.early_run(lambda out: [dict(
+    args=[sys.executable, "-m", "vitgraph", "bench-serving", "--preset", "tiny", "--device", "cpu", "--closed-loop", "2",
+          "--requests", "4", "--systems", "vitgraph_eager", "--target", "serve", "--replicas", "2",
+          "--port", str(free_port()), "--json", str(out / "saturation.json")], timeout=300)])
+def test_the_saturation_benchmark_drives_the_app_over_http(early_run):
     """``vitgraph bench-serving --closed-loop --target serve --replicas 2`` (in its own process: its own
-    Ray): both replicas answer as the benchmark's own encoder does, and report themselves."""
-    import subprocess
-    import sys
-
-    out = tmp_path / "saturation.json"
-    proc = subprocess.run([sys.executable, "-m", "vitgraph", "bench-serving", "--preset", "tiny", "--device", "cpu",
-                           "--closed-loop", "2", "--requests", "4", "--systems", "vitgraph_eager", "--target", "serve",
-                           "--replicas", "2", "--port", str(free_port()), "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    Ray; run ahead of the test, tests/early_runs.py): both replicas answer as the benchmark's own
+    encoder does, and report themselves."""
+    out, (proc,) = early_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = json.loads((out / "saturation.json").read_text())
     systems = {r["system"]: r for r in result["closed_loop"]}
     assert set(systems) == {"vitgraph_eager", "ray_serve", "ray_handle"}
     assert systems["ray_serve"]["throughput_rps"] > 0 and systems["ray_handle"]["throughput_rps"] > 0
@@ -406,14 +390,23 @@ def test_the_saturation_benchmark_drives_the_app_over_http(tmp_path):
     assert all(r["device"] == "cpu" and r["memory"] == {} for r in result["replicas"].values())
 
 
-def test_two_replicas_share_the_requests(app, direct):
-    """N replicas (here two, on the CPU): requests are routed to both, each answer is right."""
+@pytest.fixture(scope="module")
+def two_replicas(app):
+    """The application "two" (two replicas, on the CPU) at /two beside ``app``'s: its URL. Used by
+    test_two_replicas_share_the_requests, then by test_a_replica_killed_under_load, which kills one
+    of the replicas (so it comes after in this file)."""
     from vitgraph.serve import build_app
 
     url, _ = app
-    serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, num_replicas=2, max_wait_ms=50,
+    serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, num_replicas=2, max_wait_ms=10,
                         max_budget=BUDGET), name="two", route_prefix="/two")
-    two = url.replace("/encode", "/two/encode")
+    yield url.replace("/encode", "/two/encode")
+    serve.delete("two", _blocking=False)  # the cluster goes on meanwhile; its shutdown waits for it
+
+
+def test_two_replicas_share_the_requests(two_replicas, direct):
+    """N replicas (here two, on the CPU): requests are routed to both, each answer is right."""
+    two = two_replicas
     payloads = [rows_payload([(1, 8, 8)], seed=200 + i) for i in range(24)]
     replicas = set()
 
@@ -429,7 +422,6 @@ def test_two_replicas_share_the_requests(app, direct):
         replicas.add(replica)
         assert rel_err(load_safetensors(body)["embeddings"], direct.encode(pixels, [(1, 8, 8)])) <= 1e-5
     assert len(replicas) == 2, replicas
-    serve.delete("two")
 
 
 def test_build_app_refuses_a_bad_max_ongoing_requests():
@@ -566,19 +558,15 @@ def test_http_edge_cases_are_400s_with_readable_messages(app):
     assert status == 400 and b"images[0]: declares 9000x9000" in answer, answer
 
 
-def test_a_replica_killed_under_load(app, direct):
+def test_a_replica_killed_under_load(two_replicas, direct):
     """Two replicas under a closed loop of 6 clients; one is killed mid-load. Every request gets
     an answer (no hang past the proxy's timeout), only requests in flight at the kill may fail,
-    and throughput comes back. The numbers are printed (-s)."""
+    and throughput comes back: the load goes on until more than 10 requests sent over 10 s after
+    the kill have succeeded (at most the proxy's timeout after it). The numbers are printed (-s)."""
     import threading
     import time
 
-    from vitgraph.serve import build_app
-
-    url, _ = app
-    serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, num_replicas=2, max_wait_ms=10,
-                        max_budget=BUDGET), name="kill", route_prefix="/kill")
-    target = url.replace("/encode", "/kill/encode")
+    target = two_replicas
     pixels, body = rows_payload([(1, 8, 8)], seed=300)
     want = direct.encode(pixels, [(1, 8, 8)])
     results, stop = [], threading.Event()
@@ -598,11 +586,13 @@ def test_a_replica_killed_under_load(app, direct):
         t.start()
     time.sleep(3)
     replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["name"].startswith("SERVE_REPLICA::kill#")]
+                if a["name"].startswith("SERVE_REPLICA::two#")]
     assert len(replicas) == 2, replicas
     killed_at = time.perf_counter()
     ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
-    time.sleep(20)
+    while (time.perf_counter() < killed_at + REQUEST_TIMEOUT_S
+           and sum(ok for start, _, ok in list(results) if start > killed_at + 10) <= 10):
+        time.sleep(0.1)
     stop.set()
     for t in threads:
         t.join(timeout=REQUEST_TIMEOUT_S + 30)
@@ -617,7 +607,6 @@ def test_a_replica_killed_under_load(app, direct):
     assert all(start < killed_at + REQUEST_TIMEOUT_S for start, _, _ in failed)
     assert longest <= REQUEST_TIMEOUT_S + 10
     assert recovered is not None and sum(ok for start, _, ok in after if start > killed_at + 10) > 10
-    serve.delete("kill")
 
 
 def test_build_app_refuses_a_bad_max_image_pixels():

@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow  # a real Ray cluster: seconds per test
 from safetensors.torch import load_file  # noqa: E402
-from test_serve import free_port, post  # noqa: E402
+from test_serve import post  # noqa: E402
 
 from vitgraph import GraphedVisionEncoder  # noqa: E402
 from vitgraph.handoff import CACHE_FILE, CACHE_KEY, item_id  # noqa: E402
@@ -22,18 +22,15 @@ MAX_PIXELS = 65536
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
+def app(serve_cluster, tmp_path_factory):
+    """The application "store" at /store on conftest's cluster, writing to an encoder cache of its own."""
     from vitgraph.serve import build_app
 
     cache = tmp_path_factory.mktemp("encoder_cache")
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": 20})
     serve.run(build_app(preset="tiny", device="cpu", num_cpus=0, max_pixels=MAX_PIXELS, encoder_cache=str(cache)),
-              name="vitgraph", route_prefix="/")
-    yield f"http://127.0.0.1:{port}/encode", cache
-    serve.shutdown()
-    ray.shutdown()
+              name="store", route_prefix="/store")
+    yield f"{serve_cluster.url}/store/encode", cache
+    serve.delete("store", _blocking=False)  # the cluster goes on meanwhile; its shutdown waits for it
 
 
 def test_store_writes_the_items_and_answers_ids_and_grids(app):

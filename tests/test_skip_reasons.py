@@ -3,7 +3,6 @@ empty parameter set" for a parameter list that came out empty)."""
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,10 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the CUDA suites run rather than skip")
-def test_every_cuda_test_skips_with_a_sentence():
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-rs", "-p", "no:cacheprovider"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+@pytest.mark.early_run(lambda out: [dict(
+    args=[sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-rs", "-p", "no:cacheprovider"], cwd=ROOT,
+    env={**os.environ, "PYTHONPATH": str(ROOT)})])
+def test_every_cuda_test_skips_with_a_sentence(early_run):
+    """(The suite's CUDA tests in a pytest of their own, run ahead of this test: tests/early_runs.py.)"""
+    _, (proc,) = early_run
     assert proc.returncode == 0, proc.stdout[-3000:]
     reasons = re.findall(r"^SKIPPED \[\d+\] [^:]+(?::\d+)?: (.*)$", proc.stdout, flags=re.M)
     assert reasons and "passed" not in proc.stdout.splitlines()[-1], proc.stdout[-3000:]
