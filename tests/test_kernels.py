@@ -74,6 +74,7 @@ def test_norm_tuning_follows_the_device():
     of 1025-2048 values (Qwen2-VL's 1280, Qwen3-VL-8B's 1152), not Qwen3-VL-2B's 1024 or a merger's 4608."""
     assert kernels.norm_tuning(9).launch_dependents_max_rows == 2048
     assert kernels.norm_tuning(8).launch_dependents_max_rows == kernels.norm_tuning(None).launch_dependents_max_rows == 0
+    assert kernels.norm_tuning(8).one_row_max_rows == 512 and kernels.norm_tuning(None).one_row_max_rows == 0
     tuning = kernels.norm_tuning(9)
     rows = kernels.WIDE_MIN_ROWS
     assert all(kernels.layernorm_launch(rows, w, tuning) == kernels.LayerNormLaunch(2, 2) for w in (1152, 1280))

@@ -62,9 +62,10 @@ class NormTuning:
 
 
 def norm_tuning(arch: int | None) -> NormTuning:
-    """The LayerNorm tuning on a device of compute capability major ``arch`` (None: not a GPU)."""
+    """The LayerNorm tuning on a device of compute capability major ``arch`` (None: not a GPU, where
+    one row per program, which fills a GPU's SMs, only makes Triton's interpreter run more programs)."""
     hopper = arch is not None and arch >= 9  # griddepcontrol needs compute capability 9
-    return NormTuning(launch_dependents_max_rows=2048 if hopper else 0)
+    return NormTuning(launch_dependents_max_rows=2048 if hopper else 0, one_row_max_rows=512 if arch else 0)
 
 
 DEFAULT_NORMS = NormTuning()
