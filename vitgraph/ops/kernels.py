@@ -43,8 +43,7 @@ def interpreted() -> bool:
 
 
 def usable(device: torch.device | str) -> bool:
-    """The kernels can run on tensors of ``device``: triton is there, and the device is
-    CUDA or the interpreter is on."""
+    """The kernels can run on tensors of ``device``: triton is there, on CUDA or the interpreter."""
     return available() and (torch.device(device).type == "cuda" or interpreted())
 
 
