@@ -99,6 +99,12 @@ def test_what_cannot_run_fp8_is_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match=r"multiples of 16; the Qwen2VisionTower has linears \(in, out\) \[\(72"):
         GraphedVisionEncoder.from_config(dataclasses.replace(config_of("qwen2_vl"), embed_dim=72, num_heads=2),
                                          device="cpu", precision="fp8", fuse=True)
+    with pytest.raises(ValueError, match="use dtype bf16"):
+        GraphedVisionEncoder.from_config("tiny", device="cpu", dtype=torch.float16, precision="fp8", fuse=True)
+    from vitgraph.runtime.options import check_fp8_device
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or more .* has \(8, 0\)"):
+        check_fp8_device(torch.device("cuda"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # no fused forward on a CPU then
     monkeypatch.setattr("vitgraph.ops.kernels.interpreted", lambda: False)
     with pytest.raises(ValueError, match="precision='fp8' runs in the fused forward"):
