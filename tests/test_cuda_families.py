@@ -3,8 +3,8 @@ padded segmentations, window gathers), Qwen3-VL (interpolation taps, deepstack o
 one output), Qwen3.5 and the released layouts. Every bucket replays bitwise equal to eager on
 the same buffers, NaN in the pool and the padding rows never reaches a returned row with any
 attention kernel, bf16 graphs stay within transformers' own bf16 distance of the fp32
-reference, and 1,000 mixed calls match eager. Qwen2-VL's own CUDA behaviour (fused forward,
-GEMM backends, routing, pool) is in test_cuda.py.
+reference, and 1,000 mixed calls match eager. The GEMM epilogues of every family are in
+test_cuda_epilogues.py; Qwen2-VL-2B's kernels, routing and pool in test_cuda.py.
 
 Run on a CUDA machine with ``python -m pytest -m cuda -s`` (``-s`` shows the numbers).
 """
