@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from .. import cli_args
-from ..ops.backend_names import BACKENDS, GEMM_BACKENDS
+from ..ops.backend_names import BACKENDS, GEMM_BACKENDS, PRECISIONS
 from ..images.pixel_defaults import MAX_PIXELS
 
 
@@ -82,6 +82,8 @@ def latency_parser() -> argparse.ArgumentParser:
                    help="the encoders' attention backend (EngineOptions.attention; default auto)")
     p.add_argument("--gemm", default="auto", choices=("auto",) + GEMM_BACKENDS,
                    help="the encoders' fc1/qkv GEMM backend (EngineOptions.gemm; default auto)")
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS,
+                   help="the blocks' GEMMs (EngineOptions.precision; default bf16; fp8 needs the fused forward)")
     p.add_argument("--iters", type=positive_int, default=None,
                    help=f"timed calls per case and system (default {ITERS['gpu']} on a GPU, {ITERS['cpu']} on a CPU)")
     p.add_argument("--warmup", type=non_negative_int, default=None,

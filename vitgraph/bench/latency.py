@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
         _say_what_a_cpu_run_leaves_out(args, cases)
 
     runners, eager_enc, graph_enc = common.build_systems(args, systems, args.max_budget, attention=args.attention,
-                                                         gemm=args.gemm)
+                                                         gemm=args.gemm, precision=args.precision)
     # Capture of every bucket, including the first-call JIT of vitgraph's Triton kernels.
     capture_s = graph_enc.stats()["capture_seconds"] if graph_enc else None
     device, dtype, cfg = eager_enc.device, eager_enc.dtype, eager_enc.shape
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         runners["torch_compile"], compile_seconds = compiled_system(eager_enc)
 
     result = {**common.environment(device), "preset": args.model or args.preset, "dtype": str(dtype)[6:],
-              "attention": eager_enc.attention, "gemm": eager_enc.gemm,
+              "attention": eager_enc.attention, "gemm": eager_enc.gemm, "precision": args.precision,
               "ceilings": ceilings, "weight_bytes": weight_bytes, "capture_s": capture_s, "preheat_s": args.preheat,
               "buckets": [b.name for b in graph_enc.buckets] if graph_enc else [],
               "pool_bytes": graph_enc.stats()["pool_bytes"] if graph_enc else None,

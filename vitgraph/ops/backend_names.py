@@ -32,6 +32,7 @@ ATTENTION = {b.name: b for b in (
 )}  # fastest first: "auto" takes the first available
 BACKENDS = tuple(ATTENTION)
 GEMM_BACKENDS = ("quack", "cublas")
+PRECISIONS = ("bf16", "fp8")  # the blocks' GEMMs: the weights' dtype, or FP8 (vitgraph.ops.fp8)
 
 
 def attention_backend(name: str) -> AttentionBackend:

@@ -150,8 +150,8 @@ def configure_tower(tower: VisionTower, options: EngineOptions, tuning: Tuning, 
         if dtype == torch.float16:
             raise ValueError("precision='fp8' gives its GEMMs' results in bf16: use dtype bf16 (or fp32 on a CPU)")
         if not fuse:
-            raise ValueError(f"precision='fp8' runs in the fused forward, which needs triton and a CUDA device "
-                             f"(or TRITON_INTERPRET=1); got device {device}")
+            raise ValueError(f"precision='fp8' runs in the fused forward: on a CUDA device with triton (on a CPU, "
+                             f"fuse=True under TRITON_INTERPRET=1); got device {device}, fuse {options.fuse}")
     tuning = dataclasses.replace(tuning, gemm=dataclasses.replace(tuning.gemm, backend=gemm))
     # refuses fuse=True where the kernels cannot run, and FP8 for widths _scaled_mm does not take
     precision = {} if options.precision == "bf16" else {"precision": options.precision}  # towers without FP8 take 3
