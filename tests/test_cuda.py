@@ -21,7 +21,7 @@ from vitgraph.ops import kernels
 from vitgraph.ops.attention import available_backends
 from vitgraph.engine.planner import Bucket, padded_batch
 from vitgraph.models import PRESETS
-from vitgraph.ops.gemm import linear_qkv, linear_quick_gelu, quack_available
+from vitgraph.ops.gemm import linear_activation, linear_qkv, quack_available
 
 pytestmark = pytest.mark.cuda
 
@@ -390,7 +390,8 @@ def test_stats_report(graph_enc):
 
 # vitgraph.ops.gemm's quack paths: (function, output width, the cuBLAS path it replaces, row threshold, more rows)
 QUACK_LAYERS = {
-    "fc1+quick_gelu": (linear_quick_gelu, 5120, lambda x, w, b: kernels.quick_gelu_(F.linear(x, w, b)),
+    "fc1+quick_gelu": (lambda x, w, b, tuning: linear_activation(x, w, b, "quick_gelu", False, tuning), 5120,
+                       lambda x, w, b: kernels.activation_(F.linear(x, w, b), "quick_gelu"),
                        "fc1_min_rows", (256, 1000, 1152, 4096)),
     "qkv": (linear_qkv, 3840, F.linear, "qkv_min_rows", (4000,)),
 }
@@ -446,7 +447,7 @@ def test_fc1_tiles_give_the_same_bits():
     bias = torch.randn(5120, device="cuda", dtype=torch.bfloat16) * 0.1
     for rows in (256, 1152, 4096):
         x = torch.randn(rows, 1280, device="cuda", dtype=torch.bfloat16)
-        got = linear_quick_gelu(x, weight, bias, quack)
+        got = linear_activation(x, weight, bias, "quick_gelu", False, quack)
         for tile in [FC1_SMALL_TILE] + [tile for tile, _ in quack.fc1_tiles]:
             other = torch.empty_like(got)
             gemm_act(x, weight.t(), None, other, None, bias, name, config=_gemm_config(tile))

@@ -322,7 +322,7 @@ def test_gemm_tuning_follows_the_widths_and_the_device():
 def test_quick_gelu_in_place(dtype):
     x = torch.randn(9, 333, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype) * 3
     expect = quick_gelu(x.float())
-    got = kernels.quick_gelu_(x)
+    got = kernels.activation_(x, "quick_gelu")
     assert got.data_ptr() == x.data_ptr() and rel_err(got, expect) <= TOL[dtype] / 2
 
 

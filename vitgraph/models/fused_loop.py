@@ -10,15 +10,13 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..ops import cudnn_attention, fp8, kernels
-from ..ops.activations import ACTIVATIONS
 from ..ops.attention import LANE_PAD, attend, dense_masked, fa4_kernel, finite_values_
 from ..ops.backend_names import attention_backend
 from ..ops.fp8_kernels import activation_fp8, add_norm_fp8, quantize_rows_fp8
-from ..ops.gemm import (bias_free_stream, fc1_kernel, linear_act, linear_qkv, linear_qkv_rope, linear_split_k,
-                        qkv_kernel, qkv_rope_kernel, rope_in_gemm)
+from ..ops.gemm import (activation_pass, bias_free_stream, fc1_kernel, linear_act, linear_activation, linear_qkv,
+                        linear_qkv_rope, linear_split_k, qkv_kernel, qkv_rope_kernel, rope_in_gemm)
 
 
 class FusedPaths(NamedTuple):
@@ -51,9 +49,13 @@ class FusedLoop:
 
     def attention_blocks(self) -> list[int]:
         """The first block of each attention kind, in order."""
+        return self.first_blocks(self.attention_kind)
+
+    def first_blocks(self, kind) -> list[int]:
+        """The first block of each value of ``kind(index)``, in order."""
         first: dict[object, int] = {}
         for i in range(len(self.blocks)):
-            first.setdefault(self.attention_kind(i), i)
+            first.setdefault(kind(i), i)
         return sorted(first.values())
 
     def fused_paths(self, batch, segments=None) -> FusedPaths:
@@ -75,6 +77,11 @@ class FusedLoop:
     def _lane(self, segments, traits) -> int | None:
         return self.config.head_dim + LANE_PAD if segments.dense and segments.padded and traits.lane_pad else None
 
+    def _qkv_kernel(self, rows: int) -> tuple | None:
+        """qkv's quack kernel without the rotary (None: cuBLAS, or an FP8 GEMM)."""
+        qkv = self.blocks[0].attn.qkv
+        return None if fp8.is_quantized(qkv) else qkv_kernel(rows, qkv.weight, self.tuning.gemm)
+
     def _fc1_kernel(self, rows: int) -> tuple | None:
         linear = self.mlp_linears(self.blocks[0])[0]
         if fp8.is_quantized(linear):  # an FP8 GEMM, then the activation's Triton pass
@@ -89,8 +96,7 @@ class FusedLoop:
         found = []
         if self.fused and self.fused_paths(batch).rope_epilogue:
             found.append(("qkv_rope", qkv_rope_kernel(rows, weight, self.tuning.gemm)))
-        elif self.fused and not fp8.is_quantized(self.blocks[0].attn.qkv) \
-                and (key := qkv_kernel(rows, weight, self.tuning.gemm)) is not None:
+        elif self.fused and (key := self._qkv_kernel(rows)) is not None:
             found.append(("qkv", key))
         for op, segments in self._compiled_attention(batch):
             key = fa4_kernel(segments.max_seqlen, self.config.num_heads, rows, weight.dtype, self.tuning.attention)
@@ -264,8 +270,7 @@ class FusedLoop:
 
     def _qkv(self, h: torch.Tensor, attn: nn.Module, rotary: tuple, paths: FusedPaths) -> torch.Tensor:
         weight, gemm = attn.qkv.weight, self.tuning.gemm
-        quack_qkv = not fp8.is_quantized(attn.qkv) and qkv_kernel(h.shape[0], weight, gemm) is not None
-        if self._stand_ins and (paths.rope_epilogue or quack_qkv):
+        if self._stand_ins and (paths.rope_epilogue or self._qkv_kernel(h.shape[0]) is not None):
             return torch.zeros(h.shape[0], weight.shape[0], device=h.device, dtype=h.dtype)
         if paths.rope_epilogue:
             return linear_qkv_rope(h, weight, attn.qkv.bias, *rotary, gemm)
@@ -325,20 +330,8 @@ class FusedLoop:
             f = fp8.linear_fp8(h, linear, self._stream_dtype)
             if name in kernels.FUSED_ACTIVATIONS and (not self.GATED or name == "silu"):
                 return activation_fp8(f, name, self.GATED)
-            return quantize_rows_fp8(self._activate(f).contiguous())
-        if self._fc1_kernel(h.shape[0]) is not None:
-            if self._stand_ins:
-                width = linear.weight.shape[0] // (2 if self.GATED else 1)
-                return torch.zeros(h.shape[0], width, device=h.device, dtype=h.dtype)
-            return linear_act(h, linear.weight, linear.bias, name, self.GATED, self.tuning.gemm)
-        return self._activate(F.linear(h, linear.weight, linear.bias))
-
-    def _activate(self, f: torch.Tensor) -> torch.Tensor:
-        """The MLP's activation of its first GEMM's output (a Triton pass where there is one)."""
-        name = self.activation
-        if self.GATED:
-            if name == "silu":
-                return kernels.silu_mul(f)
-            gate, up = f.split(f.shape[-1] // 2, dim=-1)
-            return ACTIVATIONS[name](gate) * up
-        return kernels.activation_(f, name) if name in kernels.FUSED_ACTIVATIONS else ACTIVATIONS[name](f)
+            return quantize_rows_fp8(activation_pass(f, name, self.GATED).contiguous())
+        if self._stand_ins and self._fc1_kernel(h.shape[0]) is not None:
+            width = linear.weight.shape[0] // (2 if self.GATED else 1)
+            return torch.zeros(h.shape[0], width, device=h.device, dtype=h.dtype)
+        return linear_activation(h, linear.weight, linear.bias, name, self.GATED, self.tuning.gemm)

@@ -23,10 +23,8 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..engine.contract import BatchLayout
-from ..ops.activations import ACTIVATIONS
 from ..ops.attention import SegmentFlags
 from .config_parsing import FamilyConfig, TowerShape, check_block_indexes
 from .segments import block_major_positions, bounded_seqlen, check_capacity, segmentation
@@ -159,7 +157,6 @@ class SwiGLU(nn.Module):
         self.padded = -(-cfg.intermediate_size // MLP_ALIGN) * MLP_ALIGN
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.padded, bias=True)
         self.down_proj = nn.Linear(self.padded, cfg.hidden_size, bias=True)
-        self.act_name = cfg.hidden_act
         with torch.no_grad():  # the padding is zero from the start (random weights too), not only once loaded
             for rows in (slice(self.width, self.padded), slice(self.padded + self.width, None)):
                 self.gate_up.weight[rows].zero_()
@@ -168,9 +165,6 @@ class SwiGLU(nn.Module):
         self.register_load_state_dict_pre_hook(_pad_on_load)
         self.register_state_dict_post_hook(_unpad_on_save)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up.weight, self.gate_up.bias).split(self.padded, dim=-1)
-        return self.down_proj(ACTIVATIONS[self.act_name](gate) * up)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

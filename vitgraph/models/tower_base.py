@@ -26,6 +26,7 @@ from ..engine.contract import TowerDims
 from ..ops import fp8, kernels
 from ..ops.activations import ACTIVATIONS
 from ..ops.attention import attend
+from ..ops.backend_names import PRECISIONS
 from ..ops.tuning import KernelTuning
 from .fused_loop import FusedLoop
 from .rotary import RotaryFrequencies
@@ -187,8 +188,8 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
         weights quantized per output channel now, activations per row at each call); ``"bf16"``:
         in the weights' dtype. Call it after the tower has its device and dtype: the FP8 weights are
         a copy taken now, so weights changed in place later reach the bf16 forward only (call it again)."""
-        if precision not in fp8.PRECISIONS:
-            raise ValueError(f"precision must be one of {fp8.PRECISIONS}, got {precision!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         linears = [linear for block in self.blocks for linear in self.block_linears(block)]
         if precision == "fp8":
             if not self.fused:
@@ -295,10 +296,7 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
 
     def warm_up_blocks(self) -> list[int]:
         """The first block of each kind, in order (see :meth:`block_kind`)."""
-        first: dict[object, int] = {}
-        for i in range(len(self.blocks)):
-            first.setdefault(self.block_kind(i), i)
-        return sorted(first.values())
+        return self.first_blocks(self.block_kind)
 
     def warm_up(self, pixels: torch.Tensor, batch) -> torch.Tensor:
         """The forward through one block of each kind (:meth:`warm_up_blocks`), then the merger

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from .backend_names import PRECISIONS  # noqa: F401 (where EngineOptions and the towers read them)
-
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 MIN_SCALE = 2.0 ** -126  # an all-zero row's scale: its e4m3 values are zeros whatever it is

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .activations import ACTIVATIONS
 from .backend_names import GEMM_BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -248,11 +249,27 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, activa
     return out
 
 
-def linear_quick_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tuning: GemmTuning) -> torch.Tensor:
-    """``quick_gelu(x @ weight.T + bias)``: quack's epilogue where it fits, else cuBLAS and the Triton pass."""
-    if x.is_contiguous() and x.shape[1] == weight.shape[1] and fc1_kernel(x.shape[0], weight, tuning) is not None:
-        return linear_act(x, weight, bias, "quick_gelu", False, tuning)
-    return kernels.quick_gelu_(F.linear(x, weight, bias))
+def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, activation: str, gated: bool,
+                      tuning: GemmTuning) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` (``gated``: ``act(gate) * up``): quack's epilogue where
+    :func:`fc1_kernel` has one, else cuBLAS and :func:`activation_pass`."""
+    if x.is_contiguous() and x.shape[1] == weight.shape[1] \
+            and fc1_kernel(x.shape[0], weight, tuning, activation, gated) is not None:
+        return linear_act(x, weight, bias, activation, gated, tuning)
+    return activation_pass(F.linear(x, weight, bias), activation, gated)
+
+
+def activation_pass(f: torch.Tensor, activation: str, gated: bool) -> torch.Tensor:
+    """``activation`` of a GEMM's output ``f`` (``gated``: ``f`` is ``[gate | up]``, the result
+    ``act(gate) * up``): a Triton pass where there is one, else torch's ops."""
+    if gated:
+        if activation == "silu":
+            return kernels.silu_mul(f)
+        gate, up = f.split(f.shape[-1] // 2, dim=-1)
+        return ACTIVATIONS[activation](gate) * up
+    if activation in kernels.FUSED_ACTIVATIONS:
+        return kernels.activation_(f, activation)
+    return ACTIVATIONS[activation](f)
 
 
 def linear_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tuning: GemmTuning) -> torch.Tensor:

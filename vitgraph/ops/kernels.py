@@ -12,7 +12,7 @@ of v, the activation's few):
   that read past a segment's end), or into a wider head dim whose extra lane masks padding keys
   (dense attention over a padded bucket, see :mod:`vitgraph.ops.attention`);
 * :func:`activation_` (QuickGELU, GELU-tanh, SiLU) in place, and :func:`silu_mul` (SwiGLU's
-  ``silu(gate) * up``); :func:`add_rmsnorm` is add+LayerNorm's RMSNorm form;
+  ``silu(gate) * up``); :func:`add_layernorm` with ``rms=True`` is its RMSNorm form;
 * :func:`prefix_sums`: the fp32 running sums of the biases a residual stream keeps aside.
 
 Arithmetic is fp32 inside; results are rounded once to the tensor dtype, where the plain
@@ -358,11 +358,6 @@ def activation_(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
-def quick_gelu_(x: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid(1.702 x)`` in place; ``x`` contiguous."""
-    return activation_(x, "quick_gelu")
-
-
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up [T, 2W]`` (contiguous; each row's gate, then its up),
     in fp32 and rounded once: ``[T, W]``."""
@@ -373,14 +368,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = 4096
         _silu_mul_kernel[(triton.cdiv(n, block),)](gate_up, out, n, width, BLOCK=block, num_warps=8)
     return out
-
-
-def add_rmsnorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                y_bias: torch.Tensor | None = None, tuning: NormTuning = DEFAULT_NORMS) -> torch.Tensor:
-    """``x += y`` in place (when ``y`` is given: ``[T, N]``, or ``[S, T, N]`` partials summed with
-    ``y_bias``, as :func:`add_layernorm`), then return ``RMSNorm(x)``: fp32 statistics, the
-    normalized row rounded to x's dtype, then times ``weight`` (Qwen2.5-VL's)."""
-    return add_layernorm(x, y, weight, weight, eps, y_bias=y_bias, rms=True, tuning=tuning)
 
 
 def prefix_sums(x: torch.Tensor) -> torch.Tensor:

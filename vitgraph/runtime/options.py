@@ -13,8 +13,7 @@ from ..engine.planner import Bucket, budget_ladder, make_buckets
 from ..engine.contract import VisionTower
 from ..ops import kernels
 from ..ops.attention import fa4_short_cap, resolve_backend
-from ..ops.backend_names import attention_backend
-from ..ops.fp8 import PRECISIONS
+from ..ops.backend_names import PRECISIONS, attention_backend
 from ..ops.gemm import GEMM_BACKENDS, resolve_gemm
 from .tuning import Tuning, check_overrides
 from .validation import check_int
