@@ -15,13 +15,12 @@ bf16 graph. Writes ``{"gpu": ..., "cases": [{"model", "case", "tokens", "bf16_ms
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.bench.common import PREHEAT_SECONDS, alternating_ab
+from vitgraph.bench.common import PREHEAT_SECONDS, alternating_ab, rel_err, write_json
 from vitgraph.bench.latency import CASES
 from vitgraph.checkpoints.loading import build_tower
 from vitgraph.models import PRESETS
@@ -40,11 +39,8 @@ def errors(reference, encoders: dict, grids, device) -> dict:
         with fp8_floor(reference):
             floor = reference.forward_reference(pixels, batch).double()
 
-    def rel(x):
-        return ((x.double() - ref).norm() / ref.norm()).item()
-
-    return {"rel_err_fp8": rel(encoders["fp8"].encode(pixels, grids)), "rel_err_floor": rel(floor),
-            "rel_err_bf16": rel(encoders["bf16"].encode(pixels, grids))}
+    return {"rel_err_fp8": rel_err(encoders["fp8"].encode(pixels, grids).double(), ref),
+            "rel_err_floor": rel_err(floor, ref), "rel_err_bf16": rel_err(encoders["bf16"].encode(pixels, grids).double(), ref)}
 
 
 def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iters: int, preheat: float) -> list[dict]:
@@ -89,9 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"gpu": gpu, "torch": torch.__version__, "cases": []}
     for preset in args.presets:
         result["cases"] += run_preset(preset, cases, device, args.rounds, args.iters, args.preheat)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.json)
     return result
 
 

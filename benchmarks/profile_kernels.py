@@ -13,7 +13,6 @@ the calls: ms per call per class, then the ten costliest kernels.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 
@@ -21,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from vitgraph import GraphedVisionEncoder
-from vitgraph.bench.common import kernel_class
+from vitgraph.bench.common import kernel_class, write_json
 from vitgraph.bench.latency import CASES
 
 def profile_case(enc: GraphedVisionEncoder, grids, calls: int) -> dict:
@@ -67,9 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"  {name:<10} {ms:8.3f} ms")
             for name, ms in entry["top_kernels"][:5]:
                 print(f"    {ms:8.3f} ms  {name[:100]}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.json)
     return result
 
 

@@ -38,17 +38,20 @@ FORMATS = [
 ]
 
 
-def _photo(rng, w: int, h: int) -> np.ndarray:
+def photo_pixels(rng, w: int, h: int) -> np.ndarray:
+    """A photo-like ``HxWx3`` uint8 image: smooth fields and grain."""
     coarse = rng.integers(0, 256, (max(h // 48, 2), max(w // 48, 2), 3), dtype=np.uint8)
     base = np.asarray(Image.fromarray(coarse).resize((w, h), Image.BICUBIC)).astype(np.int16)
     return np.clip(base + rng.integers(-12, 13, (h, w, 3)), 0, 255).astype(np.uint8)
 
 
-def _screen(rng, w: int, h: int, alpha: bool) -> np.ndarray:
+def screen_pixels(rng, w: int, h: int, alpha: bool = False) -> np.ndarray:
+    """A screenshot-like ``HxWx3`` (``alpha``: ``HxWx4``, some panels translucent) uint8 image: flat
+    panels and sharp text-like strokes."""
     pixels = np.full((h, w, 4 if alpha else 3), 245, np.uint8)
     if alpha:
         pixels[..., 3] = 255
-    for _ in range(12):  # panels, some of them translucent
+    for _ in range(12):  # panels
         y, x = rng.integers(0, h - 20), rng.integers(0, w - 20)
         colour = list(rng.integers(0, 256, 3)) + ([int(rng.integers(0, 256))] if alpha else [])
         pixels[y:y + rng.integers(20, h // 3), x:x + rng.integers(20, w // 2)] = colour
@@ -63,11 +66,11 @@ def make_samples(seed: int, formats=FORMATS) -> list[dict]:
         rng = np.random.default_rng(seed * 1000 + i)
         if kind == "clip":
             frames, w, h = size
-            item = np.stack([_photo(rng, w, h) for _ in range(frames)])
+            item = np.stack([photo_pixels(rng, w, h) for _ in range(frames)])
             samples.append({"format": name, "size": f"{frames}x{w}x{h}", "item": item})
             continue
         w, h = size
-        pixels = _photo(rng, w, h) if kind == "photo" else _screen(rng, w, h, kind.endswith("alpha"))
+        pixels = photo_pixels(rng, w, h) if kind == "photo" else screen_pixels(rng, w, h, kind.endswith("alpha"))
         buffer = io.BytesIO()
         Image.fromarray(pixels).save(buffer, **save)
         samples.append({"format": name, "size": f"{w}x{h}", "item": buffer.getvalue()})

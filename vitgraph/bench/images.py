@@ -41,7 +41,8 @@ from ..images.decode import decode_pil, gpu_jpeg_decoder, load_pixels
 from ..images.device import rows_of, upload
 from ..images.preprocess import pixel_limits, preprocess_images
 from .. import cli_args
-from . import common
+from . import common, image_formats
+from .image_formats import photo_pixels, screen_pixels
 from .args import CPU_DEFAULTS, GPU_DEFAULTS
 from .args import IMAGES_SYSTEMS as SYSTEMS, images_parser as build_parser
 
@@ -54,22 +55,11 @@ IMAGES = [("thumbnail", 224, 224, "photo"), ("photo 640x480", 640, 480, "photo")
 
 
 def make_jpegs(seed: int) -> list[tuple[str, bytes]]:
-    """The seeded image set, JPEG quality 90: photos (smooth fields and grain), screenshots
-    (flat panels and sharp text-like strokes)."""
+    """The seeded image set, JPEG quality 90: photos and screenshots."""
     out = []
     for i, (name, w, h, kind) in enumerate(IMAGES):
         rng = np.random.default_rng(seed * 1000 + i)
-        if kind == "photo":
-            coarse = rng.integers(0, 256, (max(h // 48, 2), max(w // 48, 2), 3), dtype=np.uint8)
-            base = np.asarray(Image.fromarray(coarse).resize((w, h), Image.BICUBIC)).astype(np.int16)
-            pixels = np.clip(base + rng.integers(-12, 13, (h, w, 3)), 0, 255).astype(np.uint8)
-        else:
-            pixels = np.full((h, w, 3), 245, np.uint8)
-            for _ in range(12):  # panels
-                y, x = rng.integers(0, h - 20), rng.integers(0, w - 20)
-                pixels[y:y + rng.integers(20, h // 3), x:x + rng.integers(20, w // 2)] = rng.integers(0, 256, 3)
-            strokes = rng.random((h, w)) < 0.04  # text-like strokes
-            pixels[strokes] = 20
+        pixels = photo_pixels(rng, w, h) if kind == "photo" else screen_pixels(rng, w, h)
         buffer = io.BytesIO()
         Image.fromarray(pixels).save(buffer, "JPEG", quality=90)
         out.append((name, buffer.getvalue()))
@@ -247,8 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     enc = cli_args.make_encoder(args, progress=True)
     low, high = pixel_limits(enc.processor, None, args.max_pixels)
     if args.formats:
-        from . import image_formats
-
         common.write_json(image_formats.main(args, enc, low, high), args.json)
         return 0
     device = enc.device
