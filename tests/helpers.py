@@ -199,6 +199,32 @@ def run_eager(bank, bucket):
         return bank.model(bank.pixels_view(bucket), bank.batch_view(bucket))
 
 
+def assert_replays_equal_eager(bank, seed: int = 0) -> None:
+    """Each bucket of ``bank`` with random frames loaded: its replay equals the eager forward on
+    the same buffers, bit for bit."""
+    import random
+
+    rng = random.Random(seed)
+    for bucket in bank.buckets:
+        _, tokens = load_random_frames(bank, bucket, rng)
+        replayed = bank.replay(bucket)[:tokens // 4].clone()
+        assert torch.equal(replayed, run_eager(bank, bucket)[:tokens // 4]), bucket.name
+
+
+def assert_nan_item_keeps_to_its_rows(enc, grids, item: int, seed: int) -> torch.Tensor:
+    """``enc.encode`` of ``grids`` with item ``item``'s pixels NaN: every other item's rows bitwise
+    as with clean pixels. Returns the NaN item's rows."""
+    sizes = [t * h * w for t, h, w in grids]
+    start, unit = sum(sizes[:item]), enc.tower.merge_unit
+    pixels = random_pixels(grids, enc.tower.input_width, seed).to(enc.device)
+    clean = enc.encode(pixels, grids)
+    pixels[start:start + sizes[item]] = float("nan")
+    got = enc.encode(pixels, grids)
+    rows = slice(start // unit, (start + sizes[item]) // unit)
+    assert torch.equal(got[:rows.start], clean[:rows.start]) and torch.equal(got[rows.stop:], clean[rows.stop:])
+    return got[rows]
+
+
 def write_two_shards(directory: Path, state: dict[str, torch.Tensor]) -> None:
     """``state`` as two safetensors shards (alternate keys) and their index, as multi-shard Hub repos."""
     keys = sorted(state)

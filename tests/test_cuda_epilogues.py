@@ -8,11 +8,10 @@ Needs a Hopper GPU and quack-kernels (the ``fa4`` extra); ``python -m pytest -m 
 """
 
 import dataclasses
-import random
 
 import pytest
 import torch
-from helpers import load_random_frames, random_pixels, rel_err, run_eager
+from helpers import assert_nan_item_keeps_to_its_rows, assert_replays_equal_eager, random_pixels, rel_err
 
 from vitgraph import GraphedVisionEncoder
 from vitgraph.checkpoints.loading import build_tower
@@ -67,11 +66,7 @@ def test_the_forward_takes_the_epilogues(encoders, weights):
 
 
 def test_replay_is_bitwise_equal_to_eager(encoders):
-    bank, rng = encoders[0].bank, random.Random(0)
-    for bucket in bank.buckets:
-        _, tokens = load_random_frames(bank, bucket, rng)
-        replayed = bank.replay(bucket)[:tokens // 4].clone()
-        assert torch.equal(replayed, run_eager(bank, bucket)[:tokens // 4]), bucket.name
+    assert_replays_equal_eager(encoders[0].bank)
 
 
 def test_as_close_to_fp32_as_the_cublas_path(encoders, weights):
@@ -87,14 +82,7 @@ def test_as_close_to_fp32_as_the_cublas_path(encoders, weights):
 
 
 def test_a_nan_item_leaves_the_others_rows_bitwise(encoders):
-    enc = encoders[0]
-    pixels = random_pixels(GRIDS, enc.tower.input_width, seed=4).cuda()
-    clean = enc.encode(pixels, GRIDS)
-    poisoned = pixels.clone()
-    poisoned[1024:1024 + 560] = float("nan")  # the second item
-    got = enc.encode(poisoned, GRIDS)
-    assert torch.equal(got[:256], clean[:256]) and torch.equal(got[256 + 140:], clean[256 + 140:])
-    assert not torch.isfinite(got[256:256 + 140]).all()
+    assert not torch.isfinite(assert_nan_item_keeps_to_its_rows(encoders[0], GRIDS, item=1, seed=4)).all()
 
 
 @pytest.mark.parametrize("activation, gated, n, k", [("quick_gelu", False, 5120, 1280),

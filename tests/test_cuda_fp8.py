@@ -7,11 +7,10 @@ Needs a GPU of compute capability 8.9 or more; ``python -m pytest -m cuda -s``.
 """
 
 import dataclasses
-import random
 
 import pytest
 import torch
-from helpers import load_random_frames, random_pixels, rel_err, run_eager
+from helpers import assert_nan_item_keeps_to_its_rows, assert_replays_equal_eager, random_pixels, rel_err
 
 from vitgraph import GraphedVisionEncoder
 from vitgraph.checkpoints.loading import build_tower
@@ -40,11 +39,7 @@ def setup(request):
 
 
 def test_replay_is_bitwise_equal_to_eager_in_fp8(setup):
-    bank, rng = setup[3]["fp8"].bank, random.Random(0)
-    for bucket in bank.buckets:
-        _, tokens = load_random_frames(bank, bucket, rng)
-        replayed = bank.replay(bucket)[:tokens // 4].clone()
-        assert torch.equal(replayed, run_eager(bank, bucket)[:tokens // 4]), bucket.name
+    assert_replays_equal_eager(setup[3]["fp8"].bank)
 
 
 def test_fp8_graphs_sit_at_the_floor(setup):
@@ -63,12 +58,7 @@ def test_fp8_graphs_sit_at_the_floor(setup):
 
 
 def test_a_nan_item_leaves_the_others_rows_bitwise_in_fp8(setup):
-    enc = setup[3]["fp8"]
-    pixels = random_pixels(GRIDS, enc.tower.input_width, seed=4).cuda()
-    clean = enc.encode(pixels, GRIDS)
-    pixels[1024:1024 + 560] = float("nan")
-    got = enc.encode(pixels, GRIDS)
-    assert torch.equal(got[:256], clean[:256]) and torch.equal(got[256 + 140:], clean[256 + 140:])
+    assert_nan_item_keeps_to_its_rows(setup[3]["fp8"], GRIDS, item=1, seed=4)
 
 
 @pytest.mark.parametrize("width", [1280, 1152, 3456])
