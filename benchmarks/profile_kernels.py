@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from vitgraph import GraphedVisionEncoder
 from vitgraph.bench.common import kernel_class, write_json
 from vitgraph.bench.latency import CASES
+from vitgraph.ops.backend_names import PRECISIONS
 
 def profile_case(enc: GraphedVisionEncoder, grids, calls: int) -> dict:
     """ms per call per class, and the costliest kernels, for ``calls`` eager encodes of ``grids``."""
@@ -51,20 +52,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cases", nargs="+", default=["1x4096", "16x256"], choices=sorted(CASES), help="inputs")
     parser.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
     parser.add_argument("--calls", type=int, default=5, help="profiled calls per case (default 5)")
+    parser.add_argument("--precision", default="bf16", choices=PRECISIONS, help="the blocks' GEMMs (default bf16)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.calls < 1:
         parser.error(f"--calls must be at least 1, got {args.calls}")
     result = {}
     for preset in args.presets:
-        enc = GraphedVisionEncoder.from_config(preset, device=args.device, mode="eager", progress=False)
+        enc = GraphedVisionEncoder.from_config(preset, device=args.device, mode="eager", progress=False,
+                                                  precision=args.precision)
         for case in args.cases:
             entry = result[f"{preset} {case}"] = profile_case(enc, CASES[case], args.calls)
-            print(f"\n{preset} {case} ({enc.device}, {str(enc.dtype).removeprefix('torch.')}, attention "
+            print(f"\n{preset} {case} ({enc.device}, {str(enc.dtype).removeprefix('torch.')}, {args.precision}, attention "
                   f"{enc.attention}): {entry['total_ms']:.2f} ms of kernels per call")
             for name, ms in sorted(entry["ms_per_class"].items(), key=lambda kv: -kv[1]):
                 print(f"  {name:<10} {ms:8.3f} ms")
-            for name, ms in entry["top_kernels"][:5]:
+            for name, ms in entry["top_kernels"][:8]:
                 print(f"    {ms:8.3f} ms  {name[:100]}")
     write_json(result, args.json)
     return result

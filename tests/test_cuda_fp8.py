@@ -72,11 +72,20 @@ def test_the_quantizing_kernels_round_as_torch_does(width):
     from vitgraph.ops.fp8 import quantize_rows
     from vitgraph.ops.fp8_kernels import activation_fp8, add_norm_fp8, quantize_rows_fp8
 
-    def same(got, expected, what):  # NaN where NaN (its sign bit may differ), the same bits elsewhere
+    def same(got, expected, what, near=False):  # NaN where NaN (its sign bit may differ), the same bits elsewhere
         nan = expected[0].float().isnan()
         assert torch.equal(got[0].float().isnan(), nan), what
-        assert torch.equal(got[0].view(torch.uint8)[~nan], expected[0].view(torch.uint8)[~nan]), what
-        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0, equal_nan=True, msg=what)
+        bits, want = got[0].view(torch.uint8)[~nan], expected[0].view(torch.uint8)[~nan]
+        if not near:
+            assert torch.equal(bits, want), what
+            torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0, equal_nan=True, msg=what)
+            return
+        # The norms' QUANT variant sums its rows in another order than the plain kernel, so a
+        # normalized value may differ in its last bf16 bit: then one e4m3 step, rarely (an H100
+        # showed 1-2 of 1.15-3.5 million); a layout or scale bug would differ everywhere.
+        steps = (bits.to(torch.int16) - want.to(torch.int16)).abs()
+        assert int(steps.max()) <= 1 and int((steps > 0).sum()) <= bits.numel() // 10_000, what
+        torch.testing.assert_close(got[1], expected[1], rtol=2.0 ** -7, atol=0, equal_nan=True, msg=what)
 
     torch.manual_seed(0)
     x = torch.randn(1000, width, device="cuda", dtype=torch.bfloat16) * 3
@@ -87,7 +96,8 @@ def test_the_quantizing_kernels_round_as_torch_does(width):
     for rms in (False, True):
         stream = torch.randn(1000, width, device="cuda", dtype=torch.bfloat16)
         got = add_norm_fp8(stream.clone(), x, w, b, 1e-6, rms=rms)
-        same(got, quantize_rows(kernels.add_layernorm(stream.clone(), x, w, b, 1e-6, rms=rms)), f"norm rms={rms}")
+        same(got, quantize_rows(kernels.add_layernorm(stream.clone(), x, w, b, 1e-6, rms=rms)), f"norm rms={rms}",
+             near=True)
     for name in ("quick_gelu", "gelu_pytorch_tanh", "silu"):
         same(activation_fp8(x, name, False), quantize_rows(kernels.activation_(x.clone(), name)), name)
     same(activation_fp8(x, "silu", True), quantize_rows(kernels.silu_mul(x)), "silu * up")

@@ -179,6 +179,61 @@ def test_dequantize_crops_the_last_blocks():
     assert torch.equal(dequantize(weight, torch.tensor([0.5]), None), weight.float() * 0.5)
 
 
+# -- precision="fp8" on FP8 checkpoints ------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_fp8_runs_a_per_tensor_checkpoint_on_its_own_e4m3_values(tmp_path, family):
+    """The FP8 GEMMs take the checkpoint's e4m3 values (as the tower lays its rows out) and its
+    scale in every channel, taken back out of the dequantized weight in bf16 as in fp32, and the
+    forward sits at the floor of rounding the activations alone."""
+    from vitgraph.models.fp8_floor import fp8_floor
+
+    tensors, reference = quantize(float_state(family), None, scale_shape=(1,), input_scale=0.05)
+    ckpt = write(tmp_path / "fp8", family, tensors, MODELOPT)
+    encs = {dtype: GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=dtype, precision="fp8", fuse=True)
+            for dtype in (torch.float32, torch.bfloat16)}
+    tower, prefix = encs[torch.float32].tower, PREFIX[family]
+    bf16_linears = dict(encs[torch.bfloat16].tower.named_modules())
+    quantized = [(name, m) for name, m in tower.named_modules() if hasattr(m, "fp8")]
+    assert len(quantized) == 4 * len(tower.blocks)
+    for name, module in quantized:
+        q, scale = module.fp8
+        assert torch.equal(q.float() * scale.reshape(-1, 1), module.weight), name  # the checkpoint's values
+        stem = f"{prefix}{name}."
+        if stem + "weight" in tensors:  # rows reordered (qkv's interleaving), zero columns added (down_proj's)
+            stored = tensors[stem + "weight"]
+            byte_values = lambda t: t.contiguous().view(torch.uint8).flatten().sort().values
+            assert torch.equal(byte_values(q[:, :stored.shape[1]]), byte_values(stored)), name
+            assert not q[:, stored.shape[1]:].float().any(), name
+            assert torch.equal(scale, tensors[stem + "weight_scale"].expand(1, q.shape[0])), name
+        else:  # Qwen2.5-VL's gate_up: [gate; zero rows; up; zero rows], each part with its own scale
+            mlp = tower.get_submodule(name.rsplit(".", 1)[0])
+            w, p, base = mlp.width, mlp.padded, stem.rsplit(".", 2)[0]
+            assert torch.equal(scale[0, :w], tensors[base + ".gate_proj.weight_scale"].expand(w)), name
+            assert torch.equal(scale[0, p:p + w], tensors[base + ".up_proj.weight_scale"].expand(w)), name
+            assert not q[w:p].float().any() and not q[p + w:].float().any(), name
+        bf16_q, bf16_scale = bf16_linears[name].fp8
+        assert torch.equal(bf16_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(bf16_scale, scale), name
+    float_tower = load(write(tmp_path / "float", family, reference)).tower
+    pixels = random_pixels(GRID, tower.input_width, seed=3)
+    batch = float_tower.build_batch(GRID)
+    with torch.inference_mode():
+        ref = float_tower.forward_reference(pixels, batch)
+        with fp8_floor(tower):  # the checkpoint's weights: only the activations rounded
+            floor = tower.forward_reference(pixels, batch)
+    err = lambda got: ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err(encs[torch.float32].encode(pixels, GRID)) <= 1.1 * err(floor)
+
+
+def test_fp8_refuses_a_block_checkpoint_by_name(tmp_path):
+    tensors, _ = quantize(float_state("qwen2_vl"), (128, 128))
+    ckpt = write(tmp_path / "fp8", "qwen2_vl", tensors, BLOCK)
+    with pytest.raises(ValueError, match=r"linear 'blocks\.0\.attn\.qkv' is block-scaled.*precision='bf16'"):
+        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float32, precision="fp8", fuse=True)
+    enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float32)  # the default: dequantized
+    assert enc.stats()["precision"] == "bf16"
+
+
 # -- modules_to_not_convert: every spelling, a module or a prefix -----------------------------
 
 def test_not_converted_matches_every_spelling_and_no_neighbour():

@@ -173,6 +173,50 @@ class QuantizedLinear:
         return dequantize(self.weight, self.scale, self.block).to(dtype)
 
 
+@dataclass(frozen=True)
+class CheckpointScales:
+    """What a tower's linear keeps of an FP8 checkpoint (``linear.checkpoint_fp8``): each output
+    row's weight scale in the tower's row order (per-tensor checkpoints), from which
+    :func:`vitgraph.ops.fp8.quantize_linear_` takes the checkpoint's e4m3 values back out of the
+    dequantized weight, bit for bit (its bf16 rounding, 2^-9 relative, is far within half an
+    e4m3 step, 2^-4); or, for a block-scaled checkpoint, only its block."""
+
+    row_scale: torch.Tensor | None  # fp32 [out]; None for a block-scaled linear
+    block: tuple[int, int] | None
+
+
+def attach_checkpoint_scales(tower: torch.nn.Module, empty_tower: torch.nn.Module, state: dict,
+                             quantized: dict[str, QuantizedLinear]) -> None:
+    """Give each of ``tower``'s linears that the checkpoint stores in FP8 its
+    :class:`CheckpointScales`. The tower may reorder, join and pad a checkpoint's rows on load
+    (qkv's interleaving, Qwen2.5-VL's padded gate_up); a linear's bias follows its output rows,
+    so ``empty_tower`` (on the meta device) loads the scales in the biases' place and lays them
+    out as ``tower`` laid its rows. A linear with no bias, or joined from FP8 and float rows,
+    gets none (``precision="fp8"`` then quantizes it per channel, as a float checkpoint's)."""
+    image = {name: torch.empty(t.shape, device="meta") for name, t in state.items()}
+    for name, t in state.items():  # a NaN row: not from an FP8 linear
+        if name.endswith(".bias"):
+            image[name] = torch.full(t.shape, float("nan"))
+    for name, linear in quantized.items():
+        bias = name.removesuffix("weight") + "bias"
+        if bias in image:
+            one = linear.scale.reshape(()) if linear.block is None else torch.tensor(1.0)
+            image[bias] = one.float().cpu().expand(linear.weight.shape[0]).clone()
+    empty_tower.load_state_dict(image, strict=True, assign=True)
+    block = next(iter(quantized.values())).block if quantized else None
+    loaded = dict(empty_tower.named_modules())
+    for name, module in tower.named_modules():
+        bias = getattr(loaded[name], "bias", None) if isinstance(module, torch.nn.Linear) else None
+        if bias is None or bias.is_meta or bias.isnan().any():
+            continue
+        bias = bias.detach()
+        padding = bias == 0  # rows padded with zeros: any scale divides them exactly
+        rows = torch.where(padding, torch.ones_like(bias), bias)
+        if padding.all():
+            continue
+        module.checkpoint_fp8 = CheckpointScales(None if block else rows.to(module.weight.device), block)
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
     """``weight * scale`` in fp32: one scale for the tensor (``block`` None), or each scale over
     its ``block`` of the weight, the expanded scales cropped to the weight's shape."""

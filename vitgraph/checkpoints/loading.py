@@ -19,7 +19,7 @@ from typing import Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .fp8 import Fp8Reader
+from .fp8 import Fp8Reader, attach_checkpoint_scales
 from ..models import PRESETS, VISION_PREFIXES, family_for, family_of
 from ..models.config_parsing import read_json
 
@@ -348,12 +348,18 @@ def load_tower(files: CheckpointFiles, config, device: torch.device, dtype: torc
                     raise ValueError(f"{shard}: tensor {key!r} cannot be read ({err})") from None
                 if not fp8.holds(names[key], tensor):
                     state[names[key]] = tensor.to(dtype)
-    state.update({name: linear.dequantize(dtype) for name, linear in fp8.linears().items()})
+    quantized = fp8.linears()
+    state.update({name: linear.dequantize(dtype) for name, linear in quantized.items()})
     if not allow_nonfinite_weights:
         check_finite(state, f"checkpoint {files.config.parent}")
     with torch.device("meta"):
         tower = family_of(config).tower(config)
-    return _assign(tower, state)
+    tower = _assign(tower, state)
+    if quantized:  # precision="fp8" takes the checkpoint's e4m3 values back out of the weights
+        with torch.device("meta"):
+            empty = family_of(config).tower(config)
+        attach_checkpoint_scales(tower, empty, state, quantized)
+    return tower
 
 
 def tower_from_state_dict(state_dict: Mapping[str, torch.Tensor], config, device: torch.device,

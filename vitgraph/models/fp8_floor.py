@@ -1,7 +1,8 @@
 """The floor of FP8's error: a tower's reference forward with each of the blocks' four GEMMs fed
-e4m3-rounded inputs (one scale per row) and weights (one per output channel), in the tower's own
-dtype (fp32 for the study): what any kernel at that scale granularity gives, whatever it
-accumulates in. ``precision="fp8"``'s error is judged against it."""
+e4m3-rounded inputs (one scale per row) and weights (one per output channel; a per-tensor FP8
+checkpoint's as they are), in the tower's own dtype (fp32 for the study): what any kernel at
+that scale granularity gives, whatever it accumulates in. ``precision="fp8"``'s error is judged
+against it."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ def fp8_floor(tower):
     hooks = [linear.register_forward_pre_hook(lambda module, args: (fake_quantize_rows(args[0]),) + args[1:])
              for linear in linears]
     try:
-        for linear in linears:
-            linear.weight.data = fake_quantize_weight(linear.weight.data)
+        for linear in linears:  # a per-tensor FP8 checkpoint's weights run as they are
+            if getattr(linear, "checkpoint_fp8", None) is None:
+                linear.weight.data = fake_quantize_weight(linear.weight.data)
         yield tower
     finally:
         for linear, weight in zip(linears, saved):

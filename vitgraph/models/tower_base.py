@@ -198,6 +198,11 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
             if unaligned:
                 raise ValueError(f"precision='fp8': FP8 GEMMs take widths in multiples of {fp8.ALIGN}; the "
                                  f"{type(self).__name__} has linears (in, out) {unaligned}")
+            blocked = [name for name, m in self.named_modules() if fp8.block_scaled(m) and m in linears]
+            if blocked:  # per-channel scales would round its weights again (5-7x the floor with outlier channels)
+                raise ValueError(f"precision='fp8' runs rowwise FP8 GEMMs (per-channel weight scales); the "
+                                 f"checkpoint's linear {blocked[0]!r} is block-scaled, which they cannot hold "
+                                 f"exactly: use precision='bf16' (the checkpoint dequantized, exact)")
         for linear in linears:
             fp8.quantize_linear_(linear) if precision == "fp8" else fp8.dequantize_linear_(linear)
         self.precision = precision

@@ -55,8 +55,24 @@ def fits(linear: torch.nn.Linear) -> bool:
 def quantize_linear_(linear: torch.nn.Linear) -> None:
     """Give ``linear`` its e4m3 weight ``[N, K]`` and per-channel scales ``[1, N]`` (``linear.fp8``): a
     plain attribute, neither in state dicts nor cast by ``Module.to`` (which would cast e4m3 too);
-    its float weight stays (the reference forward's)."""
-    linear.fp8 = quantize_weight(linear.weight.detach())
+    its float weight stays (the reference forward's). A linear of a per-tensor FP8 checkpoint
+    (``linear.checkpoint_fp8``, :class:`vitgraph.checkpoints.fp8.CheckpointScales`) gets the
+    checkpoint's own e4m3 values and scales: no second rounding."""
+    weight, stored = linear.weight.detach(), getattr(linear, "checkpoint_fp8", None)
+    if stored is None:
+        linear.fp8 = quantize_weight(weight)
+        return
+    if stored.block is not None:  # set_precision refuses these first, naming the linear
+        raise ValueError("a block-scaled FP8 weight has no exact per-channel form")
+    scale = stored.row_scale.float().reshape(-1, 1).to(weight.device)
+    q = (weight.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    linear.fp8 = q.contiguous(), scale.reshape(1, -1).contiguous()
+
+
+def block_scaled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a linear of a block-scaled FP8 checkpoint."""
+    stored = getattr(module, "checkpoint_fp8", None)
+    return stored is not None and stored.block is not None
 
 
 def dequantize_linear_(linear: torch.nn.Linear) -> None:
