@@ -9,7 +9,8 @@ the patch counts of 1024, 4096 and 16384 tokens and the standard cases. Per case
 from the fp32 reference (the same weights, the plain forward) of the FP8 graph, of the floor (the
 reference with each GEMM's input and weight rounded to e4m3 at FP8's granularity) and of the
 bf16 graph. Writes ``{"gpu": ..., "cases": [{"model", "case", "tokens", "bf16_ms", "fp8_ms",
-"rel_err_fp8", "rel_err_floor", "rel_err_bf16"}]}`` with ``--json``.
+"rel_err_fp8", "rel_err_floor", "rel_err_bf16", "footprint"}]}`` with ``--json`` (``footprint``:
+per precision, capture seconds, pool and weight MiB).
 """
 
 from __future__ import annotations
@@ -43,6 +44,22 @@ def errors(reference, encoders: dict, grids, device) -> dict:
             "rel_err_floor": rel_err(floor, ref), "rel_err_bf16": rel_err(encoders["bf16"].encode(pixels, grids).double(), ref)}
 
 
+def footprints(encoders: dict) -> dict:
+    """Per precision: capture seconds, the graph pool and the weights the forward reads (FP8: the
+    blocks' e4m3 weights and scales in place of theirs; the float copies kept for the reference
+    forward are not counted, and are reported apart as ``float_copies_mib``)."""
+    out = {}
+    for precision, enc in encoders.items():
+        stats, tower = enc.stats(), enc.tower
+        fp8 = [m for m in tower.modules() if getattr(m, "fp8", None) is not None]
+        replaced = sum(m.weight.numel() * m.weight.element_size() for m in fp8)
+        held = sum(t.numel() * t.element_size() for m in fp8 for t in m.fp8)
+        params = sum(p.numel() * p.element_size() for p in tower.parameters())
+        out[precision] = {"capture_s": stats["capture_seconds"], "pool_mib": stats["pool_bytes"] / 2**20,
+                          "weight_mib": (params - replaced + held) / 2**20, "float_copies_mib": replaced / 2**20}
+    return out
+
+
 def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iters: int, preheat: float) -> list[dict]:
     config = PRESETS[preset]
     torch.manual_seed(0)
@@ -53,13 +70,17 @@ def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iter
     encoders = {p: GraphedVisionEncoder.from_state_dict(state, config, device=device, dtype=dtype, precision=p,
                                                         fuse=True, exact_eager_above=None, progress=False)
                 for p in ("bf16", "fp8")}
+    memory = footprints(encoders)
+    print(f"{preset}: " + "; ".join(f"{p} capture {v['capture_s']:.1f} s, pool {v['pool_mib']:.0f} MiB, weights "
+                                    f"{v['weight_mib']:.0f} MiB" for p, v in memory.items()))
     rows = alternating_ab(lambda key, pixels, grids: encoders[key].encode(pixels.to(dtype), grids),
                           ("bf16", "fp8"), cases, reference.input_width, device, rounds, iters, preheat)
     out = []
     for name, bf16_ms, fp8_ms, _ in rows:
         grids = cases[name]
         entry = {"model": preset, "case": name, "tokens": sum(t * h * w for t, h, w in grids),
-                 "bf16_ms": bf16_ms, "fp8_ms": fp8_ms, **errors(reference, encoders, grids, device)}
+                 "bf16_ms": bf16_ms, "fp8_ms": fp8_ms, **errors(reference, encoders, grids, device),
+                 "footprint": memory}
         print(f"{preset:14} {name:14} {entry['tokens']:6}  bf16 {bf16_ms:8.2f}  fp8 {fp8_ms:8.2f} ms "
               f"({bf16_ms / fp8_ms:.2f}x)  from fp32: fp8 {entry['rel_err_fp8']:.2e}, floor "
               f"{entry['rel_err_floor']:.2e}, bf16 {entry['rel_err_bf16']:.2e}", flush=True)

@@ -181,7 +181,7 @@ def test_dequantize_crops_the_last_blocks():
 
 # -- precision="fp8" on FP8 checkpoints ------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", list(PREFIX))
 def test_fp8_runs_a_per_tensor_checkpoint_on_its_own_e4m3_values(tmp_path, family):
     """The FP8 GEMMs take the checkpoint's e4m3 values (as the tower lays its rows out) and its
     scale in every channel, taken back out of the dequantized weight in bf16 as in fp32, and the
