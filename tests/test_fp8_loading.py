@@ -225,6 +225,31 @@ def test_fp8_runs_a_per_tensor_checkpoint_on_its_own_e4m3_values(tmp_path, famil
     assert err(encs[torch.float32].encode(pixels, GRID)) <= 1.1 * err(floor)
 
 
+def test_checkpoint_scales_hold_only_where_the_weights_are_the_checkpoints(tmp_path):
+    """A gate_up joined from an FP8 gate and a float up takes no checkpoint scales (per channel,
+    as a float linear), but is marked block-scaled in a block checkpoint; a weight changed in place
+    after loading is quantized per channel again, not clipped to the stale scale."""
+    from vitgraph.ops.fp8 import checkpoint_weight, quantize_weight
+
+    keep = ("visual.blocks.0.mlp.up_proj.",)
+    tensors, _ = quantize(float_state("qwen2_5_vl"), None, keep=keep)
+    ckpt = write(tmp_path / "tensor", "qwen2_5_vl", tensors, dict(MODELOPT, ignore=["lm_head", *keep]))
+    tower = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float32, precision="fp8",
+                                                 fuse=True).tower
+    mixed, whole = tower.blocks[0].mlp.gate_up, tower.blocks[1].mlp.gate_up
+    assert not hasattr(mixed, "checkpoint_fp8") and whole.checkpoint_fp8.row_scale is not None
+    assert all(torch.equal(a, b) for a, b in zip(mixed.fp8, quantize_weight(mixed.weight)))
+    proj = tower.blocks[0].attn.proj
+    assert checkpoint_weight(proj) is not None
+    proj.weight.mul_(3)
+    assert checkpoint_weight(proj) is None  # quantize_linear_ then scales it per channel
+
+    tensors, _ = quantize(float_state("qwen2_5_vl"), (128, 128), keep=keep)
+    ckpt = write(tmp_path / "block", "qwen2_5_vl", tensors, dict(BLOCK, modules_to_not_convert=["lm_head", *keep]))
+    tower = load(ckpt).tower
+    assert tower.blocks[0].mlp.gate_up.checkpoint_fp8.block == (128, 128)
+
+
 def test_fp8_refuses_a_block_checkpoint_by_name(tmp_path):
     tensors, _ = quantize(float_state("qwen2_vl"), (128, 128))
     ckpt = write(tmp_path / "fp8", "qwen2_vl", tensors, BLOCK)

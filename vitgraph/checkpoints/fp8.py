@@ -207,14 +207,16 @@ def attach_checkpoint_scales(tower: torch.nn.Module, empty_tower: torch.nn.Modul
     loaded = dict(empty_tower.named_modules())
     for name, module in tower.named_modules():
         bias = getattr(loaded[name], "bias", None) if isinstance(module, torch.nn.Linear) else None
-        if bias is None or bias.is_meta or bias.isnan().any():
+        if bias is None or bias.is_meta:
             continue
         bias = bias.detach()
         padding = bias == 0  # rows padded with zeros: any scale divides them exactly
-        rows = torch.where(padding, torch.ones_like(bias), bias)
-        if padding.all():
-            continue
-        module.checkpoint_fp8 = CheckpointScales(None if block else rows.to(module.weight.device), block)
+        fp8_rows = ~padding & ~bias.isnan()
+        if block is not None and fp8_rows.any():  # any block-scaled row: precision="fp8" refuses it
+            module.checkpoint_fp8 = CheckpointScales(None, block)
+        elif block is None and fp8_rows.any() and not bias.isnan().any():
+            rows = torch.where(padding, torch.ones_like(bias), bias)
+            module.checkpoint_fp8 = CheckpointScales(rows.to(module.weight.device), None)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:

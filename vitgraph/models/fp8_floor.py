@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ..ops.fp8 import fake_quantize_rows, fake_quantize_weight
+from ..ops.fp8 import checkpoint_weight, fake_quantize_rows, fake_quantize_weight
 
 
 @contextmanager
@@ -20,7 +20,7 @@ def fp8_floor(tower):
              for linear in linears]
     try:
         for linear in linears:  # a per-tensor FP8 checkpoint's weights run as they are
-            if getattr(linear, "checkpoint_fp8", None) is None:
+            if checkpoint_weight(linear) is None:
                 linear.weight.data = fake_quantize_weight(linear.weight.data)
         yield tower
     finally:

@@ -56,18 +56,27 @@ def fits(linear: torch.nn.Linear) -> bool:
 def quantize_linear_(linear: torch.nn.Linear) -> None:
     """Give ``linear`` its e4m3 weight ``[N, K]`` and per-channel scales ``[1, N]`` (``linear.fp8``): a
     plain attribute, neither in state dicts nor cast by ``Module.to`` (which would cast e4m3 too);
-    its float weight stays (the reference forward's). A linear of a per-tensor FP8 checkpoint
-    (``linear.checkpoint_fp8``, :class:`vitgraph.checkpoints.fp8.CheckpointScales`) gets the
-    checkpoint's own e4m3 values and scales: no second rounding."""
-    weight, stored = linear.weight.detach(), getattr(linear, "checkpoint_fp8", None)
-    if stored is None:
-        linear.fp8 = quantize_weight(weight)
-        return
-    if stored.block is not None:  # set_precision refuses these first, naming the linear
+    its float weight stays (the reference forward's). A per-tensor FP8 checkpoint's linear keeps
+    the checkpoint's own e4m3 values and scales (:func:`checkpoint_weight`): no second rounding."""
+    if block_scaled(linear):  # set_precision refuses these first, naming the linear
         raise ValueError("a block-scaled FP8 weight has no exact per-channel form")
+    linear.fp8 = checkpoint_weight(linear) or quantize_weight(linear.weight.detach())
+
+
+def checkpoint_weight(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A per-tensor FP8 checkpoint's e4m3 weight and ``[1, N]`` scales, taken back out of
+    ``linear``'s dequantized weight by its ``checkpoint_fp8`` row scales
+    (:class:`vitgraph.checkpoints.fp8.CheckpointScales`); None for another linear, or one whose
+    weight is no longer the checkpoint's (changed in place since, or loaded in fp16's narrow range)."""
+    stored = getattr(linear, "checkpoint_fp8", None)
+    if stored is None or stored.row_scale is None:
+        return None
+    weight = linear.weight.detach()
     scale = stored.row_scale.float().reshape(-1, 1).to(weight.device)
     q = (weight.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    linear.fp8 = q.contiguous(), scale.reshape(1, -1).contiguous()
+    if not torch.equal((q.float() * scale).to(weight.dtype), weight):
+        return None
+    return q.contiguous(), scale.reshape(1, -1).contiguous()
 
 
 def block_scaled(module: torch.nn.Module) -> bool:
