@@ -17,11 +17,12 @@ modules (``*`` and ``?`` wildcards too, as ModelOpt writes them).
 
 FP8 checkpoints load dequantized on every machine: each quantized linear becomes ``weight *
 scale`` in fp32 on load, then the compute dtype (bf16 or fp32), and the tower is built, captured
-and run exactly as from a float checkpoint. ``precision="fp8"`` (:mod:`vitgraph.ops.fp8`) then
-quantizes the blocks' linears again, one scale per output channel, whatever the checkpoint's
-scales were: a second rounding (the checkpoint's own e4m3 values and scales are not yet used).
-:class:`QuantizedLinear` holds what they are (the FP8 weight, its scale and scale kind, the
-static input scale).
+and run exactly as from a float checkpoint: the default, as FP8 GEMMs measured slower than bf16
+on these towers (BENCHMARKS.md). ``precision="fp8"`` (:mod:`vitgraph.ops.fp8`) runs a per-tensor
+checkpoint's blocks on its own e4m3 values and scales (:class:`CheckpointScales`, taken back out of
+the dequantized weights: no second rounding), and refuses a block-scaled one (its rowwise GEMMs
+would round the weights again). Activations are quantized per row as they are made; a static
+``input_scale`` is checked but not used (a row's own scale is at least as close, and free).
 
 Other methods (AWQ, GPTQ, compressed-tensors, ModelOpt's NVFP4, ...) mostly leave the vision
 tower in float: such a checkpoint loads as before, and a quantized vision tensor under one is
@@ -157,8 +158,8 @@ def _module_list(q: dict, keys: tuple[str, ...], where: str, within: str = "") -
 
 @dataclass(frozen=True)
 class QuantizedLinear:
-    """One FP8 linear as its checkpoint stores it: what an FP8 GEMM takes. None runs yet: every
-    machine :meth:`dequantize` s."""
+    """One FP8 linear as its checkpoint stores it, while the checkpoint loads: every machine
+    :meth:`dequantize` s it; the tower keeps its scales (:class:`CheckpointScales`)."""
 
     weight: torch.Tensor  # float8_e4m3fn [out, in]
     scale: torch.Tensor  # fp32: [ceil(out / b0), ceil(in / b1)] per block, [] per tensor
