@@ -9,8 +9,8 @@ the patch counts of 1024, 4096 and 16384 tokens and the standard cases. Per case
 from the fp32 reference (the same weights, the plain forward) of the FP8 graph, of the floor (the
 reference with each GEMM's input and weight rounded to e4m3 at FP8's granularity) and of the
 bf16 graph. Writes ``{"gpu": ..., "cases": [{"model", "case", "tokens", "bf16_ms", "fp8_ms",
-"rel_err_fp8", "rel_err_floor", "rel_err_bf16", "footprint"}]}`` with ``--json`` (``footprint``:
-per precision, capture seconds, pool and weight MiB).
+"rel_err_fp8", "rel_err_floor", "rel_err_bf16"}], "footprint": {model: {precision: {"capture_s",
+"pool_mib", "weight_mib", "float_copies_mib"}}}}`` with ``--json``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def footprints(encoders: dict) -> dict:
     return out
 
 
-def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iters: int, preheat: float) -> list[dict]:
+def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iters: int,
+               preheat: float) -> tuple[list[dict], dict]:
+    """The preset's case rows, and its :func:`footprints`."""
     config = PRESETS[preset]
     torch.manual_seed(0)
     reference = build_tower(config, device, torch.float32)
@@ -79,13 +81,12 @@ def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iter
     for name, bf16_ms, fp8_ms, _ in rows:
         grids = cases[name]
         entry = {"model": preset, "case": name, "tokens": sum(t * h * w for t, h, w in grids),
-                 "bf16_ms": bf16_ms, "fp8_ms": fp8_ms, **errors(reference, encoders, grids, device),
-                 "footprint": memory}
+                 "bf16_ms": bf16_ms, "fp8_ms": fp8_ms, **errors(reference, encoders, grids, device)}
         print(f"{preset:14} {name:14} {entry['tokens']:6}  bf16 {bf16_ms:8.2f}  fp8 {fp8_ms:8.2f} ms "
               f"({bf16_ms / fp8_ms:.2f}x)  from fp32: fp8 {entry['rel_err_fp8']:.2e}, floor "
               f"{entry['rel_err_floor']:.2e}, bf16 {entry['rel_err_bf16']:.2e}", flush=True)
         out.append(entry)
-    return out
+    return out, memory
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -103,9 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     cases = {name: TOKENS.get(name) or CASES[name] for name in args.cases}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    result = {"gpu": gpu, "torch": torch.__version__, "cases": []}
+    result = {"gpu": gpu, "torch": torch.__version__, "cases": [], "footprint": {}}
     for preset in args.presets:
-        result["cases"] += run_preset(preset, cases, device, args.rounds, args.iters, args.preheat)
+        rows, result["footprint"][preset] = run_preset(preset, cases, device, args.rounds, args.iters, args.preheat)
+        result["cases"] += rows
     write_json(result, args.json)
     return result
 

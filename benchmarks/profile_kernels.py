@@ -60,11 +60,11 @@ def main(argv: list[str] | None = None) -> dict:
     result = {}
     for preset in args.presets:
         enc = GraphedVisionEncoder.from_config(preset, device=args.device, mode="eager", progress=False,
-                                                  precision=args.precision)
+                                               precision=args.precision)
         for case in args.cases:
             entry = result[f"{preset} {case}"] = profile_case(enc, CASES[case], args.calls)
-            print(f"\n{preset} {case} ({enc.device}, {str(enc.dtype).removeprefix('torch.')}, {args.precision}, attention "
-                  f"{enc.attention}): {entry['total_ms']:.2f} ms of kernels per call")
+            print(f"\n{preset} {case} ({enc.device}, {str(enc.dtype).removeprefix('torch.')}, {args.precision}, "
+                  f"attention {enc.attention}): {entry['total_ms']:.2f} ms of kernels per call")
             for name, ms in sorted(entry["ms_per_class"].items(), key=lambda kv: -kv[1]):
                 print(f"  {name:<10} {ms:8.3f} ms")
             for name, ms in entry["top_kernels"][:8]:

@@ -194,28 +194,28 @@ def attach_checkpoint_scales(tower: torch.nn.Module, empty_tower: torch.nn.Modul
     so ``empty_tower`` (on the meta device) loads the scales in the biases' place and lays them
     out as ``tower`` laid its rows. A linear with no bias, or joined from FP8 and float rows,
     gets none (``precision="fp8"`` then quantizes it per channel, as a float checkpoint's)."""
-    image = {name: torch.empty(t.shape, device="meta") for name, t in state.items()}
-    for name, t in state.items():  # a NaN row: not from an FP8 linear
-        if name.endswith(".bias"):
-            image[name] = torch.full(t.shape, float("nan"))
+    # Biases real (a NaN row: not from an FP8 linear), everything else shapes only.
+    image = {name: torch.full(t.shape, float("nan")) if name.endswith(".bias") else torch.empty(t.shape, device="meta")
+             for name, t in state.items()}
     for name, linear in quantized.items():
         bias = name.removesuffix("weight") + "bias"
         if bias in image:
             one = linear.scale.reshape(()) if linear.block is None else torch.tensor(1.0)
             image[bias] = one.float().cpu().expand(linear.weight.shape[0]).clone()
     empty_tower.load_state_dict(image, strict=True, assign=True)
-    block = next(iter(quantized.values())).block if quantized else None
+    block = next(iter(quantized.values())).block  # one format per checkpoint
     loaded = dict(empty_tower.named_modules())
     for name, module in tower.named_modules():
         bias = getattr(loaded[name], "bias", None) if isinstance(module, torch.nn.Linear) else None
         if bias is None or bias.is_meta:
             continue
-        bias = bias.detach()
+        bias, float_rows = bias.detach(), bias.isnan()
         padding = bias == 0  # rows padded with zeros: any scale divides them exactly
-        fp8_rows = ~padding & ~bias.isnan()
-        if block is not None and fp8_rows.any():  # any block-scaled row: precision="fp8" refuses it
+        if not (~padding & ~float_rows).any():
+            continue
+        if block is not None:  # any block-scaled row: precision="fp8" refuses the linear
             module.checkpoint_fp8 = CheckpointScales(None, block)
-        elif block is None and fp8_rows.any() and not bias.isnan().any():
+        elif not float_rows.any():
             rows = torch.where(padding, torch.ones_like(bias), bias)
             module.checkpoint_fp8 = CheckpointScales(rows.to(module.weight.device), None)
 

@@ -354,10 +354,9 @@ def load_tower(files: CheckpointFiles, config, device: torch.device, dtype: torc
         check_finite(state, f"checkpoint {files.config.parent}")
     with torch.device("meta"):
         tower = family_of(config).tower(config)
+        empty = family_of(config).tower(config) if quantized else None
     tower = _assign(tower, state)
     if quantized:  # precision="fp8" takes the checkpoint's e4m3 values back out of the weights
-        with torch.device("meta"):
-            empty = family_of(config).tower(config)
         attach_checkpoint_scales(tower, empty, state, quantized)
     return tower
 

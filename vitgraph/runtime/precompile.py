@@ -54,15 +54,16 @@ _FA4_CACHE = ("flash_attn.cute.cache_utils", FA4_CACHE_SWITCH, "0")
 _QUACK_CACHE = ("quack.cache.jit", "QUACK_CACHE_ENABLED", "1")
 _DISK_CACHE = {"attention": _FA4_CACHE, "qkv": _QUACK_CACHE, "qkv_rope": _QUACK_CACHE, "fc1": _QUACK_CACHE}
 
-
-def _cache_of(op: str) -> tuple:
-    """The disk cache of ``op``'s library (every attention kind's, "attention_2" ..., is FA4's)."""
-    return _DISK_CACHE["attention" if op.startswith("attention") else op]
 # Where each library puts its disk cache (its variable, else <tempdir>/<user>/<name>), known
 # without importing it: start_early looks there before anything is imported, and precompile
 # adopts the early workers only where the imported libraries name the same directories.
 _CACHE_DIR_DEFAULTS = {_FA4_CACHE[0]: ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "flash_attention_cute_dsl_cache"),
                        _QUACK_CACHE[0]: ("QUACK_CACHE_DIR", "quack_cache")}
+
+
+def _cache_of(op: str) -> tuple:
+    """The disk cache of ``op``'s library (every attention kind's, "attention_2" ..., is FA4's)."""
+    return _DISK_CACHE["attention" if op.startswith("attention") else op]
 
 
 @dataclass(frozen=True)
