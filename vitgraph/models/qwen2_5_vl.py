@@ -166,7 +166,6 @@ class SwiGLU(nn.Module):
         self.register_state_dict_post_hook(_unpad_on_save)
 
 
-
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
 
