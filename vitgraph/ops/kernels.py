@@ -278,7 +278,7 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
     contiguous; ``y``: ``[T, N]``, or ``[S, T, N]`` partial products that are summed (in fp32,
     with ``y_bias [N]`` when given) before the add. ``offset``: fp32 ``[N]`` added to every row
     before the LayerNorm and not stored (``LayerNorm(x + offset)``), for a residual stream that
-    keeps its biases aside (``Qwen2VisionTower.forward_fused``). ``tuning``: the tower's
+    keeps its biases aside (``FusedLoop.forward_fused``). ``tuning``: the tower's
     (:class:`NormTuning`); ``launch``: a layout other than the one it gives. ``quant``: return the
     normalized rows, rounded to x's dtype, as e4m3 and their fp32 scales ``[T, 1]`` (an FP8 GEMM's input)."""
     rows, n = x.shape
@@ -308,7 +308,7 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
             segment_ids: torch.Tensor | None = None, lane_dim: int | None = None, zero_padding: bool = False):
     """fp32 rotary of q and k in ``qkv [T, 3 * H * D]`` (contiguous, q's and k's head dims
     interleaved: :func:`vitgraph.models.tower_base.interleave_order`); ``cos``/``sin``: fp32
-    ``[T, D/2]``, one angle per rotated pair (:meth:`Qwen2VisionTower.rotary`).
+    ``[T, D/2]``, one angle per rotated pair (:meth:`vitgraph.models.rotary.RotaryFrequencies.rotary`).
 
     Without ``lane_dim``: rotates in place and returns ``(q, k, v)`` views ``[T, H, D]`` of ``qkv``;
     with ``zero_padding`` it also zeroes q, k and v of the rows whose ``segment_ids < 0``, and
