@@ -185,7 +185,8 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
 
     def set_precision(self, precision: str) -> None:
         """``"fp8"``: the fused forward runs the blocks' four GEMMs in FP8 (:mod:`vitgraph.ops.fp8`:
-        weights quantized per output channel now, activations per row at each call); ``"bf16"``:
+        weights quantized per output channel now, or a per-tensor FP8 checkpoint's own; activations
+        per row at each call; a block-scaled checkpoint's linears refused); ``"bf16"``:
         in the weights' dtype. Call it after the tower has its device and dtype: the FP8 weights are
         a copy taken now, so weights changed in place later reach the bf16 forward only (call it again)."""
         if precision not in PRECISIONS:
