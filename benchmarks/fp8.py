@@ -10,7 +10,7 @@ from the fp32 reference (the same weights, the plain forward) of the FP8 graph, 
 reference with each GEMM's input and weight rounded to e4m3 at FP8's granularity) and of the
 bf16 graph. Writes ``{"gpu": ..., "cases": [{"model", "case", "tokens", "bf16_ms", "fp8_ms",
 "rel_err_fp8", "rel_err_floor", "rel_err_bf16"}], "footprint": {model: {precision: {"capture_s",
-"pool_mib", "weight_mib", "float_copies_mib"}}}}`` with ``--json``.
+"pool_mib", "weight_mib"}}}}`` with ``--json``.
 """
 
 from __future__ import annotations
@@ -45,18 +45,15 @@ def errors(reference, encoders: dict, grids, device) -> dict:
 
 
 def footprints(encoders: dict) -> dict:
-    """Per precision: capture seconds, the graph pool and the weights the forward reads (FP8: the
-    blocks' e4m3 weights and scales in place of theirs; the float copies kept for the reference
-    forward are not counted, and are reported apart as ``float_copies_mib``)."""
+    """Per precision: capture seconds, the graph pool and the weights held on the device (FP8: the
+    blocks' e4m3 weights and scales; their float weights are released, meta tensors)."""
     out = {}
     for precision, enc in encoders.items():
         stats, tower = enc.stats(), enc.tower
-        fp8 = [m for m in tower.modules() if getattr(m, "fp8", None) is not None]
-        replaced = sum(m.weight.numel() * m.weight.element_size() for m in fp8)
-        held = sum(t.numel() * t.element_size() for m in fp8 for t in m.fp8)
-        params = sum(p.numel() * p.element_size() for p in tower.parameters())
+        held = [t for m in tower.modules() if getattr(m, "fp8", None) is not None for t in m.fp8]
+        tensors = [p for p in tower.parameters() if not p.is_meta] + held
         out[precision] = {"capture_s": stats["capture_seconds"], "pool_mib": stats["pool_bytes"] / 2**20,
-                          "weight_mib": (params - replaced + held) / 2**20, "float_copies_mib": replaced / 2**20}
+                          "weight_mib": sum(t.numel() * t.element_size() for t in tensors) / 2**20}
     return out
 
 

@@ -14,6 +14,7 @@ from helpers import TINY_FAMILIES, assert_nan_item_keeps_to_its_rows, random_pix
 from vitgraph import GraphedVisionEncoder
 from vitgraph.models import family_for
 from vitgraph.models.fp8_floor import fp8_floor
+from vitgraph.ops import fp8 as fp8_ops
 from vitgraph.ops.fp8 import E4M3_MAX, MIN_SCALE, fake_quantize_rows, fake_quantize_weight, linear_fp8, \
     quantize_linear_, quantize_rows
 
@@ -48,9 +49,11 @@ def test_each_row_is_scaled_by_its_own_maximum():
 def test_an_fp8_linear_is_the_gemm_of_the_rounded_operands():
     torch.manual_seed(1)
     linear = torch.nn.Linear(64, 48)
+    weight = linear.weight.detach().clone()
     quantize_linear_(linear)
+    assert linear.weight.is_meta and linear.weight.shape == weight.shape  # only the e4m3 copy is held
     x = torch.randn(32, 64)
-    expected = F.linear(fake_quantize_rows(x), fake_quantize_weight(linear.weight), linear.bias)
+    expected = F.linear(fake_quantize_rows(x), fake_quantize_weight(weight), linear.bias)
     got = linear_fp8(x, linear)
     assert got.dtype == x.dtype and rel_err(got, expected) < 4e-3  # the GEMM's bf16 output: the only other rounding
     assert linear.fp8[0].dtype == torch.float8_e4m3fn and linear.fp8[1].shape == (1, 48)
@@ -62,8 +65,11 @@ def test_an_fp8_linear_is_the_gemm_of_the_rounded_operands():
 def test_fp8_forward_sits_at_the_floor(family):
     """The FP8 encoder's distance from the fp32 reference is the floor's (rounding each GEMM's input
     and weight to e4m3), not more: within 1.1x of it (the issue's bound)."""
-    fp8 = GraphedVisionEncoder.from_config(config_of(family), device="cpu", precision="fp8", fuse=True, progress=False)
-    tower = fp8.tower
+    plain = GraphedVisionEncoder.from_config(config_of(family), device="cpu", progress=False)
+    tower = plain.tower  # the FP8 encoder's tower keeps no float weights of its own
+    fp8 = GraphedVisionEncoder.from_state_dict(tower.state_dict(), config_of(family), device="cpu", precision="fp8",
+                                               fuse=True, progress=False)
+    assert all(fp8_ops.released(linear) for block in fp8.tower.blocks for linear in fp8.tower.block_linears(block))
     pixels = random_pixels(GRIDS, tower.input_width, 1)
     batch = tower.build_batch(GRIDS)
     with torch.inference_mode():
@@ -122,9 +128,13 @@ def test_fp8_takes_no_quack_kernel():
     tower.set_tuning(dataclasses.replace(tuning.kernels, gemm=dataclasses.replace(tuning.gemm, backend="quack")))
     batch = padded_batch(tower, Bucket(4096, 16), [])
     assert {"qkv_rope", "fc1"} <= {op for op, _ in tower.jit_kernels(batch)}
-    tower.set_precision("fp8")
+    tower.set_precision("fp8", keep_float=True)
     assert {op for op, _ in tower.jit_kernels(batch)} == {"attention", "attention_2"}
     assert not tower.fused_paths(batch).bias_free and not tower.fused_paths(batch).rope_epilogue
     tower.set_precision("bf16")
     assert "qkv_rope" in {op for op, _ in tower.jit_kernels(batch)}
+    tower.set_precision("fp8")  # the float weights released: no way back but a new load
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn\.qkv's float weight was released .* load the checkpoint"):
+        tower.set_precision("bf16")
+    assert {op for op, _ in tower.jit_kernels(batch)} == {"attention", "attention_2"}
 

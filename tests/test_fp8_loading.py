@@ -193,12 +193,14 @@ def test_fp8_runs_a_per_tensor_checkpoint_on_its_own_e4m3_values(tmp_path, famil
     encs = {dtype: GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=dtype, precision="fp8", fuse=True)
             for dtype in (torch.float32, torch.bfloat16)}
     tower, prefix = encs[torch.float32].tower, PREFIX[family]
+    dequantized = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float32).tower  # precision bf16
+    float_linears = dict(dequantized.named_modules())
     bf16_linears = dict(encs[torch.bfloat16].tower.named_modules())
     quantized = [(name, m) for name, m in tower.named_modules() if hasattr(m, "fp8")]
     assert len(quantized) == 4 * len(tower.blocks)
     for name, module in quantized:
         q, scale = module.fp8
-        assert torch.equal(q.float() * scale.reshape(-1, 1), module.weight), name  # the checkpoint's values
+        assert torch.equal(q.float() * scale.reshape(-1, 1), float_linears[name].weight), name  # the checkpoint's values
         stem = f"{prefix}{name}."
         if stem + "weight" in tensors:  # rows reordered (qkv's interleaving), zero columns added (down_proj's)
             stored = tensors[stem + "weight"]
@@ -219,8 +221,8 @@ def test_fp8_runs_a_per_tensor_checkpoint_on_its_own_e4m3_values(tmp_path, famil
     batch = float_tower.build_batch(GRID)
     with torch.inference_mode():
         ref = float_tower.forward_reference(pixels, batch)
-        with fp8_floor(tower):  # the checkpoint's weights: only the activations rounded
-            floor = tower.forward_reference(pixels, batch)
+        with fp8_floor(dequantized):  # the checkpoint's weights: only the activations rounded
+            floor = dequantized.forward_reference(pixels, batch)
     assert rel_err(encs[torch.float32].encode(pixels, GRID), ref) <= 1.1 * rel_err(floor, ref)
 
 
@@ -228,16 +230,17 @@ def test_checkpoint_scales_hold_only_where_the_weights_are_the_checkpoints(tmp_p
     """A gate_up joined from an FP8 gate and a float up takes no checkpoint scales (per channel,
     as a float linear), but is marked block-scaled in a block checkpoint; a weight changed in place
     after loading is quantized per channel again, not clipped to the stale scale."""
-    from vitgraph.ops.fp8 import checkpoint_weight, quantize_weight
+    from vitgraph.ops.fp8 import checkpoint_weight, quantize_linear_, quantize_weight
 
     keep = ("visual.blocks.0.mlp.up_proj.",)
     tensors, _ = quantize(float_state("qwen2_5_vl"), None, keep=keep)
     ckpt = write(tmp_path / "tensor", "qwen2_5_vl", tensors, dict(MODELOPT, ignore=["lm_head", *keep]))
-    tower = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float32, precision="fp8",
-                                                 fuse=True).tower
+    tower = load(ckpt).tower  # dequantized (precision bf16): the float weights stay for quantize_linear_
     mixed, whole = tower.blocks[0].mlp.gate_up, tower.blocks[1].mlp.gate_up
     assert not hasattr(mixed, "checkpoint_fp8") and whole.checkpoint_fp8.row_scale is not None
-    assert all(torch.equal(a, b) for a, b in zip(mixed.fp8, quantize_weight(mixed.weight)))
+    expected = quantize_weight(mixed.weight)
+    quantize_linear_(mixed)
+    assert all(torch.equal(a, b) for a, b in zip(mixed.fp8, expected))
     proj = tower.blocks[0].attn.proj
     assert checkpoint_weight(proj) is not None
     proj.weight.mul_(3)

@@ -128,16 +128,16 @@ class FusedLoop:
         ``batch`` (on the device): the call the forward makes, so it compiles, or loads from
         disk, the same kernel."""
         cfg, attn = self.config, self.blocks[0].attn
-        rows, weight = batch.positions.shape[0], attn.qkv.weight
-        h = torch.zeros(rows, cfg.embed_dim, device=weight.device, dtype=weight.dtype)
+        rows, weight = batch.positions.shape[0], attn.qkv.weight  # FP8: a meta tensor (released)
+        device, dtype = attn.qkv.bias.device, self._stream_dtype
+        h = torch.zeros(rows, cfg.embed_dim, device=device, dtype=dtype)
         attention = self._attention_ops(batch)
         if op == "qkv_rope":
             linear_qkv_rope(h, weight, attn.qkv.bias, *self.rope_columns(), *self.rope_rows(batch), self.tuning.gemm)
         elif op == "qkv":
             linear_qkv(h, weight, attn.qkv.bias, self.tuning.gemm)
         elif op in attention:
-            q, k, v = torch.zeros(rows, 3, cfg.num_heads, cfg.head_dim, device=weight.device,
-                                  dtype=weight.dtype).unbind(1)
+            q, k, v = torch.zeros(rows, 3, cfg.num_heads, cfg.head_dim, device=device, dtype=dtype).unbind(1)
             attend(attn.backend, q, k, v, attention[op], padding_zeroed=True, tuning=self.tuning.attention)
         elif op == "fc1":
             linear = self.mlp_linears(self.blocks[0])[0]
@@ -152,7 +152,7 @@ class FusedLoop:
         so Triton compiles (or loads) every variant the forward needs. Nothing for the plain forward."""
         if not self.fused:
             return
-        weight = self.blocks[0].attn.qkv.weight
+        weight = self.patch_embed.proj.weight
         pixels = torch.zeros(batch.positions.shape[0], self.input_width, device=weight.device, dtype=weight.dtype)
         self._stand_ins = True
         try:

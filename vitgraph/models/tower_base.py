@@ -183,15 +183,17 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
         """qkv, proj and the MLP's two: the GEMMs ``precision="fp8"`` runs in FP8 (not the merger's)."""
         return (block.attn.qkv, block.attn.proj, *self.mlp_linears(block))
 
-    def set_precision(self, precision: str) -> None:
+    def set_precision(self, precision: str, keep_float: bool = False) -> None:
         """``"fp8"``: the fused forward runs the blocks' four GEMMs in FP8 (:mod:`vitgraph.ops.fp8`:
         weights quantized per output channel now, or a per-tensor FP8 checkpoint's own; activations
-        per row at each call; a block-scaled checkpoint's linears refused); ``"bf16"``:
-        in the weights' dtype. Call it after the tower has its device and dtype: the FP8 weights are
-        a copy taken now, so weights changed in place later reach the bf16 forward only (call it again)."""
+        per row at each call; a block-scaled checkpoint's linears refused), and their float weights
+        are released unless ``keep_float`` (then ``forward_reference`` and ``"bf16"`` stay open);
+        ``"bf16"``: in the weights' dtype. Call it after the tower has its device and dtype."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        linears = [linear for block in self.blocks for linear in self.block_linears(block)]
+        ids = {id(linear) for block in self.blocks for linear in self.block_linears(block)}
+        named = [(name, m) for name, m in self.named_modules() if id(m) in ids]
+        linears = [m for _, m in named]
         if precision == "fp8":
             if not self.fused:
                 raise ValueError("precision='fp8' runs in the fused forward: it needs fuse=True")
@@ -199,13 +201,13 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
             if unaligned:
                 raise ValueError(f"precision='fp8': FP8 GEMMs take widths in multiples of {fp8.ALIGN}; the "
                                  f"{type(self).__name__} has linears (in, out) {unaligned}")
-            blocked = [name for name, m in self.named_modules() if fp8.block_scaled(m) and m in linears]
+            blocked = [name for name, m in named if fp8.block_scaled(m)]
             if blocked:  # per-channel scales would round its weights again (5-7x the floor with outlier channels)
                 raise ValueError(f"precision='fp8' runs rowwise FP8 GEMMs (per-channel weight scales); the "
                                  f"checkpoint's linear {blocked[0]!r} is block-scaled, which they cannot hold "
                                  f"exactly: use precision='bf16' (the checkpoint dequantized, exact)")
-        for linear in linears:
-            fp8.quantize_linear_(linear) if precision == "fp8" else fp8.dequantize_linear_(linear)
+        for name, linear in named:
+            fp8.quantize_linear_(linear, keep_float) if precision == "fp8" else fp8.dequantize_linear_(linear, name)
         self.precision = precision
 
     def set_attention_backend(self, backend: str) -> None:

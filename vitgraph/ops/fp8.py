@@ -52,14 +52,27 @@ def fits(linear: torch.nn.Linear) -> bool:
     return linear.in_features % ALIGN == 0 and linear.out_features % ALIGN == 0
 
 
-def quantize_linear_(linear: torch.nn.Linear) -> None:
+def quantize_linear_(linear: torch.nn.Linear, keep_float: bool = False) -> None:
     """Give ``linear`` its e4m3 weight ``[N, K]`` and per-channel scales ``[1, N]`` (``linear.fp8``): a
-    plain attribute, neither in state dicts nor cast by ``Module.to`` (which would cast e4m3 too);
-    its float weight stays (the reference forward's). A per-tensor FP8 checkpoint's linear keeps
-    the checkpoint's own e4m3 values and scales (:func:`checkpoint_weight`): no second rounding."""
+    plain attribute, neither in state dicts nor cast by ``Module.to`` (which would cast e4m3 too).
+    A per-tensor FP8 checkpoint's linear keeps the checkpoint's own e4m3 values and scales
+    (:func:`checkpoint_weight`): no second rounding. The float weight is released (a meta tensor of
+    its shape and dtype stays: half the weights' memory in bf16) unless ``keep_float`` (the
+    reference forward and :func:`vitgraph.models.fp8_floor.fp8_floor` read it)."""
     if block_scaled(linear):  # set_precision refuses these first, naming the linear
         raise ValueError("a block-scaled FP8 weight has no exact per-channel form")
+    if released(linear):  # quantized before; its float weight is gone
+        return
     linear.fp8 = checkpoint_weight(linear) or quantize_weight(linear.weight.detach())
+    if not keep_float:
+        weight = linear.weight
+        linear.weight = torch.nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                           requires_grad=False)
+
+
+def released(linear: torch.nn.Module) -> bool:
+    """Whether ``linear`` keeps only its e4m3 weight (:func:`quantize_linear_` without ``keep_float``)."""
+    return linear.weight.is_meta
 
 
 def checkpoint_weight(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -84,7 +97,11 @@ def block_scaled(module: torch.nn.Module) -> bool:
     return stored is not None and stored.block is not None
 
 
-def dequantize_linear_(linear: torch.nn.Linear) -> None:
+def dequantize_linear_(linear: torch.nn.Linear, name: str = "linear") -> None:
+    """Back to the float weight, which :func:`quantize_linear_` must have kept."""
+    if released(linear):
+        raise ValueError(f"{name}'s float weight was released when it was quantized to FP8; load the "
+                         f"checkpoint again for precision='bf16'")
     linear.__dict__.pop("fp8", None)
 
 
