@@ -1,6 +1,6 @@
 """The image path on a GPU: uint8 rows normalised on the device and replayed from graphs, the
 torch processor against transformers' torchvision processors on the same GPU, and GPU JPEG
-decoding against PIL. Run with ``python -m pytest -m cuda -s tests/test_cuda_images.py``
+decoding against PIL (equal). Run with ``python -m pytest -m cuda -s tests/test_cuda_images.py``
 (``-s`` shows the numbers)."""
 
 import io
@@ -171,41 +171,50 @@ def test_device_processor_matches_transformers_torchvision_on_the_gpu(proc, cont
     assert diff.max().item() <= 1e-5
 
 
-def test_gpu_jpeg_decode_against_pil():
-    """nvJPEG (torchvision) against PIL on the same JPEGs: the colour difference, stated (GPU
-    decoders upsample chroma their own way), and bounded."""
+GPU_JPEGS = [({}, "baseline"), ({"progressive": True}, "progressive"), ({"restart_marker_blocks": 2}, "restarts"),
+             ({"quality": 50}, "q50")]
+
+
+def test_gpu_jpeg_decode_equals_pil():
+    """nvJPEG's planes, upsampled and converted as libjpeg-turbo does, against PIL's pixels: equal,
+    for 4:4:4, 4:2:2, 4:2:0 and greyscale, baseline, progressive and with restart markers, at odd
+    and even sizes (4:2:2's filter has no CPU oracle: this is its test). Where nvJPEG refuses a
+    file the host decodes it (None): counted, and printed."""
+    from test_jpeg_color import jpeg
     from vitgraph.images.decode import decode_jpeg_on, gpu_jpeg_decoder
 
     if gpu_jpeg_decoder() is None:
-        pytest.skip("torchvision's decode_jpeg is not importable here")
-    report = []
-    for i, (h, w) in enumerate([(480, 640), (720, 1280), (1080, 1920), (37, 53)]):
-        for subsampling in (0, 2):  # 4:4:4 and 4:2:0
-            buf = io.BytesIO()
-            Image.fromarray(photo(h, w, i)).save(buf, "JPEG", quality=90, subsampling=subsampling)
-            gpu = decode_jpeg_on(buf.getvalue(), "img", torch.device("cuda"))
-            host = torch.from_numpy(np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB")))
-            levels = (gpu.permute(1, 2, 0).cpu().int() - host.int()).abs()
-            report.append((h, w, subsampling, levels.max().item(), levels.float().mean().item()))
-    for h, w, sub, worst, mean in report:
-        print(f"{h}x{w} {'4:2:0' if sub == 2 else '4:4:4'}: max {worst} levels, mean {mean:.3f}")
-    # Measured on an H200 (2026-12-05): 4:4:4 identical to PIL; 4:2:0 at most 24 levels, 2.7 on
-    # average (nvJPEG upsamples chroma without libjpeg's smoothing filter).
-    assert all(worst == 0 for _, _, sub, worst, _ in report if sub == 0), report
-    assert all(mean <= 4 and worst <= 32 for _, _, sub, worst, mean in report if sub == 2), report
+        pytest.skip("no libnvjpeg loads here")
+    report, host_only = [], []
+    for i, (h, w) in enumerate([(480, 640), (720, 1280), (1080, 1920), (37, 53), (2, 2), (5, 3), (17, 40)]):
+        for subsampling, mode in ((0, "RGB"), (1, "RGB"), (2, "RGB"), (2, "L")):
+            for save, kind in GPU_JPEGS:
+                blob = jpeg(h, w, seed=i, subsampling=subsampling, mode=mode, **save)
+                gpu = decode_jpeg_on(blob, "img", torch.device("cuda"))
+                label = (h, w, mode if mode == "L" else ("4:4:4", "4:2:2", "4:2:0")[subsampling], kind)
+                if gpu is None:
+                    host_only.append(label)
+                    continue
+                host = torch.from_numpy(np.asarray(Image.open(io.BytesIO(blob)).convert("RGB")))
+                levels = (gpu.permute(1, 2, 0).cpu().int() - host.int()).abs()
+                report.append((*label, levels.max().item(), (levels > 0).sum().item()))
+    print(f"\n{len(report)} JPEGs decoded on the GPU, {len(host_only)} left to the host: {host_only}")
+    apart = [r for r in report if r[-2] > 0]
+    print("apart from PIL:", apart or "none")
+    assert not apart and len(report) >= len(host_only)
 
 
 def test_encode_images_with_gpu_decode(graph_enc):
     from vitgraph.images.decode import gpu_jpeg_decoder
 
     if gpu_jpeg_decoder() is None:
-        pytest.skip("torchvision's decode_jpeg is not importable here")
+        pytest.skip("no libnvjpeg loads here")
     blobs = []
-    for i in range(3):  # 4:4:4 JPEGs: nvJPEG decodes them as PIL does, so the embeddings are equal
+    for i in range(3):  # JPEGs the GPU decodes as PIL does: the embeddings are equal
         buf = io.BytesIO()
         Image.fromarray(photo(300 + 50 * i, 400, i)).save(buf, "JPEG", quality=92, subsampling=0)
         blobs.append(buf.getvalue())
-    chroma = io.BytesIO()  # 4:2:0: chroma upsampled otherwise (test above), so close, not equal
+    chroma = io.BytesIO()  # 4:2:0: libjpeg-turbo's chroma filter, on the GPU
     Image.fromarray(photo(320, 400, 7)).save(chroma, "JPEG", quality=92, subsampling=2)
     png = io.BytesIO()
     Image.fromarray(photo(120, 120, 9)).save(png, "PNG")
@@ -213,8 +222,5 @@ def test_encode_images_with_gpu_decode(graph_enc):
     host = graph_enc.encode_images(blobs, decode="host")
     gpu = graph_enc.encode_images(blobs, decode="gpu")
     assert [h.shape for h in host] == [g.shape for g in gpu]
-    for i in (0, 1, 2, 4):
+    for i in range(5):
         assert torch.equal(host[i], gpu[i]), i
-    h, g = host[3].float(), gpu[3].float()
-    # Measured on an H200 (2026-12-05): 0.068 for a 4:2:0 photo through random bf16 weights.
-    assert ((h - g).norm() / h.norm()).item() < 0.15

@@ -6,7 +6,8 @@ Encoded images are decoded by PIL on the host, after their header is checked aga
 :data:`MAX_IMAGE_PIXELS` (a 30000 x 30000 PNG is refused before a byte of it is decoded) and
 against their own length (:data:`PIXELS_PER_BYTE`: a header that declares 132 MP over 19 KB), and
 turned upright by their EXIF orientation, as transformers' ``load_image`` does. A JPEG can
-instead be decoded on the GPU by torchvision's nvJPEG binding (:func:`decode_jpeg_on`).
+instead be decoded on the GPU, to PIL's pixels (:func:`decode_jpeg_on`: nvJPEG's planes, then
+libjpeg-turbo's upsampling and colour conversion in torch).
 """
 
 from __future__ import annotations
@@ -230,30 +231,52 @@ def load_pixels(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS, alpha: bool
 
 
 def gpu_jpeg_decoder():
-    """torchvision's ``decode_jpeg`` where torchvision imports and has it, else None."""
-    try:
-        from torchvision.io import decode_jpeg
-    except Exception:  # not installed, or a build that does not match this torch
-        return None
-    return decode_jpeg
+    """nvJPEG's planes decoder (:func:`vitgraph.images.nvjpeg.decoder`) where libnvjpeg loads, else None."""
+    from . import nvjpeg
+
+    return nvjpeg.decoder()
 
 
 def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: int = MAX_IMAGE_PIXELS):
-    """A JPEG decoded on ``device`` (nvJPEG): ``3xHxW`` uint8, or None when it is not a JPEG, has
-    an EXIF orientation to apply, or the decoder is missing (the caller decodes on the host)."""
-    decode_jpeg = gpu_jpeg_decoder()
-    if decode_jpeg is None:
+    """A JPEG decoded on ``device``, equal to PIL's pixels: nvJPEG's planes, upsampled and converted
+    as libjpeg-turbo does (:mod:`vitgraph.images.jpeg_color`). ``3xHxW`` uint8, or None (the caller
+    decodes on the host) for another format, an EXIF orientation to apply, a JPEG coded in RGB or
+    CMYK, a sampling other than full or half per direction, one nvJPEG refuses, or no nvJPEG."""
+    decoder = gpu_jpeg_decoder()
+    if decoder is None:
         return None
     image = open_encoded(data, name, max_pixels)
     if image.format != "JPEG" or image.mode not in ("RGB", "L") or image.getexif().get(0x0112, 1) != 1:
         return None
-    encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    try:
-        from torchvision.io import ImageReadMode
-
-        decoded = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
-    except RuntimeError:  # a JPEG nvJPEG cannot take (progressive, arithmetic...): the host decodes it
+    factors = _sampling(image)
+    if factors is None:
         return None
-    # Decoded on this thread's stream; the caller reads it on its own: finish here first.
+    planes = decoder.planes(bytes(data), device)
+    width, height = image.size
+    (h_max, v_max) = factors[0]
+    expected = [(-(-height * v // v_max), -(-width * h // h_max)) for h, v in factors]
+    if planes is None or [tuple(p.shape) for p in planes] != expected:
+        return None
+    from .jpeg_color import planes_to_rgb
+
+    rgb = planes_to_rgb(planes, factors)
+    # Converted on this thread's stream; the caller reads it on its own: finish here first.
     torch.cuda.current_stream(device).synchronize()
-    return decoded
+    return rgb
+
+
+def _sampling(image) -> list[tuple[int, int]] | None:
+    """Each component's sampling factors ``(h, v)`` where libjpeg decodes the JPEG as YCbCr (or
+    grey) with chroma at full or half resolution each way; None otherwise."""
+    layers = getattr(image, "layer", None) or []
+    factors = [(h, v) for _, h, v, _ in layers]
+    ids = tuple(layer[0] for layer in layers)
+    if image.mode == "L":
+        return factors if len(factors) == 1 else None
+    info = image.info
+    rgb_coded = info.get("adobe_transform") == 0 if "adobe" in info else (
+        "jfif" not in info and ids == (82, 71, 66))  # libjpeg's guess: components named 'R', 'G', 'B'
+    if rgb_coded or len(factors) != 3 or factors[1] != factors[2]:
+        return None
+    (h_max, v_max), (h, v) = factors[0], factors[1]
+    return factors if h_max in (h, 2 * h) and v_max in (v, 2 * v) else None

@@ -1,0 +1,83 @@
+"""libjpeg-turbo's upsampling and colour conversion in torch (vitgraph.images.jpeg_color) against
+PIL, bit for bit, from the planes PIL's own libjpeg-turbo decodes: the luma from a YCbCr decode
+at full scale, the chroma of a 4:2:0 JPEG from one at half scale (libjpeg then runs chroma's
+8x8 IDCT unscaled and skips its upsampling: the very planes a full decode upsamples)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitgraph.images.decode import _sampling
+from vitgraph.images.jpeg_color import planes_to_rgb
+
+
+def jpeg(height: int, width: int, seed: int, subsampling: int = 2, mode: str = "RGB", **save) -> bytes:
+    """A gradient with noise (sharp chroma edges where rounding matters), seeded."""
+    rng = np.random.default_rng(seed)
+    ramp = np.linspace(0, 1, width)[None, :, None] * np.linspace(0, 1, height)[:, None, None]
+    pixels = np.concatenate([ramp, 1 - ramp, ramp ** 2], 2) * 255 + rng.normal(0, 30, (height, width, 3))
+    image = Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).convert(mode)
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", subsampling=subsampling, **save)
+    return buffer.getvalue()
+
+
+def pil_planes(data: bytes) -> list[torch.Tensor]:
+    """The decoded planes, chroma at its own resolution (4:2:0 and 4:4:4 only)."""
+    full = Image.open(io.BytesIO(data))
+    if full.mode == "L":
+        return [torch.from_numpy(np.array(full))]
+    full.draft("YCbCr", full.size)
+    ycc = np.array(full)
+    if _sampling(Image.open(io.BytesIO(data)))[1] == _sampling(Image.open(io.BytesIO(data)))[0]:
+        return [torch.from_numpy(ycc[..., c].copy()) for c in range(3)]
+    half = Image.open(io.BytesIO(data))
+    width, height = half.size
+    half.draft("YCbCr", (width // 2, height // 2))
+    chroma = np.array(half)
+    assert chroma.shape[:2] == ((height + 1) // 2, (width + 1) // 2)
+    return [torch.from_numpy(ycc[..., 0].copy())] + [torch.from_numpy(chroma[..., c].copy()) for c in (1, 2)]
+
+
+def check(data: bytes) -> None:
+    image = Image.open(io.BytesIO(data))
+    got = planes_to_rgb(pil_planes(data), _sampling(image)).permute(1, 2, 0).numpy()
+    expected = np.asarray(image.convert("RGB"))
+    levels = np.abs(got.astype(int) - expected.astype(int))
+    assert levels.max() == 0, f"{image.size} {image.layer}: {int((levels > 0).sum())} values apart, up to {levels.max()}"
+
+
+def test_every_small_4_2_0_size_equals_pil():
+    """Odd and even sizes, planes 1 to 20 samples wide: the narrow planes libjpeg-turbo replicates,
+    the edges it repeats, the last row group's context."""
+    for height in range(2, 40):
+        for width in range(2, 40):
+            check(jpeg(height, width, seed=height * 40 + width))
+
+
+@pytest.mark.parametrize("size", [(480, 640), (601, 799), (720, 1280), (37, 53)])
+@pytest.mark.parametrize("save", [{}, {"progressive": True}, {"restart_marker_blocks": 3}, {"quality": 50},
+                                  {"quality": 97}], ids=["baseline", "progressive", "restarts", "q50", "q97"])
+def test_4_2_0_photos_equal_pil(size, save):
+    check(jpeg(*size, seed=sum(size), **save))
+
+
+@pytest.mark.parametrize("size", [(2, 2), (37, 53), (480, 640)])
+def test_4_4_4_and_grey_equal_pil(size):
+    check(jpeg(*size, seed=1, subsampling=0))
+    check(jpeg(*size, seed=2, mode="L"))
+
+
+def test_sampling_leaves_what_libjpeg_does_not_decode_as_ycbcr_to_the_host():
+    assert _sampling(Image.open(io.BytesIO(jpeg(16, 16, 0)))) == [(2, 2), (1, 1), (1, 1)]
+    assert _sampling(Image.open(io.BytesIO(jpeg(16, 16, 0, subsampling=1)))) == [(2, 1), (1, 1), (1, 1)]
+    assert _sampling(Image.open(io.BytesIO(jpeg(16, 16, 0, subsampling=0)))) == [(1, 1), (1, 1), (1, 1)]
+    rgb_coded = Image.open(io.BytesIO(jpeg(16, 16, 0, subsampling=0, keep_rgb=True)))  # Adobe transform 0
+    assert rgb_coded.info.get("adobe_transform") == 0 and _sampling(rgb_coded) is None
+    cmyk = Image.open(io.BytesIO(jpeg(16, 16, 0, mode="CMYK")))
+    assert cmyk.mode == "CMYK"  # decode_jpeg_on takes RGB and L modes only
