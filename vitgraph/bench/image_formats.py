@@ -4,7 +4,7 @@ A seeded sample per format: JPEGs of three qualities and the three chroma subsam
 progressive one, photos from 640x480 to 1920x1080; PNG screenshots with and without alpha; a
 clip given as one ``[T, H, W, 3]`` uint8 array. One item per call through ``encode_images``
 (preprocessing on the device where there is one), decoded on the host (PIL, the default) and,
-for JPEGs, on the GPU (nvJPEG) where torchvision has it. Per format and decoder: the p50 of the
+for JPEGs, on the GPU (nvJPEG's planes, libjpeg-turbo's upsampling) where libnvjpeg loads. Per format and decoder: the p50 of the
 whole call, the p50 of the encode alone (the same rows through ``encode``), images/s of one
 caller, and ``max_level_diff``: the largest distance in uint8 levels between the decoder's
 pixels and PIL's (0 on the host, which is PIL).

@@ -15,7 +15,7 @@ Systems (those that cannot run here are skipped with a line):
 * ``hf_torchvision``: transformers' torchvision processor on the GPU + its tower (CUDA, torchvision);
 * ``vitgraph_host``: PIL decode, PIL preprocessing into float32 rows, vitgraph's graphs;
 * ``vitgraph_device``: host decode, preprocessing on the device from uint8, graphs;
-* ``vitgraph_gpu_decode``: the same with JPEGs decoded by nvJPEG (CUDA, torchvision).
+* ``vitgraph_gpu_decode``: the same with JPEGs decoded on the GPU (CUDA, libnvjpeg).
 
 With ``--serve``, also ``vitgraph serve`` (the Ray Serve app, one replica) at saturation: the
 JPEGs over HTTP and through its handle, and the same images as uint8 rows preprocessed by the

@@ -91,7 +91,7 @@ class ImageInput:
         ``"device"`` (torch on the encoder's device, as transformers' torchvision processors),
         ``"pil"`` (PIL on the host, as ``Qwen2VLImageProcessorPil``), ``"auto"``: device on
         CUDA, else PIL. ``decode``: ``"host"`` (PIL, in a thread pool) or ``"gpu"`` (JPEGs by
-        nvJPEG through torchvision; others on the host). ``max_image_pixels``: the most pixels an
+        nvJPEG, to PIL's very pixels; others, and JPEGs nvJPEG refuses, on the host). ``max_image_pixels``: the most pixels an
         encoded image may declare (refused from its header, before decoding).
         ``max_items_per_request``: the most images plus video frames in one call (refused from
         the count, before anything is decoded).
