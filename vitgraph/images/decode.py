@@ -274,8 +274,8 @@ def _sampling(image) -> list[tuple[int, int]] | None:
     if image.mode == "L":
         return factors if len(factors) == 1 else None
     info = image.info
-    rgb_coded = info.get("adobe_transform") == 0 if "adobe" in info else (
-        "jfif" not in info and ids == (82, 71, 66))  # libjpeg's guess: components named 'R', 'G', 'B'
+    # libjpeg's order: JFIF means YCbCr, else Adobe's transform says, else components named 'R', 'G', 'B' are RGB
+    rgb_coded = "jfif" not in info and (info.get("adobe_transform") == 0 if "adobe" in info else ids == (82, 71, 66))
     if rgb_coded or len(factors) != 3 or factors[1] != factors[2]:
         return None
     (h_max, v_max), (h, v) = factors[0], factors[1]

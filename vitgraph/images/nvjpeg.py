@@ -5,8 +5,9 @@ own RGB output upsamples chroma otherwise: up to 24 levels from PIL's).
 
 The library is libnvjpeg from the CUDA wheels torch or torchvision install (``nvidia/cu13/lib``,
 ``nvidia/nvjpeg/lib``, ``torchvision.libs``) or the system's; without it :func:`decoder` is None
-and JPEGs are decoded on the host. One handle per process, one decoder state per thread (nvJPEG's
-rule for threads).
+and JPEGs are decoded on the host. One handle per device, one decoder state per thread and device
+(nvJPEG's rules: states are not shared by threads, and both are bound to the device current when
+they were made).
 """
 
 from __future__ import annotations
@@ -48,34 +49,46 @@ class NvJpeg:
                                                c_int_p, c_int_p]
         library.nvjpegDecode.argtypes = [void_p, void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int,
                                          ctypes.POINTER(_Image), void_p]
-        self._handle, self._local = void_p(), threading.local()
-        if library.nvjpegCreateSimple(ctypes.byref(self._handle)) != 0:
-            raise OSError("nvjpegCreateSimple failed")
+        self._handles, self._lock, self._local = {}, threading.Lock(), threading.local()
 
-    def _state(self) -> ctypes.c_void_p:
-        state = getattr(self._local, "state", None)
-        if state is None:
+    def _handle(self, index: int) -> ctypes.c_void_p:
+        """The device's handle (made under it, current)."""
+        with self._lock:
+            if index not in self._handles:
+                handle = ctypes.c_void_p()
+                if self._lib.nvjpegCreateSimple(ctypes.byref(handle)) != 0:
+                    raise OSError("nvjpegCreateSimple failed")
+                self._handles[index] = handle
+            return self._handles[index]
+
+    def _state(self, index: int) -> ctypes.c_void_p:
+        """This thread's state on the device (made under it, current)."""
+        states = self._local.__dict__.setdefault("states", {})
+        if index not in states:
             state = ctypes.c_void_p()
-            if self._lib.nvjpegJpegStateCreate(self._handle, ctypes.byref(state)) != 0:
+            if self._lib.nvjpegJpegStateCreate(self._handle(index), ctypes.byref(state)) != 0:
                 raise OSError("nvjpegJpegStateCreate failed")
-            self._local.state = state
-        return state
+            states[index] = state
+        return states[index]
 
     def planes(self, data: bytes, device: torch.device) -> list[torch.Tensor] | None:
         """The planes (Y, or Y, Cb, Cr), each ``[h, w]`` as the JPEG's sampling makes it, decoded on
         ``device``'s current stream and finished; None where nvJPEG refuses the file."""
         count, sampling = ctypes.c_int(), ctypes.c_int()
         widths, heights = (ctypes.c_int * MAX_COMPONENT)(), (ctypes.c_int * MAX_COMPONENT)()
-        if self._lib.nvjpegGetImageInfo(self._handle, data, len(data), ctypes.byref(count), ctypes.byref(sampling),
-                                        widths, heights) != 0 or count.value not in (1, 3):
-            return None
-        with torch.cuda.device(device):
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        with torch.cuda.device(index):
+            handle = self._handle(index)
+            if self._lib.nvjpegGetImageInfo(handle, data, len(data), ctypes.byref(count), ctypes.byref(sampling),
+                                            widths, heights) != 0 or count.value not in (1, 3):
+                return None
             planes = [torch.empty(heights[i], widths[i], dtype=torch.uint8, device=device) for i in range(count.value)]
             image = _Image()
             for i, plane in enumerate(planes):
                 image.channel[i], image.pitch[i] = plane.data_ptr(), plane.shape[1]
             stream = torch.cuda.current_stream(device)
-            status = self._lib.nvjpegDecode(self._handle, self._state(), data, len(data), OUTPUT_UNCHANGED,
+            status = self._lib.nvjpegDecode(handle, self._state(index), data, len(data), OUTPUT_UNCHANGED,
                                             ctypes.byref(image), ctypes.c_void_p(stream.cuda_stream))
             stream.synchronize()  # nvJPEG's host stage reads data; the caller's stream may differ
         return planes if status == 0 else None
