@@ -8,7 +8,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 from test_images import photo
 from helpers import run_eager
@@ -198,10 +198,21 @@ def test_gpu_jpeg_decode_equals_pil():
                 host = torch.from_numpy(np.asarray(Image.open(io.BytesIO(blob)).convert("RGB")))
                 levels = (gpu.permute(1, 2, 0).cpu().int() - host.int()).abs()
                 report.append((*label, levels.max().item(), (levels > 0).sum().item()))
+    for orientation in range(2, 9):  # EXIF turns: applied on the GPU, as ImageOps.exif_transpose
+        image = Image.open(io.BytesIO(jpeg(37, 53, seed=orientation)))
+        exif = image.getexif()
+        exif[0x0112] = orientation
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", exif=exif, quality=90)
+        blob = buffer.getvalue()
+        gpu = decode_jpeg_on(blob, "img", torch.device("cuda"))
+        host = torch.from_numpy(np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(blob))).convert("RGB")))
+        levels = (gpu.permute(1, 2, 0).cpu().int() - host.int()).abs() if gpu is not None else None
+        report.append((37, 53, "4:2:0", f"exif {orientation}", levels.max().item() if levels is not None else -1, 0))
     print(f"\n{len(report)} JPEGs decoded on the GPU, {len(host_only)} left to the host: {host_only}")
     apart = [r for r in report if r[-2] > 0]
     print("apart from PIL:", apart or "none")
-    assert not apart and len(report) >= len(host_only)
+    assert not apart and len(report) >= len(host_only) and all(r[-2] == 0 for r in report)
 
 
 def test_encode_images_with_gpu_decode(graph_enc):

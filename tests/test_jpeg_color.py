@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from vitgraph.images.decode import _sampling
-from vitgraph.images.jpeg_color import planes_to_rgb
+from vitgraph.images.jpeg_color import planes_to_rgb, upright
 
 
 def jpeg(height: int, width: int, seed: int, subsampling: int = 2, mode: str = "RGB", **save) -> bytes:
@@ -81,3 +81,18 @@ def test_sampling_leaves_what_libjpeg_does_not_decode_as_ycbcr_to_the_host():
     assert rgb_coded.info.get("adobe_transform") == 0 and _sampling(rgb_coded) is None
     cmyk = Image.open(io.BytesIO(jpeg(16, 16, 0, mode="CMYK")))
     assert cmyk.mode == "CMYK"  # decode_jpeg_on takes RGB and L modes only
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_upright_turns_as_pils_exif_transpose(orientation):
+    from PIL import ImageOps
+
+    pixels = np.random.default_rng(orientation).integers(0, 256, (5, 7, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)
+    exif = image.getexif()
+    exif[0x0112] = orientation
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG", exif=exif)  # lossless: the turn alone differs
+    expected = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(buffer.getvalue()))).convert("RGB"))
+    got = upright(torch.from_numpy(pixels).permute(2, 0, 1), orientation).permute(1, 2, 0).numpy()
+    assert got.shape == expected.shape and np.array_equal(got, expected)

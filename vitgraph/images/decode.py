@@ -240,13 +240,14 @@ def gpu_jpeg_decoder():
 def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: int = MAX_IMAGE_PIXELS):
     """A JPEG decoded on ``device``, equal to PIL's pixels: nvJPEG's planes, upsampled and converted
     as libjpeg-turbo does (:mod:`vitgraph.images.jpeg_color`). ``3xHxW`` uint8, or None (the caller
-    decodes on the host) for another format, an EXIF orientation to apply, a JPEG coded in RGB or
-    CMYK, a sampling other than full or half per direction, one nvJPEG refuses, or no nvJPEG."""
+    decodes on the host) for another format, a JPEG coded in RGB or CMYK, a sampling other than full
+    or half per direction, one nvJPEG refuses, or no nvJPEG. Turned upright by its EXIF orientation."""
     decoder = gpu_jpeg_decoder()
     if decoder is None:
         return None
     image = open_encoded(data, name, max_pixels)
-    if image.format != "JPEG" or image.mode not in ("RGB", "L") or image.getexif().get(0x0112, 1) != 1:
+    orientation = image.getexif().get(0x0112, 1) if image.format == "JPEG" else None
+    if orientation not in range(1, 9) or image.mode not in ("RGB", "L"):
         return None
     factors = _sampling(image)
     if factors is None:
@@ -257,9 +258,9 @@ def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: i
     expected = [(-(-height * v // v_max), -(-width * h // h_max)) for h, v in factors]
     if planes is None or [tuple(p.shape) for p in planes] != expected:
         return None
-    from .jpeg_color import planes_to_rgb
+    from .jpeg_color import planes_to_rgb, upright
 
-    rgb = planes_to_rgb(planes, factors)
+    rgb = upright(planes_to_rgb(planes, factors), orientation)
     # Converted on this thread's stream; the caller reads it on its own: finish here first.
     torch.cuda.current_stream(device).synchronize()
     return rgb

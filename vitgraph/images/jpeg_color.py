@@ -78,3 +78,11 @@ def planes_to_rgb(planes: list[torch.Tensor], factors: list[tuple[int, int]]) ->
     for plane, (h, v) in zip(planes[1:], factors[1:]):
         chroma.append(upsample(plane.to(torch.int32), h_max == 2 * h, v_max == 2 * v, height, width))
     return ycbcr_to_rgb(y.to(torch.int32), *chroma)
+
+
+def upright(rgb: torch.Tensor, orientation: int) -> torch.Tensor:
+    """``[3, H, W]`` turned as its EXIF orientation (1-8) says, as PIL's ``ImageOps.exif_transpose``."""
+    turns = {1: lambda t: t, 2: lambda t: t.flip(2), 3: lambda t: t.flip(1, 2), 4: lambda t: t.flip(1),
+             5: lambda t: t.transpose(1, 2), 6: lambda t: t.rot90(-1, (1, 2)), 7: lambda t: t.transpose(1, 2).flip(1, 2),
+             8: lambda t: t.rot90(1, (1, 2))}
+    return turns[orientation](rgb).contiguous()
