@@ -252,7 +252,10 @@ def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: i
     factors = _sampling(image)
     if factors is None:
         return None
-    planes = decoder.planes(bytes(data), device)
+    try:
+        planes = decoder.planes(bytes(data), device)
+    except OSError:  # nvJPEG could not make its handle or state here: the host decodes
+        return None
     width, height = image.size
     (h_max, v_max) = factors[0]
     expected = [(-(-height * v // v_max), -(-width * h // h_max)) for h, v in factors]
