@@ -96,3 +96,53 @@ def test_upright_turns_as_pils_exif_transpose(orientation):
     expected = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(buffer.getvalue()))).convert("RGB"))
     got = upright(torch.from_numpy(pixels).permute(2, 0, 1), orientation).permute(1, 2, 0).numpy()
     assert got.shape == expected.shape and np.array_equal(got, expected)
+
+
+class PilPlanes:
+    """A stand-in for nvJPEG's planes decoder on the CPU: the planes PIL's libjpeg-turbo decodes
+    (:func:`pil_planes`), for 4:2:0, 4:4:4 and grey; ``answer`` in place of them when given."""
+
+    def __init__(self, answer="planes"):
+        self.answer, self.calls = answer, 0
+
+    def planes(self, data, device):
+        self.calls += 1
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return pil_planes(data) if self.answer == "planes" else self.answer
+
+
+def test_decode_jpeg_on_gives_pils_pixels_or_leaves_the_file_to_the_host(monkeypatch):
+    """decode_jpeg_on's own logic, the planes decoder aside: PIL's pixels (turned upright) for what
+    it takes; None, for the host to decode, for every file it does not take."""
+    from PIL import ImageOps
+
+    from vitgraph.images import decode
+
+    cpu, stand_in = torch.device("cpu"), PilPlanes()
+    monkeypatch.setattr(decode, "gpu_jpeg_decoder", lambda: stand_in)
+
+    def pil_pixels(blob):
+        return torch.from_numpy(np.array(ImageOps.exif_transpose(Image.open(io.BytesIO(blob))).convert("RGB")))
+
+    for blob in (jpeg(37, 53, 1), jpeg(37, 53, 2, subsampling=0), jpeg(20, 9, 3, mode="L")):
+        assert torch.equal(decode.decode_jpeg_on(blob, "img", cpu).permute(1, 2, 0), pil_pixels(blob))
+    turned = Image.open(io.BytesIO(jpeg(37, 53, 4)))
+    exif = turned.getexif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    turned.save(buffer, "JPEG", exif=exif)
+    got = decode.decode_jpeg_on(buffer.getvalue(), "img", cpu)
+    assert got.shape == (3, 53, 37) and torch.equal(got.permute(1, 2, 0), pil_pixels(buffer.getvalue()))
+
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, "PNG")
+    calls = stand_in.calls
+    for blob in (png.getvalue(), jpeg(16, 16, 0, subsampling=0, keep_rgb=True), jpeg(16, 16, 0, mode="CMYK")):
+        assert decode.decode_jpeg_on(blob, "img", cpu) is None
+    assert stand_in.calls == calls  # refused from the header: the decoder never ran
+    for answer in (None, OSError("no state"), [torch.zeros(16, 16, dtype=torch.uint8)] * 3):  # refused, failed, wrong shapes
+        monkeypatch.setattr(decode, "gpu_jpeg_decoder", lambda answer=answer: PilPlanes(answer))
+        assert decode.decode_jpeg_on(jpeg(16, 16, 0), "img", cpu) is None
+    monkeypatch.setattr(decode, "gpu_jpeg_decoder", lambda: None)
+    assert decode.decode_jpeg_on(jpeg(16, 16, 0), "img", cpu) is None

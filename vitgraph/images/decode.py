@@ -264,8 +264,8 @@ def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: i
     from .jpeg_color import planes_to_rgb, upright
 
     rgb = upright(planes_to_rgb(planes, factors), orientation)
-    # Converted on this thread's stream; the caller reads it on its own: finish here first.
-    torch.cuda.current_stream(device).synchronize()
+    if rgb.is_cuda:  # converted on this thread's stream; the caller reads it on its own: finish here first
+        torch.cuda.current_stream(rgb.device).synchronize()
     return rgb
 
 
