@@ -138,7 +138,10 @@ def test_decode_jpeg_on_gives_pils_pixels_or_leaves_the_file_to_the_host(monkeyp
     png = io.BytesIO()
     Image.new("RGB", (8, 8)).save(png, "PNG")
     calls = stand_in.calls
-    for blob in (png.getvalue(), jpeg(16, 16, 0, subsampling=0, keep_rgb=True), jpeg(16, 16, 0, mode="CMYK")):
+    whole = jpeg(64, 64, 0)
+    cut_short = whole[:len(whole) * 2 // 3]
+    for blob in (png.getvalue(), jpeg(16, 16, 0, subsampling=0, keep_rgb=True), jpeg(16, 16, 0, mode="CMYK"),
+                 cut_short, whole + b"trailing bytes"):
         assert decode.decode_jpeg_on(blob, "img", cpu) is None
     assert stand_in.calls == calls  # refused from the header: the decoder never ran
     for answer in (None, OSError("no state"), [torch.zeros(16, 16, dtype=torch.uint8)] * 3):  # refused, failed, wrong shapes

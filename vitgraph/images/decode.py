@@ -240,13 +240,16 @@ def gpu_jpeg_decoder():
 def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: int = MAX_IMAGE_PIXELS):
     """A JPEG decoded on ``device``, equal to PIL's pixels: nvJPEG's planes, upsampled and converted
     as libjpeg-turbo does (:mod:`vitgraph.images.jpeg_color`). ``3xHxW`` uint8, or None (the caller
-    decodes on the host) for another format, a JPEG coded in RGB or CMYK, a sampling other than full
-    or half per direction, one nvJPEG refuses, or no nvJPEG. Turned upright by its EXIF orientation."""
+    decodes on the host) for another format, a JPEG not ending in its EOI marker (cut short, or with
+    bytes after it), coded in RGB or CMYK, sampled other than fully or by half each way, or refused by
+    nvJPEG, or where there is no nvJPEG. Turned upright by its EXIF orientation."""
     decoder = gpu_jpeg_decoder()
     if decoder is None:
         return None
     image = open_encoded(data, name, max_pixels)
-    orientation = image.getexif().get(0x0112, 1) if image.format == "JPEG" else None
+    # A JPEG that does not end in its EOI marker may be cut short: the host says so, or decodes it.
+    ends = bytes(data[-2:]) == b"\xff\xd9"
+    orientation = image.getexif().get(0x0112, 1) if image.format == "JPEG" and ends else None
     if orientation not in range(1, 9) or image.mode not in ("RGB", "L"):
         return None
     factors = _sampling(image)
