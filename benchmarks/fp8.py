@@ -26,6 +26,7 @@ from vitgraph.bench.latency import CASES
 from vitgraph.checkpoints.loading import build_tower
 from vitgraph.models import PRESETS
 from vitgraph.models.fp8_floor import fp8_floor
+from vitgraph.ops.fp8 import held_bytes
 
 TOKENS = {"1024": [(1, 32, 32)], "4096": [(1, 64, 64)], "16384": [(1, 128, 128)]}
 
@@ -46,15 +47,9 @@ def errors(reference, encoders: dict, grids, device) -> dict:
 
 def footprints(encoders: dict) -> dict:
     """Per precision: capture seconds, the graph pool and the weights held on the device (FP8: the
-    blocks' e4m3 weights and scales; their float weights are released, meta tensors)."""
-    out = {}
-    for precision, enc in encoders.items():
-        stats, tower = enc.stats(), enc.tower
-        held = [t for m in tower.modules() if getattr(m, "fp8", None) is not None for t in m.fp8]
-        tensors = [p for p in tower.parameters() if not p.is_meta] + held
-        out[precision] = {"capture_s": stats["capture_seconds"], "pool_mib": stats["pool_bytes"] / 2**20,
-                          "weight_mib": sum(t.numel() * t.element_size() for t in tensors) / 2**20}
-    return out
+    blocks' e4m3 weights and scales; their float weights are released)."""
+    return {precision: {"capture_s": enc.stats()["capture_seconds"], "pool_mib": enc.stats()["pool_bytes"] / 2**20,
+                        "weight_mib": held_bytes(enc.tower) / 2**20} for precision, enc in encoders.items()}
 
 
 def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iters: int,

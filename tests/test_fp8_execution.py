@@ -51,7 +51,9 @@ def test_an_fp8_linear_is_the_gemm_of_the_rounded_operands():
     linear = torch.nn.Linear(64, 48)
     weight = linear.weight.detach().clone()
     quantize_linear_(linear)
+    fp8_ops.release_float_(linear)
     assert linear.weight.is_meta and linear.weight.shape == weight.shape  # only the e4m3 copy is held
+    assert fp8_ops.held_bytes(linear) == 64 * 48 + 4 * 48 + 4 * 48  # e4m3 weight, its scales, the fp32 bias
     x = torch.randn(32, 64)
     expected = F.linear(fake_quantize_rows(x), fake_quantize_weight(weight), linear.bias)
     got = linear_fp8(x, linear)
@@ -134,7 +136,36 @@ def test_fp8_takes_no_quack_kernel():
     tower.set_precision("bf16")
     assert "qkv_rope" in {op for op, _ in tower.jit_kernels(batch)}
     tower.set_precision("fp8")  # the float weights released: no way back but a new load
+    with pytest.raises(ValueError, match="float weights were released .* keep_float=True"):
+        tower.forward_reference(torch.zeros(batch.positions.shape[0], tower.input_width), batch)
+    with pytest.raises(ValueError, match="float weights were released"):
+        with fp8_floor(tower):
+            pass
+    assert tower.to(torch.float32).blocks[0].attn.qkv.weight.is_meta  # Module.to leaves them be
     with pytest.raises(ValueError, match=r"blocks\.0\.attn\.qkv's float weight was released .* load the checkpoint"):
         tower.set_precision("bf16")
     assert {op for op, _ in tower.jit_kernels(batch)} == {"attention", "attention_2"}
 
+
+
+def test_the_bench_reads_a_float_twin_of_an_fp8_encoder():
+    """``vitgraph bench --precision fp8``: wrapping the FP8 tower in a second encoder keeps its
+    released weights released (Module.to leaves meta tensors), and transformers' tower, which the
+    FP8 tower cannot give float weights to, holds a bf16 load's instead: its rows are the plain
+    tower's, not garbage from meta weights."""
+    from vitgraph.bench import common
+    from vitgraph.bench.args import latency_parser
+    from vitgraph.cli_args import resolve_model_args
+    from vitgraph.ops.fp8 import held_bytes
+
+    args = latency_parser().parse_args(["--preset", "tiny", "--device", "cpu", "--precision", "fp8"])
+    resolve_model_args(args)
+    runners, eager, _ = common.build_systems(args, ["vitgraph_eager", "hf_eager"], 1024, precision="fp8", fuse=True)
+    twin = common.float_twin(args, eager, fuse=True)
+    assert eager.options.precision == "fp8" and twin.options.precision == "bf16"
+    assert held_bytes(eager.tower) < 0.75 * held_bytes(twin.tower)
+    grids = [(1, 8, 8)]
+    pixels = random_pixels(grids, eager.tower.input_width, 5)
+    plain = twin.encode(pixels, grids)
+    assert rel_err(runners["hf_eager"](pixels, grids), plain) < 1e-5  # transformers' tower on the float twin
+    assert 1e-3 < rel_err(runners["vitgraph_eager"](pixels, grids), plain) < 0.15  # FP8's rounding, bounded

@@ -303,12 +303,20 @@ def build_systems(args, systems: list[str], max_budget: int, **engine_options):
     if graph_enc is not None:
         runners["vitgraph_graph"] = graph_enc.encode
     if "hf_eager" in systems:
-        hf = hf_tower_like(eager_enc)
+        hf = hf_tower_like(float_twin(args, eager_enc, **engine_options))
         if hf is None:
             print("transformers is not installed: hf_eager skipped", file=sys.stderr)
         else:
             runners["hf_eager"] = hf_call(hf, eager_enc.device)
     return runners, eager_enc, graph_enc
+
+
+def float_twin(args, encoder: GraphedVisionEncoder, **engine_options) -> GraphedVisionEncoder:
+    """``encoder``, or, where ``precision="fp8"`` released its tower's float weights, an eager bf16
+    load of the same weights: what transformers' tower, the compiled tower and the fp32 reference read."""
+    if encoder.options.precision != "fp8":
+        return encoder
+    return make_encoder(args, mode="eager", **{**engine_options, "precision": "bf16"})
 
 
 def hf_tower_like(encoder: GraphedVisionEncoder):

@@ -250,7 +250,7 @@ def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: i
     # A JPEG that does not end in its EOI marker may be cut short: the host says so, or decodes it.
     ends = bytes(data[-2:]) == b"\xff\xd9"
     orientation = image.getexif().get(0x0112, 1) if image.format == "JPEG" and ends else None
-    if orientation not in range(1, 9) or image.mode not in ("RGB", "L"):
+    if orientation not in range(1, 9) or image.mode not in ("RGB", "L") or 0 in image.size:
         return None
     factors = _sampling(image)
     if factors is None:

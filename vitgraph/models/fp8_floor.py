@@ -14,6 +14,7 @@ from ..ops.fp8 import checkpoint_weight, fake_quantize_rows, fake_quantize_weigh
 @contextmanager
 def fp8_floor(tower):
     """Within it, ``tower.forward_reference`` computes the floor; the weights are restored after."""
+    tower.check_float_weights()
     linears = [linear for block in tower.blocks for linear in tower.block_linears(block)]
     saved = [linear.weight.data for linear in linears]
     hooks = [linear.register_forward_pre_hook(lambda module, args: (fake_quantize_rows(args[0]),) + args[1:])

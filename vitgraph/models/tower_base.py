@@ -207,8 +207,21 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
                                  f"checkpoint's linear {blocked[0]!r} is block-scaled, which they cannot hold "
                                  f"exactly: use precision='bf16' (the checkpoint dequantized, exact)")
         for name, linear in named:
-            fp8.quantize_linear_(linear, keep_float) if precision == "fp8" else fp8.dequantize_linear_(linear, name)
+            fp8.quantize_linear_(linear) if precision == "fp8" else fp8.dequantize_linear_(linear, name)
         self.precision = precision
+        if precision == "fp8" and not keep_float:  # only once every linear is quantized
+            for _, linear in named:
+                fp8.release_float_(linear)
+
+    def check_float_weights(self) -> None:
+        """Refuse what reads the blocks' float weights once ``precision="fp8"`` released them."""
+        if self.precision == "fp8" and any(fp8.released(linear) for block in self.blocks for linear in self.block_linears(block)):
+            raise ValueError("the blocks' float weights were released by precision='fp8' (the fused forward "
+                             "reads their e4m3 copies); set_precision('fp8', keep_float=True) keeps them")
+
+    def _apply(self, fn, recurse=True):
+        # Module.to and friends leave released weights (meta tensors) as they are.
+        return super()._apply(lambda t: t if t.is_meta else fn(t), recurse)
 
     def set_attention_backend(self, backend: str) -> None:
         for block in self.blocks:
@@ -244,6 +257,7 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
         """Plain PyTorch ops, one per step of the reference model (any device and dtype).
         ``blocks``: the indexes of the blocks to run instead of all (their taps run too; see
         :meth:`warm_up`)."""
+        self.check_float_weights()
         cos, sin = self.rotary(batch.positions)
         x = self.embed(pixels, batch)
         taps = []

@@ -52,26 +52,28 @@ def fits(linear: torch.nn.Linear) -> bool:
     return linear.in_features % ALIGN == 0 and linear.out_features % ALIGN == 0
 
 
-def quantize_linear_(linear: torch.nn.Linear, keep_float: bool = False) -> None:
+def quantize_linear_(linear: torch.nn.Linear) -> None:
     """Give ``linear`` its e4m3 weight ``[N, K]`` and per-channel scales ``[1, N]`` (``linear.fp8``): a
     plain attribute, neither in state dicts nor cast by ``Module.to`` (which would cast e4m3 too).
     A per-tensor FP8 checkpoint's linear keeps the checkpoint's own e4m3 values and scales
-    (:func:`checkpoint_weight`): no second rounding. The float weight is released (a meta tensor of
-    its shape and dtype stays: half the weights' memory in bf16) unless ``keep_float`` (the
-    reference forward and :func:`vitgraph.models.fp8_floor.fp8_floor` read it)."""
+    (:func:`checkpoint_weight`): no second rounding. The float weight stays until :func:`release_float_`."""
     if block_scaled(linear):  # set_precision refuses these first, naming the linear
         raise ValueError("a block-scaled FP8 weight has no exact per-channel form")
     if released(linear):  # quantized before; its float weight is gone
         return
     linear.fp8 = checkpoint_weight(linear) or quantize_weight(linear.weight.detach())
-    if not keep_float:
-        weight = linear.weight
-        linear.weight = torch.nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
-                                           requires_grad=False)
+
+
+def release_float_(linear: torch.nn.Linear) -> None:
+    """Drop a quantized ``linear``'s float weight (a meta tensor of its shape and dtype stays): the
+    e4m3 copy alone is held, half the weight's bytes in bf16."""
+    weight = linear.weight
+    linear.weight = torch.nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                       requires_grad=False)
 
 
 def released(linear: torch.nn.Module) -> bool:
-    """Whether ``linear`` keeps only its e4m3 weight (:func:`quantize_linear_` without ``keep_float``)."""
+    """Whether ``linear`` keeps only its e4m3 weight (:func:`release_float_`)."""
     return linear.weight.is_meta
 
 
@@ -98,7 +100,7 @@ def block_scaled(module: torch.nn.Module) -> bool:
 
 
 def dequantize_linear_(linear: torch.nn.Linear, name: str = "linear") -> None:
-    """Back to the float weight, which :func:`quantize_linear_` must have kept."""
+    """Back to the float weight, which must not have been released."""
     if released(linear):
         raise ValueError(f"{name}'s float weight was released when it was quantized to FP8; load the "
                          f"checkpoint again for precision='bf16'")
@@ -107,6 +109,13 @@ def dequantize_linear_(linear: torch.nn.Linear, name: str = "linear") -> None:
 
 def is_quantized(linear: torch.nn.Module) -> bool:
     return getattr(linear, "fp8", None) is not None
+
+
+def held_bytes(module: torch.nn.Module) -> int:
+    """The bytes ``module``'s weights hold: its parameters not released, and its linears' e4m3 copies."""
+    tensors = [p for p in module.parameters() if not p.is_meta]
+    tensors += [t for m in module.modules() if getattr(m, "fp8", None) is not None for t in m.fp8]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def linear_fp8(x, linear: torch.nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
