@@ -105,8 +105,9 @@ class PilPlanes:
     def __init__(self, answer="planes"):
         self.answer, self.calls = answer, 0
 
-    def planes(self, data, device):
+    def planes(self, data, device, shapes):
         self.calls += 1
+        self.shapes = shapes
         if isinstance(self.answer, Exception):
             raise self.answer
         return pil_planes(data) if self.answer == "planes" else self.answer
@@ -127,6 +128,9 @@ def test_decode_jpeg_on_gives_pils_pixels_or_leaves_the_file_to_the_host(monkeyp
 
     for blob in (jpeg(37, 53, 1), jpeg(37, 53, 2, subsampling=0), jpeg(20, 9, 3, mode="L")):
         assert torch.equal(decode.decode_jpeg_on(blob, "img", cpu).permute(1, 2, 0), pil_pixels(blob))
+    assert stand_in.shapes == [(20, 9)]
+    decode.decode_jpeg_on(jpeg(37, 53, 1), "img", cpu)
+    assert stand_in.shapes == [(37, 53), (19, 27), (19, 27)]  # what the planes decoder must agree to
     turned = Image.open(io.BytesIO(jpeg(37, 53, 4)))
     exif = turned.getexif()
     exif[0x0112] = 6
@@ -144,7 +148,8 @@ def test_decode_jpeg_on_gives_pils_pixels_or_leaves_the_file_to_the_host(monkeyp
                  cut_short, whole + b"trailing bytes"):
         assert decode.decode_jpeg_on(blob, "img", cpu) is None
     assert stand_in.calls == calls  # refused from the header: the decoder never ran
-    for answer in (None, OSError("no state"), [torch.zeros(16, 16, dtype=torch.uint8)] * 3):  # refused, failed, wrong shapes
+    for answer in (None, OSError("no state"), torch.OutOfMemoryError("no room"),  # refused, failed, no memory,
+                   [torch.zeros(16, 16, dtype=torch.uint8)] * 3):  # or planes of the wrong shapes
         monkeypatch.setattr(decode, "gpu_jpeg_decoder", lambda answer=answer: PilPlanes(answer))
         assert decode.decode_jpeg_on(jpeg(16, 16, 0), "img", cpu) is None
     monkeypatch.setattr(decode, "gpu_jpeg_decoder", lambda: None)

@@ -7,7 +7,7 @@ clip given as one ``[T, H, W, 3]`` uint8 array. One item per call through ``enco
 for JPEGs, on the GPU (nvJPEG's planes, libjpeg-turbo's upsampling) where libnvjpeg loads. Per format and decoder: the p50 of the
 whole call, the p50 of the encode alone (the same rows through ``encode``), images/s of one
 caller, and ``max_level_diff``: the largest distance in uint8 levels between the decoder's
-pixels and PIL's (0 on the host, which is PIL).
+pixels and PIL's (0 on the host, which is PIL; None where the GPU leaves the JPEG to the host).
 """
 
 from __future__ import annotations
@@ -77,9 +77,13 @@ def make_samples(seed: int, formats=FORMATS) -> list[dict]:
     return samples
 
 
-def level_diff(blob: bytes, device: torch.device) -> int:
-    """The largest distance in uint8 levels between nvJPEG's RGB and PIL's."""
-    gpu = decode_jpeg_on(blob, "image", device).cpu().numpy()  # [3, H, W]
+def level_diff(blob: bytes, device: torch.device) -> int | None:
+    """The largest distance in uint8 levels between the GPU decode's RGB and PIL's; None where the
+    GPU leaves the JPEG to the host."""
+    decoded = decode_jpeg_on(blob, "image", device)
+    if decoded is None:
+        return None
+    gpu = decoded.cpu().numpy()  # [3, H, W]
     pil = np.asarray(Image.open(io.BytesIO(blob)).convert("RGB")).transpose(2, 0, 1)
     return int(np.abs(gpu.astype(np.int16) - pil.astype(np.int16)).max())
 

@@ -141,11 +141,13 @@ def build(systems: list[str], enc, low: int, high: int) -> dict[str, Staged]:
         elif name in ("vitgraph_device", "vitgraph_gpu_decode"):
             gpu = name == "vitgraph_gpu_decode"
             if gpu and (device.type != "cuda" or gpu_jpeg_decoder() is None):
-                skip(name, "needs CUDA and torchvision's decode_jpeg")
+                skip(name, "needs CUDA and libnvjpeg")
                 continue
             if gpu:
                 from ..images.decode import decode_jpeg_on
-                decode = lambda b: decode_jpeg_on(b, "image", device)  # noqa: E731
+                def decode(blob):  # a JPEG the GPU leaves to the host is decoded there, as encode_images does
+                    decoded = decode_jpeg_on(blob, "image", device)
+                    return load_pixels(blob, "image", alpha=True) if decoded is None else decoded
             else:
                 decode = lambda b: load_pixels(b, "image", alpha=True)  # noqa: E731
             stages = [("decode", decode), ("copy", lambda p: upload(p, device)[0]),

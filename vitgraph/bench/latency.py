@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"captured {len(graph_enc.buckets)} buckets in {capture_s:.1f} s, pool {result['pool_bytes'] / 2**20:.0f} MiB"
               f" ({result['pool_workspace_bytes'] / 2**20:.0f} MiB workspaces), eager peak "
               f"{result['eager_peak_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
-    truth = fp32_reference(twin) or twin.encode
+    truth, bound = fp32_reference(twin) or twin.encode, FP8_TOLERANCE if args.precision == "fp8" else CHECK_TOLERANCE[dtype]
     gen = torch.Generator(device="cpu").manual_seed(0)
     shown = [s for s in systems if s in runners]
     print_row = _print_heading(result, shown, bool(compile_seconds), device.type == "cuda")
@@ -174,8 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
         pixels = torch.randn(tokens, cfg.patch_width, generator=gen).to(device, dtype)
         entry = {"case": name, "grid": [list(g) for g in grids], "tokens": tokens,
                  "floor_ms": common.floor_ms(common.case_flops(eager_enc.tower, grids), weight_bytes, ceilings),
-                 "check": _checked(name, runners, systems, pixels, grids, truth(pixels, grids).float(),
-                                   FP8_TOLERANCE if args.precision == "fp8" else CHECK_TOLERANCE[dtype]),
+                 "check": _checked(name, runners, systems, pixels, grids, truth(pixels, grids).float(), bound),
                  "ms": {}, "compile_s": compile_seconds.get(tuple(grids))}
         for system in (s for s in systems if s in runners):
             run = runners[system]

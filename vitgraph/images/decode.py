@@ -247,26 +247,27 @@ def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: i
     if decoder is None:
         return None
     image = open_encoded(data, name, max_pixels)
+    blob = bytes(data)
     # A JPEG that does not end in its EOI marker may be cut short: the host says so, or decodes it.
-    ends = bytes(data[-2:]) == b"\xff\xd9"
+    ends = blob[-2:] == b"\xff\xd9"
     orientation = image.getexif().get(0x0112, 1) if image.format == "JPEG" and ends else None
     if orientation not in range(1, 9) or image.mode not in ("RGB", "L") or 0 in image.size:
         return None
     factors = _sampling(image)
     if factors is None:
         return None
-    try:
-        planes = decoder.planes(bytes(data), device)
-    except OSError:  # nvJPEG could not make its handle or state here: the host decodes
-        return None
     width, height = image.size
     (h_max, v_max) = factors[0]
-    expected = [(-(-height * v // v_max), -(-width * h // h_max)) for h, v in factors]
-    if planes is None or [tuple(p.shape) for p in planes] != expected:
-        return None
+    shapes = [(-(-height * v // v_max), -(-width * h // h_max)) for h, v in factors]  # libjpeg's, rounded up
     from .jpeg_color import planes_to_rgb, upright
 
-    rgb = upright(planes_to_rgb(planes, factors), orientation)
+    try:
+        planes = decoder.planes(blob, device, shapes)
+        if planes is None or [tuple(p.shape) for p in planes] != shapes:
+            return None
+        rgb = upright(planes_to_rgb(planes, factors), orientation)
+    except (OSError, torch.OutOfMemoryError):  # no nvJPEG handle or state here, or no room: the host decodes
+        return None
     if rgb.is_cuda:  # converted on this thread's stream; the caller reads it on its own: finish here first
         torch.cuda.current_stream(rgb.device).synchronize()
     return rgb

@@ -38,8 +38,8 @@ def _interleave(even: torch.Tensor, odd: torch.Tensor, dim: int) -> torch.Tensor
 
 
 def upsample(plane: torch.Tensor, wide: bool, tall: bool, height: int, width: int) -> torch.Tensor:
-    """A chroma plane ``[h, w]`` (int32) doubled across (``wide``) and down (``tall``) as libjpeg-turbo
-    does, cut to ``[height, width]``."""
+    """A chroma plane ``[h, w]`` (int16: the filters' sums stay below 4096) doubled across (``wide``)
+    and down (``tall``) as libjpeg-turbo does, cut to ``[height, width]``."""
     c = plane
     if wide and c.shape[1] <= 2:  # too narrow for the fancy filter: replicated (both ways for h2v2)
         c = c.repeat_interleave(2, 1)
@@ -59,12 +59,16 @@ def upsample(plane: torch.Tensor, wide: bool, tall: bool, height: int, width: in
 
 
 def ycbcr_to_rgb(y: torch.Tensor, cb: torch.Tensor, cr: torch.Tensor) -> torch.Tensor:
-    """Full-resolution ``Y, Cb, Cr`` planes (int32) -> ``[3, H, W]`` uint8, as ``jdcolor.c``."""
-    cb, cr = cb - 128, cr - 128
-    red = y + ((_fix(1.40200) * cr + ONE_HALF) >> SCALEBITS)
-    green = y + ((-_fix(0.34414) * cb - _fix(0.71414) * cr + ONE_HALF) >> SCALEBITS)
-    blue = y + ((_fix(1.77200) * cb + ONE_HALF) >> SCALEBITS)
-    return torch.stack([red, green, blue]).clamp_(0, 255).to(torch.uint8)
+    """Full-resolution ``Y, Cb, Cr`` planes (integers) -> ``[3, H, W]`` uint8, as ``jdcolor.c``; one
+    channel at a time, so that a few int32 planes live at once (the products need 32 bits)."""
+    out = torch.empty(3, *y.shape, dtype=torch.uint8, device=y.device)
+    cb, cr = cb.to(torch.int32) - 128, cr.to(torch.int32) - 128
+    terms = (lambda: (_fix(1.40200) * cr + ONE_HALF) >> SCALEBITS,
+             lambda: (-_fix(0.34414) * cb - _fix(0.71414) * cr + ONE_HALF) >> SCALEBITS,
+             lambda: (_fix(1.77200) * cb + ONE_HALF) >> SCALEBITS)
+    for channel, term in enumerate(terms):
+        out[channel] = term().add_(y).clamp_(0, 255)
+    return out
 
 
 def planes_to_rgb(planes: list[torch.Tensor], factors: list[tuple[int, int]]) -> torch.Tensor:
@@ -76,8 +80,8 @@ def planes_to_rgb(planes: list[torch.Tensor], factors: list[tuple[int, int]]) ->
     height, width = y.shape
     (h_max, v_max), chroma = factors[0], []
     for plane, (h, v) in zip(planes[1:], factors[1:]):
-        chroma.append(upsample(plane.to(torch.int32), h_max == 2 * h, v_max == 2 * v, height, width))
-    return ycbcr_to_rgb(y.to(torch.int32), *chroma)
+        chroma.append(upsample(plane.to(torch.int16), h_max == 2 * h, v_max == 2 * v, height, width))
+    return ycbcr_to_rgb(y.to(torch.int16), *chroma)
 
 
 def upright(rgb: torch.Tensor, orientation: int) -> torch.Tensor:

@@ -62,8 +62,10 @@ class NvJpeg:
             return self._handles[index]
 
     def _state(self, index: int) -> ctypes.c_void_p:
-        """This thread's state on the device (made under it, current)."""
-        states = self._local.__dict__.setdefault("states", {})
+        """This thread's state on the device (made under it, current; destroyed with the thread)."""
+        states = getattr(self._local, "states", None)
+        if states is None:
+            states = self._local.states = _ThreadStates(self._lib)
         if index not in states:
             state = ctypes.c_void_p()
             if self._lib.nvjpegJpegStateCreate(self._handle(index), ctypes.byref(state)) != 0:
@@ -71,9 +73,10 @@ class NvJpeg:
             states[index] = state
         return states[index]
 
-    def planes(self, data: bytes, device: torch.device) -> list[torch.Tensor] | None:
+    def planes(self, data: bytes, device: torch.device, shapes: list[tuple[int, int]]) -> list[torch.Tensor] | None:
         """The planes (Y, or Y, Cb, Cr), each ``[h, w]`` as the JPEG's sampling makes it, decoded on
-        ``device``'s current stream and finished; None where nvJPEG refuses the file."""
+        ``device``'s current stream and finished; None where nvJPEG refuses the file or reads other
+        plane ``shapes`` from its header than the caller's."""
         count, sampling = ctypes.c_int(), ctypes.c_int()
         widths, heights = (ctypes.c_int * MAX_COMPONENT)(), (ctypes.c_int * MAX_COMPONENT)()
         index = torch.device(device).index
@@ -82,6 +85,8 @@ class NvJpeg:
             handle = self._handle(index)
             if self._lib.nvjpegGetImageInfo(handle, data, len(data), ctypes.byref(count), ctypes.byref(sampling),
                                             widths, heights) != 0 or count.value not in (1, 3):
+                return None
+            if [(heights[i], widths[i]) for i in range(count.value)] != list(shapes):
                 return None
             planes = [torch.empty(heights[i], widths[i], dtype=torch.uint8, device=device) for i in range(count.value)]
             image = _Image()
@@ -92,6 +97,20 @@ class NvJpeg:
                                             ctypes.byref(image), ctypes.c_void_p(stream.cuda_stream))
             stream.synchronize()  # nvJPEG's host stage reads data; the caller's stream may differ
         return planes if status == 0 else None
+
+
+class _ThreadStates(dict):
+    """A thread's decoder states by device index, destroyed when the thread's locals go."""
+
+    def __init__(self, library: ctypes.CDLL):
+        super().__init__()
+        self._destroy = library.nvjpegJpegStateDestroy
+        self._destroy.argtypes = [ctypes.c_void_p]
+
+    def __del__(self):
+        for index, state in self.items():
+            with torch.cuda.device(index):
+                self._destroy(state)
 
 
 @functools.cache
