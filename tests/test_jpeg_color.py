@@ -148,6 +148,10 @@ def test_decode_jpeg_on_gives_pils_pixels_or_leaves_the_file_to_the_host(monkeyp
                  cut_short, whole + b"trailing bytes"):
         assert decode.decode_jpeg_on(blob, "img", cpu) is None
     assert stand_in.calls == calls  # refused from the header: the decoder never ran
+    monkeypatch.setattr(decode, "GPU_DECODE_MAX_PIXELS", 16 * 16 - 1)
+    assert decode.decode_jpeg_on(jpeg(16, 16, 0), "img", cpu) is None and stand_in.calls == calls  # too large
+    monkeypatch.setattr(decode, "GPU_DECODE_MAX_PIXELS", 16 * 16)
+    assert decode.decode_jpeg_on(jpeg(16, 16, 0), "img", cpu) is not None
     for answer in (None, OSError("no state"), torch.OutOfMemoryError("no room"),  # refused, failed, no memory,
                    [torch.zeros(16, 16, dtype=torch.uint8)] * 3):  # or planes of the wrong shapes
         monkeypatch.setattr(decode, "gpu_jpeg_decoder", lambda answer=answer: PilPlanes(answer))

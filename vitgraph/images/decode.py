@@ -237,11 +237,16 @@ def gpu_jpeg_decoder():
     return nvjpeg.decoder()
 
 
+# The most pixels a JPEG decoded on the GPU may have (4K fits, 8K does not): its upsampling and colour
+# conversion hold 28-36 bytes a pixel for a moment (peak RSS on a CPU, 4096x4096); larger ones go to the host.
+GPU_DECODE_MAX_PIXELS = 1 << 24
+
+
 def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: int = MAX_IMAGE_PIXELS):
     """A JPEG decoded on ``device``, equal to PIL's pixels: nvJPEG's planes, upsampled and converted
     as libjpeg-turbo does (:mod:`vitgraph.images.jpeg_color`). ``3xHxW`` uint8, or None (the caller
     decodes on the host) for another format, a JPEG not ending in its EOI marker (cut short, or with
-    bytes after it), coded in RGB or CMYK, sampled other than fully or by half each way, or refused by
+    bytes after it), above :data:`GPU_DECODE_MAX_PIXELS`, coded in RGB or CMYK, sampled other than fully or by half each way, or refused by
     nvJPEG, or where there is no nvJPEG. Turned upright by its EXIF orientation."""
     decoder = gpu_jpeg_decoder()
     if decoder is None:
@@ -251,12 +256,12 @@ def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: i
     # A JPEG that does not end in its EOI marker may be cut short: the host says so, or decodes it.
     ends = blob[-2:] == b"\xff\xd9"
     orientation = image.getexif().get(0x0112, 1) if image.format == "JPEG" and ends else None
-    if orientation not in range(1, 9) or image.mode not in ("RGB", "L") or 0 in image.size:
+    width, height = image.size
+    if orientation not in range(1, 9) or image.mode not in ("RGB", "L") or not 0 < width * height <= GPU_DECODE_MAX_PIXELS:
         return None
     factors = _sampling(image)
     if factors is None:
         return None
-    width, height = image.size
     (h_max, v_max) = factors[0]
     shapes = [(-(-height * v // v_max), -(-width * h // h_max)) for h, v in factors]  # libjpeg's, rounded up
     from .jpeg_color import planes_to_rgb, upright
