@@ -272,3 +272,20 @@ def test_the_flattest_real_images_pass_the_byte_bound(mode, fmt, kw, most):
         assert 2048 * 2048 / len(data) < most
     decode.check_header(data, "images[0]")
     assert decode.open_encoded(data, "images[0]").size == (2048, 2048)
+
+
+def test_a_broken_exif_block_is_a_value_error():
+    """An EXIF block whose values ImageOps.exif_transpose cannot pack again (struct.error inside
+    PIL, found by mutating EXIF bytes) is refused as a ValueError naming the item."""
+    rng = np.random.default_rng(0)
+    exif = Image.Exif()
+    exif[0x0112], exif[0x010f], exif[0x8769] = 6, "Cam", {0x9003: "2020:01:01 00:00:00"}
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(buf, "JPEG", exif=exif.tobytes())
+    broken = bytearray(buf.getvalue())
+    for offset, value in [(41, 74), (78, 49), (84, 111), (48, 1)]:  # inside the EXIF block
+        broken[offset] = value
+    try:
+        decode.decode_pil(bytes(broken), "images[3]")
+    except ValueError as err:
+        assert str(err).startswith("images[3]: cannot be decoded")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import threading
 import warnings
 from typing import Union
@@ -34,7 +35,8 @@ MAX_IMAGE_PIXELS_CEILING = 2 * Image.MAX_IMAGE_PIXELS  # the most a caller may r
 # A PIL image is not thread-safe while it loads, and one may come twice in a call (or in two calls).
 _PIL_LOCKS = [threading.Lock() for _ in range(64)]
 # Whatever a PIL plugin raises for a broken file.
-_BROKEN_FILE = (OSError, ValueError, SyntaxError, TypeError, EOFError, NotImplementedError, Image.DecompressionBombError)
+_BROKEN_FILE = (OSError, ValueError, SyntaxError, TypeError, EOFError, NotImplementedError, Image.DecompressionBombError,
+                struct.error)  # exif_transpose re-packs a broken EXIF block
 
 
 def check_image_ceiling(max_image_pixels) -> None:
