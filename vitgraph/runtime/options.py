@@ -34,8 +34,8 @@ class EngineOptions:
     fuse: bool | None = None  # Triton kernels for the elementwise work; None = on CUDA in fp16/bf16 with triton
     gemm: str = "auto"  # "quack" (qkv + rotary, the MLP in + activation as one GEMM each; Hopper, bf16) | "cublas"; auto = quack where it runs
     # The blocks' four GEMMs: "bf16" (the weights' dtype) or "fp8" (weights per channel or a per-tensor
-    # FP8 checkpoint's own, activations per row, torch._scaled_mm; the fused forward; vitgraph.ops.fp8);
-    # the merger stays in the weights' dtype.
+    # FP8 checkpoint's own, activations per row, torch._scaled_mm; the fused forward; vitgraph.ops.fp8;
+    # only the e4m3 weights kept); the merger stays in the weights' dtype.
     precision: str = "bf16"
     # One frame above this runs eagerly at its exact shape (GPU-bound there), as does a step its
     # bucket would pad by EAGER_MIN_PADDING (vitgraph.engine.planner) or more. None: never.
