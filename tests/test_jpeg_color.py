@@ -79,6 +79,11 @@ def test_sampling_leaves_what_libjpeg_does_not_decode_as_ycbcr_to_the_host():
     assert _sampling(Image.open(io.BytesIO(jpeg(16, 16, 0, subsampling=0)))) == [(1, 1), (1, 1), (1, 1)]
     rgb_coded = Image.open(io.BytesIO(jpeg(16, 16, 0, subsampling=0, keep_rgb=True)))  # Adobe transform 0
     assert rgb_coded.info.get("adobe_transform") == 0 and _sampling(rgb_coded) is None
+    plain = jpeg(16, 16, 0, subsampling=0)
+    sof = plain.index(b"\xff\xc0")
+    named = bytearray(plain)
+    named[sof + 10:sof + 19:3] = b"RGB"  # components named 'R', 'G', 'B': RGB to libjpeg without a JFIF marker
+    assert _sampling(Image.open(io.BytesIO(bytes(named)))) is None
     cmyk = Image.open(io.BytesIO(jpeg(16, 16, 0, mode="CMYK")))
     assert cmyk.mode == "CMYK"  # decode_jpeg_on takes RGB and L modes only
 

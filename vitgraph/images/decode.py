@@ -288,9 +288,11 @@ def _sampling(image) -> list[tuple[int, int]] | None:
     ids = tuple(layer[0] for layer in layers)
     if image.mode == "L":
         return factors if len(factors) == 1 else None
+    # libjpeg decodes YCbCr unless no JFIF marker comes and an Adobe marker says RGB, or none does and the
+    # components are named 'R', 'G', 'B'. PIL's reading of those markers is looser than libjpeg's (a JFIF
+    # without its NUL, an Adobe too short for a transform): anything short of certain YCbCr goes to the host.
     info = image.info
-    # libjpeg's order: JFIF means YCbCr, else Adobe's transform says, else components named 'R', 'G', 'B' are RGB
-    rgb_coded = "jfif" not in info and (info.get("adobe_transform") == 0 if "adobe" in info else ids == (82, 71, 66))
+    rgb_coded = ids == (82, 71, 66) or ("adobe" in info and info.get("adobe_transform") != 1)
     if rgb_coded or len(factors) != 3 or factors[1] != factors[2]:
         return None
     (h_max, v_max), (h, v) = factors[0], factors[1]
