@@ -108,9 +108,12 @@ class _ThreadStates(dict):
         self._destroy.argtypes = [ctypes.c_void_p]
 
     def __del__(self):
-        for index, state in self.items():
-            with torch.cuda.device(index):
-                self._destroy(state)
+        try:
+            for index, state in self.items():
+                with torch.cuda.device(index):
+                    self._destroy(state)
+        except Exception:  # at interpreter exit CUDA may be gone already; the process frees all then
+            pass
 
 
 @functools.cache
