@@ -163,3 +163,19 @@ def test_decode_jpeg_on_gives_pils_pixels_or_leaves_the_file_to_the_host(monkeyp
         assert decode.decode_jpeg_on(jpeg(16, 16, 0), "img", cpu) is None
     monkeypatch.setattr(decode, "gpu_jpeg_decoder", lambda: None)
     assert decode.decode_jpeg_on(jpeg(16, 16, 0), "img", cpu) is None
+
+
+def test_the_nvjpeg_binding_lays_out_nvjpeg_image_t_and_stays_off_without_cuda(monkeypatch):
+    """nvjpegImage_t is four channel pointers then four size_t pitches (nvjpeg.h); without CUDA no
+    library is even looked for, and the host decodes."""
+    import ctypes
+
+    from vitgraph.images import nvjpeg
+
+    assert ctypes.sizeof(nvjpeg._Image) == 8 * ctypes.sizeof(ctypes.c_void_p)
+    assert nvjpeg._Image.pitch.offset == 4 * ctypes.sizeof(ctypes.c_void_p)
+    nvjpeg.decoder.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(nvjpeg, "_candidates", lambda: pytest.fail("looked for libnvjpeg without CUDA"))
+    assert nvjpeg.decoder() is None
+    nvjpeg.decoder.cache_clear()
