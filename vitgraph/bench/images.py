@@ -37,8 +37,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..images.decode import decode_pil, gpu_jpeg_decoder, load_pixels
+from ..images.decode import decode_pil, gpu_jpeg_decoder
 from ..images.device import rows_of, upload
+from ..images.pipeline import load_frame
 from ..images.preprocess import pixel_limits, preprocess_images
 from .. import cli_args
 from . import common, image_formats
@@ -143,14 +144,7 @@ def build(systems: list[str], enc, low: int, high: int) -> dict[str, Staged]:
             if gpu and (device.type != "cuda" or gpu_jpeg_decoder() is None):
                 skip(name, "needs CUDA and libnvjpeg")
                 continue
-            if gpu:
-                from ..images.decode import decode_jpeg_on
-                def decode(blob):  # a JPEG the GPU leaves to the host is decoded there, as encode_images does
-                    decoded = decode_jpeg_on(blob, "image", device)
-                    return load_pixels(blob, "image", alpha=True) if decoded is None else decoded
-            else:
-                decode = lambda b: load_pixels(b, "image", alpha=True)  # noqa: E731
-            stages = [("decode", decode), ("copy", lambda p: upload(p, device)[0]),
+            stages = [("decode", lambda b, gpu=device if gpu else None: load_frame(b, "image", gpu)), ("copy", lambda p: upload(p, device)[0]),
                       ("preprocess", lambda p: rows_of([("image", [p], (low, high, False))], enc.processor, device)),
                       ("encode", lambda item: enc.encode(*item))]
         else:

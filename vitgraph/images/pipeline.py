@@ -141,7 +141,7 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
         frames = value if clip else [value]
         names = [f"{name}[{i}]" for i in range(len(frames))] if clip else [name]
         gpu = device if decode == "gpu" else None
-        pixels = [_load(f, n, gpu, max_image_pixels) for f, n in zip(frames, names)]
+        pixels = [load_frame(f, n, gpu, max_image_pixels) for f, n in zip(frames, names)]
         if any(frame_size(p) != frame_size(pixels[0]) for p in pixels):
             raise ValueError(f"all frames of {name} must have the same size")
         return name, pixels, limits
@@ -149,7 +149,7 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
     return rows_of(_map(executor, load, items), processor, device)
 
 
-def _load(item, name: str, gpu: torch.device | None, max_pixels: int):
+def load_frame(item, name: str, gpu: torch.device | None, max_pixels: int = decoding.MAX_IMAGE_PIXELS):
     """One frame as uint8 pixels; a JPEG decoded on ``gpu`` where that is given and possible; an
     image with transparency unblended (RGBA or LA), for ``upload`` to composite on the device."""
     if gpu is not None and decoding.is_encoded(item):
