@@ -247,19 +247,21 @@ GPU_DECODE_MAX_PIXELS = 1 << 24
 def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: int = MAX_IMAGE_PIXELS):
     """A JPEG decoded on ``device``, equal to PIL's pixels: nvJPEG's planes, upsampled and converted
     as libjpeg-turbo does (:mod:`vitgraph.images.jpeg_color`). ``3xHxW`` uint8, or None (the caller
-    decodes on the host) for another format, a JPEG not ending in its EOI marker (cut short, or with
-    bytes after it), above :data:`GPU_DECODE_MAX_PIXELS`, coded in RGB or CMYK, sampled other than fully or by half each way, or refused by
-    nvJPEG, or where there is no nvJPEG. Turned upright by its EXIF orientation."""
+    decodes on the host) for another format, a JPEG above :data:`GPU_DECODE_MAX_PIXELS`, not ending
+    in its EOI marker (cut short, or with bytes after it), coded in RGB or CMYK, sampled other than
+    fully or by half each way, or refused by nvJPEG, or where there is no nvJPEG. Turned upright by
+    its EXIF orientation."""
     decoder = gpu_jpeg_decoder()
     if decoder is None:
         return None
     image = open_encoded(data, name, max_pixels)
+    width, height = image.size
+    if image.format != "JPEG" or image.mode not in ("RGB", "L") or not 0 < width * height <= GPU_DECODE_MAX_PIXELS:
+        return None
     blob = bytes(data)
     # A JPEG that does not end in its EOI marker may be cut short: the host says so, or decodes it.
-    ends = blob[-2:] == b"\xff\xd9"
-    orientation = image.getexif().get(0x0112, 1) if image.format == "JPEG" and ends else None
-    width, height = image.size
-    if orientation not in range(1, 9) or image.mode not in ("RGB", "L") or not 0 < width * height <= GPU_DECODE_MAX_PIXELS:
+    orientation = image.getexif().get(0x0112, 1) if blob[-2:] == b"\xff\xd9" else None
+    if orientation not in range(1, 9):
         return None
     factors = _sampling(image)
     if factors is None:
