@@ -49,6 +49,7 @@ class NvJpeg:
                                                c_int_p, c_int_p]
         library.nvjpegDecode.argtypes = [void_p, void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int,
                                          ctypes.POINTER(_Image), void_p]
+        library.nvjpegJpegStateDestroy.argtypes = [void_p]
         self._handles, self._lock, self._local = {}, threading.Lock(), threading.local()
 
     def _handle(self, index: int) -> ctypes.c_void_p:
@@ -65,7 +66,7 @@ class NvJpeg:
         """This thread's state on the device (made under it, current; destroyed with the thread)."""
         states = getattr(self._local, "states", None)
         if states is None:
-            states = self._local.states = _ThreadStates(self._lib)
+            states = self._local.states = _ThreadStates(self._lib.nvjpegJpegStateDestroy)
         if index not in states:
             state = ctypes.c_void_p()
             if self._lib.nvjpegJpegStateCreate(self._handle(index), ctypes.byref(state)) != 0:
@@ -102,10 +103,9 @@ class NvJpeg:
 class _ThreadStates(dict):
     """A thread's decoder states by device index, destroyed when the thread's locals go."""
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, destroy):
         super().__init__()
-        self._destroy = library.nvjpegJpegStateDestroy
-        self._destroy.argtypes = [ctypes.c_void_p]
+        self._destroy = destroy  # nvjpegJpegStateDestroy
 
     def __del__(self):
         try:

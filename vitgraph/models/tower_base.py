@@ -215,7 +215,8 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
 
     def check_float_weights(self) -> None:
         """Refuse what reads the blocks' float weights once ``precision="fp8"`` released them."""
-        if self.precision == "fp8" and any(fp8.released(linear) for block in self.blocks for linear in self.block_linears(block)):
+        linears = (linear for block in self.blocks for linear in self.block_linears(block))
+        if self.precision == "fp8" and any(fp8.released(linear) for linear in linears):
             raise ValueError("the blocks' float weights were released by precision='fp8' (the fused forward "
                              "reads their e4m3 copies); set_precision('fp8', keep_float=True) keeps them")
 
