@@ -34,7 +34,8 @@ def pil_planes(data: bytes) -> list[torch.Tensor]:
         return [torch.from_numpy(np.array(full))]
     full.draft("YCbCr", full.size)
     ycc = np.array(full)
-    if _sampling(Image.open(io.BytesIO(data)))[1] == _sampling(Image.open(io.BytesIO(data)))[0]:
+    factors = _sampling(Image.open(io.BytesIO(data)))
+    if factors[1] == factors[0]:
         return [torch.from_numpy(ycc[..., c].copy()) for c in range(3)]
     half = Image.open(io.BytesIO(data))
     width, height = half.size
