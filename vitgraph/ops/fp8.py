@@ -25,9 +25,10 @@ ALIGN = 16  # _scaled_mm's dimensions: multiples of 16
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, K]`` -> e4m3 ``[T, K]`` and fp32 ``[T, 1]`` scales, ``x ~ q * scale`` row by row."""
     xf = x.float()
-    # Times 1/448 rather than over 448: one rounding that torch on any device and Triton share.
+    # Times 1/448 rather than over 448, and each value times its row's IEEE reciprocal rather than
+    # over its scale: roundings that torch on any device and Triton share, one division per row.
     scale = (xf.abs().amax(dim=-1, keepdim=True) * (1.0 / E4M3_MAX)).clamp_min(MIN_SCALE)
-    return (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+    return (xf * scale.reciprocal()).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

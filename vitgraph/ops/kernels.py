@@ -100,10 +100,11 @@ if available():
 
     @triton.jit
     def store_fp8_rows(hf, q_ptr, scale_ptr, offs, r, mask, rows, MIN: tl.constexpr):  # vitgraph.ops.fp8_kernels
-        # NaN kept (a NaN row's scale is NaN, as torch's); times 1/448, which rounds alike everywhere
+        # NaN kept (a NaN row's scale is NaN, as torch's); times 1/448, which rounds alike everywhere;
+        # one IEEE reciprocal per row, then a product per value, as vitgraph.ops.fp8.quantize_rows
         amax = tl.reduce(tl.abs(hf), 1, _max_nan)[:, None]
         scale = tl.maximum(amax * (1.0 / 448.0), MIN, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_ptr + offs, tl.math.div_rn(hf, scale).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + offs, (hf * tl.math.div_rn(1.0, scale)).to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + r, scale, mask=r < rows)
 
     @triton.jit
