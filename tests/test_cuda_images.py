@@ -172,14 +172,15 @@ def test_device_processor_matches_transformers_torchvision_on_the_gpu(proc, cont
 
 
 GPU_JPEGS = [({}, "baseline"), ({"progressive": True}, "progressive"), ({"restart_marker_blocks": 2}, "restarts"),
-             ({"quality": 50}, "q50")]
+             ({"quality": 50}, "q50"), ({}, "extended")]
 
 
 def test_gpu_jpeg_decode_equals_pil():
     """nvJPEG's planes, upsampled and converted as libjpeg-turbo does, against PIL's pixels: equal,
     for 4:4:4, 4:2:2, 4:2:0 and greyscale, baseline, progressive and with restart markers, at odd
     and even sizes (4:2:2's filter has no CPU oracle: this is its test). Where nvJPEG refuses a
-    file the host decodes it (None): counted, and printed."""
+    file the host decodes it (None): counted, printed, and exactly the progressive ones and the grey
+    ones declared 2x2, which nvJPEG decodes otherwise than libjpeg."""
     from test_jpeg_color import jpeg
     from vitgraph.images.decode import decode_jpeg_on, gpu_jpeg_decoder
 
@@ -187,11 +188,14 @@ def test_gpu_jpeg_decode_equals_pil():
         pytest.skip("no libnvjpeg loads here")
     report, host_only = [], []
     for i, (h, w) in enumerate([(480, 640), (720, 1280), (1080, 1920), (37, 53), (2, 2), (5, 3), (17, 40)]):
-        for subsampling, mode in ((0, "RGB"), (1, "RGB"), (2, "RGB"), (2, "L")):
+        for subsampling, mode in ((0, "RGB"), (1, "RGB"), (2, "RGB"), (0, "L"), (2, "L")):
             for save, kind in GPU_JPEGS:
                 blob = jpeg(h, w, seed=i, subsampling=subsampling, mode=mode, **save)
+                if kind == "extended":  # SOF1, the other sequential Huffman frame
+                    sof = blob.index(b"\xff\xc0")
+                    blob = blob[:sof + 1] + b"\xc1" + blob[sof + 2:]
                 gpu = decode_jpeg_on(blob, "img", torch.device("cuda"))
-                label = (h, w, mode if mode == "L" else ("4:4:4", "4:2:2", "4:2:0")[subsampling], kind)
+                label = (h, w, (f"L {subsampling}" if mode == "L" else ("4:4:4", "4:2:2", "4:2:0")[subsampling]), kind)
                 if gpu is None:
                     host_only.append(label)
                     continue
@@ -212,7 +216,10 @@ def test_gpu_jpeg_decode_equals_pil():
     print(f"\n{len(report)} JPEGs decoded on the GPU, {len(host_only)} left to the host: {host_only}")
     apart = [r for r in report if r[-2] > 0]
     print("apart from PIL:", apart or "none")
-    assert not apart and len(report) >= len(host_only) and all(r[-2] == 0 for r in report)
+    # the host's: progressive (nvJPEG's are up to 3 levels off) and grey declared 2x2 (garbled)
+    assert not apart and all(r[-2] == 0 for r in report)
+    assert host_only == [label for label in host_only if label[3] == "progressive" or label[2] == "L 2"]
+    assert len(host_only) == 7 * (4 + len(GPU_JPEGS)) and len(report) == 7 * 4 * (len(GPU_JPEGS) - 1) + 7
 
 
 def test_encode_images_with_gpu_decode(graph_enc):
@@ -229,9 +236,15 @@ def test_encode_images_with_gpu_decode(graph_enc):
     Image.fromarray(photo(320, 400, 7)).save(chroma, "JPEG", quality=92, subsampling=2)
     png = io.BytesIO()
     Image.fromarray(photo(120, 120, 9)).save(png, "PNG")
-    blobs += [chroma.getvalue(), png.getvalue()]  # the PNG is not a JPEG: decoded on the host
+    progressive = io.BytesIO()
+    Image.fromarray(photo(200, 260, 5)).save(progressive, "JPEG", quality=92, progressive=True)
+    blobs += [chroma.getvalue(), png.getvalue(), progressive.getvalue()]  # the PNG and the progressive: host
+    from vitgraph.images.decode import decode_jpeg_on
+
+    assert [decode_jpeg_on(b, "b", torch.device("cuda")) is not None for b in blobs] == [True] * 4 + [False] * 2
     host = graph_enc.encode_images(blobs, decode="host")
-    gpu = graph_enc.encode_images(blobs, decode="gpu")
-    assert [h.shape for h in host] == [g.shape for g in gpu]
-    for i in range(5):
-        assert torch.equal(host[i], gpu[i]), i
+    for decode in ("gpu", "auto"):  # "auto", the default, is "gpu" here
+        gpu = graph_enc.encode_images(blobs, decode=decode)
+        assert [h.shape for h in host] == [g.shape for g in gpu]
+        for i in range(6):
+            assert torch.equal(host[i], gpu[i]), (decode, i)

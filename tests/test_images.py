@@ -194,6 +194,20 @@ def test_bad_images_are_refused_by_name_and_the_encoder_stays_usable(encoders, t
     assert torch.equal(enc.encode_images([good], preprocess=preprocess)[0], want)
 
 
+def test_decode_auto_decodes_on_the_host_off_cuda(encoders, monkeypatch):
+    """The default, decode="auto", tries nvJPEG only with the device preprocessing on CUDA: on the
+    CPU the JPEG is PIL's, as decode="host" gives, and the GPU decoder is never asked."""
+    from vitgraph.images import decode
+
+    enc, jpeg = encoders["tiny"], encoded(photo(64, 64, 3), "JPEG")
+    host = {p: enc.encode_images([jpeg], preprocess=p, decode="host")[0] for p in ("auto", "device", "pil")}
+    monkeypatch.setattr(decode, "decode_jpeg_on", lambda *a, **k: pytest.fail("GPU decode asked off CUDA"))
+    for preprocess, want in host.items():
+        assert torch.equal(enc.encode_images([jpeg], preprocess=preprocess)[0], want)
+    with pytest.raises(ValueError, match=r"decode must be one of \('auto', 'host', 'gpu'\), got 'nvjpeg'"):
+        enc.encode_images([jpeg], decode="nvjpeg")
+
+
 def test_huge_declared_png_is_refused_before_decoding(encoders):
     """A PNG declaring 30000 x 30000 is refused from its header: quickly, in bounded memory."""
     enc = encoders["tiny"]

@@ -89,6 +89,23 @@ def test_sampling_leaves_what_libjpeg_does_not_decode_as_ycbcr_to_the_host():
     assert cmyk.mode == "CMYK"  # decode_jpeg_on takes RGB and L modes only
 
 
+def test_frame_marker_finds_the_sof_past_every_segment():
+    from vitgraph.images.decode import frame_marker
+
+    baseline = jpeg(16, 16, 0, quality=90)
+    exif = Image.open(io.BytesIO(baseline)).getexif()
+    exif[0x0112] = 3
+    with_app1 = io.BytesIO()
+    Image.open(io.BytesIO(baseline)).save(with_app1, "JPEG", exif=exif, icc_profile=b"\0" * 3000)
+    assert frame_marker(baseline) == 0xC0 and frame_marker(with_app1.getvalue()) == 0xC0
+    assert frame_marker(jpeg(16, 16, 0, progressive=True)) == 0xC2
+    sof = baseline.index(b"\xff\xc0")
+    for byte in (0xC1, 0xC9, 0xCA):  # extended sequential; arithmetic sequential, progressive
+        assert frame_marker(baseline[:sof + 1] + bytes([byte]) + baseline[sof + 2:]) == byte
+    assert frame_marker(baseline[:sof]) is None and frame_marker(b"\xff\xd8garbage") is None
+    assert frame_marker(b"\xff\xd8\xff\xff\xff\xd0\xff\xc0\x00\x11") == 0xC0  # fill bytes, RST0 skipped
+
+
 @pytest.mark.parametrize("orientation", range(1, 9))
 def test_upright_turns_as_pils_exif_transpose(orientation):
     from PIL import ImageOps
@@ -132,7 +149,10 @@ def test_decode_jpeg_on_gives_pils_pixels_or_leaves_the_file_to_the_host(monkeyp
     def pil_pixels(blob):
         return torch.from_numpy(np.array(ImageOps.exif_transpose(Image.open(io.BytesIO(blob))).convert("RGB")))
 
-    for blob in (jpeg(37, 53, 1), jpeg(37, 53, 2, subsampling=0), jpeg(20, 9, 3, mode="L")):
+    baseline = jpeg(37, 53, 1)
+    sof = baseline.index(b"\xff\xc0")
+    extended = baseline[:sof + 1] + b"\xc1" + baseline[sof + 2:]  # SOF1: sequential too
+    for blob in (baseline, extended, jpeg(37, 53, 2, subsampling=0), jpeg(20, 9, 3, subsampling=0, mode="L")):
         assert torch.equal(decode.decode_jpeg_on(blob, "img", cpu).permute(1, 2, 0), pil_pixels(blob))
     assert stand_in.shapes == [(20, 9)]
     decode.decode_jpeg_on(jpeg(37, 53, 1), "img", cpu)
@@ -151,7 +171,8 @@ def test_decode_jpeg_on_gives_pils_pixels_or_leaves_the_file_to_the_host(monkeyp
     whole = jpeg(64, 64, 0)
     cut_short = whole[:len(whole) * 2 // 3]
     for blob in (png.getvalue(), jpeg(16, 16, 0, subsampling=0, keep_rgb=True), jpeg(16, 16, 0, mode="CMYK"),
-                 cut_short, whole + b"trailing bytes"):
+                 cut_short, whole + b"trailing bytes", jpeg(16, 16, 0, progressive=True),
+                 jpeg(16, 16, 0, mode="L")):  # progressive; grey declared 2x2 (nvJPEG is off on both)
         assert decode.decode_jpeg_on(blob, "img", cpu) is None
     assert stand_in.calls == calls  # refused from the header: the decoder never ran
     monkeypatch.setattr(decode, "GPU_DECODE_MAX_PIXELS", 16 * 16 - 1)

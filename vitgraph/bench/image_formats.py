@@ -3,8 +3,9 @@
 A seeded sample per format: JPEGs of three qualities and the three chroma subsamplings, a
 progressive one, photos from 640x480 to 1920x1080; PNG screenshots with and without alpha; a
 clip given as one ``[T, H, W, 3]`` uint8 array. One item per call through ``encode_images``
-(preprocessing on the device where there is one), decoded on the host (PIL, the default) and,
-for JPEGs, on the GPU (nvJPEG's planes, libjpeg-turbo's upsampling) where libnvjpeg loads. Per format and decoder: the p50 of the
+(preprocessing on the device where there is one), decoded on the host (``decode="host"``, PIL)
+and, for JPEGs, with ``decode="gpu"`` (nvJPEG's planes, libjpeg-turbo's upsampling; the default
+``"auto"`` on CUDA) where libnvjpeg loads. Per format and decoder: the p50 of the
 whole call, the p50 of the encode alone (the same rows through ``encode``), images/s of one
 caller, and ``max_level_diff``: the largest distance in uint8 levels between the decoder's
 pixels and PIL's (0 on the host, which is PIL; None where the GPU leaves the JPEG to the host).

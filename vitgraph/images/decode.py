@@ -248,9 +248,9 @@ def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: i
     """A JPEG decoded on ``device``, equal to PIL's pixels: nvJPEG's planes, upsampled and converted
     as libjpeg-turbo does (:mod:`vitgraph.images.jpeg_color`). ``3xHxW`` uint8, or None (the caller
     decodes on the host) for another format, a JPEG above :data:`GPU_DECODE_MAX_PIXELS`, not ending
-    in its EOI marker (cut short, or with bytes after it), coded in RGB or CMYK, sampled other than
-    fully or by half each way, or refused by nvJPEG, or where there is no nvJPEG. Turned upright by
-    its EXIF orientation."""
+    in its EOI marker (cut short, or with bytes after it), progressive or arithmetic-coded, coded in
+    RGB or CMYK, sampled other than fully or by half each way (grey: other than fully), or refused
+    by nvJPEG, or where there is no nvJPEG. Turned upright by its EXIF orientation."""
     decoder = gpu_jpeg_decoder()
     if decoder is None:
         return None
@@ -260,7 +260,9 @@ def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: i
         return None
     blob = bytes(data)
     # A JPEG that does not end in its EOI marker may be cut short: the host says so, or decodes it.
-    orientation = image.getexif().get(0x0112, 1) if blob[-2:] == b"\xff\xd9" else None
+    # nvJPEG decodes progressive ones up to 3 levels from libjpeg: sequential Huffman frames only.
+    sequential = blob[-2:] == b"\xff\xd9" and frame_marker(blob) in SEQUENTIAL_FRAMES
+    orientation = image.getexif().get(0x0112, 1) if sequential else None
     if orientation not in range(1, 9):
         return None
     factors = _sampling(image)
@@ -288,8 +290,8 @@ def _sampling(image) -> list[tuple[int, int]] | None:
     layers = getattr(image, "layer", None) or []
     factors = [(h, v) for _, h, v, _ in layers]
     ids = tuple(layer[0] for layer in layers)
-    if image.mode == "L":
-        return factors if len(factors) == 1 else None
+    if image.mode == "L":  # nvJPEG garbles a lone component declared subsampled (2x2): full only
+        return factors if factors == [(1, 1)] else None
     # libjpeg decodes YCbCr unless no JFIF marker comes and an Adobe marker says RGB, or none does and the
     # components are named 'R', 'G', 'B'. PIL's reading of those markers is looser than libjpeg's (a JFIF
     # without its NUL, an Adobe too short for a transform): anything short of certain YCbCr goes to the host.
@@ -299,3 +301,23 @@ def _sampling(image) -> list[tuple[int, int]] | None:
         return None
     (h_max, v_max), (h, v) = factors[0], factors[1]
     return factors if h_max in (h, 2 * h) and v_max in (v, 2 * v) else None
+
+
+SEQUENTIAL_FRAMES = (0xC0, 0xC1)  # SOF0 baseline, SOF1 extended: sequential, Huffman-coded
+
+
+def frame_marker(blob: bytes) -> int | None:
+    """The second byte of a JPEG's SOFn marker (0xC0 baseline, 0xC2 progressive, ...), found by
+    walking its segments from SOI; None where the walk finds no frame header before the data ends."""
+    at = 2
+    while at + 4 <= len(blob) and blob[at] == 0xFF:
+        marker = blob[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+        elif marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # TEM, SOI, RSTn: no length follows
+            at += 2
+        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # not DHT, JPG, DAC
+            return marker
+        else:
+            at += 2 + int.from_bytes(blob[at + 2:at + 4], "big")
+    return None

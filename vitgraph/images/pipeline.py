@@ -2,8 +2,8 @@
 
 Two ways, chosen by ``preprocess``:
 
-* ``"device"``: decode on the host (a thread pool) or, for JPEGs, on the GPU (``decode="gpu"``),
-  then resize and patchify with torch on the encoder's device (:mod:`vitgraph.images.device`),
+* ``"device"``: decode JPEGs on the GPU where nvJPEG decodes them as PIL does (``decode="auto"``,
+  the default, or ``"gpu"``), everything else on the host (a thread pool), then resize and patchify with torch on the encoder's device (:mod:`vitgraph.images.device`),
   as transformers' torchvision processors do (``Qwen2VLImageProcessor``);
 * ``"pil"``: decode, resize (PIL bicubic) and patchify on the host, one image per pool thread,
   as ``Qwen2VLImageProcessorPil`` does.
@@ -27,7 +27,7 @@ from .preprocess import (ProcessorConfig, check_list, check_pixel_arguments, cli
                          pixel_limits, video_rows_pil)
 
 PREPROCESS = ("auto", "device", "pil")
-DECODE = ("host", "gpu")
+DECODE = ("auto", "host", "gpu")
 
 _IMAGE_FORMS = "images (PIL images, HxWx3 or HxWx4 uint8 arrays, 3xHxW or 4xHxW uint8 tensors, encoded bytes or paths)"
 _CLIP_FORMS = "clips (each a list of frames or one [T, H, W, C] or [T, C, H, W] uint8 array or tensor)"
@@ -92,7 +92,7 @@ def _check_headers(items, max_image_pixels: int) -> None:
 def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                processor: ProcessorConfig, device: torch.device, video_processor: ProcessorConfig | None = None,
                min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
-               decode: str = "host", executor: Executor | None = None,
+               decode: str = "auto", executor: Executor | None = None,
                max_image_pixels: int = decoding.MAX_IMAGE_PIXELS,
                max_items_per_request: int = decoding.MAX_ITEMS_PER_REQUEST) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows [N, C*T*P*P] uint8, grid_thw [k, 3] int64)`` of the images, then the clips: on
@@ -140,7 +140,7 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
         clip = isinstance(value, _Clip)
         frames = value if clip else [value]
         names = [f"{name}[{i}]" for i in range(len(frames))] if clip else [name]
-        gpu = device if decode == "gpu" else None
+        gpu = device if decode == "gpu" or (decode == "auto" and device.type == "cuda") else None
         pixels = [load_frame(f, n, gpu, max_image_pixels) for f, n in zip(frames, names)]
         if any(frame_size(p) != frame_size(pixels[0]) for p in pixels):
             raise ValueError(f"all frames of {name} must have the same size")

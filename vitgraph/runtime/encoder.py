@@ -339,7 +339,7 @@ class GraphedVisionEncoder(ImageInput):
         return self._coalescer().submit(pixels, grid_thw, check_finite)
 
     def submit_images(self, images=None, videos=None, *, min_pixels: int | None = None,
-                      max_pixels: int | None = None, preprocess: str = "auto", decode: str = "host",
+                      max_pixels: int | None = None, preprocess: str = "auto", decode: str = "auto",
                       max_image_pixels: int = MAX_IMAGE_PIXELS, max_items_per_request: int = MAX_ITEMS_PER_REQUEST) -> Future:
         """:meth:`encode_images` as a future of its list of tensors; decoding and preprocessing
         run in the front's threads, then the request joins shared replays as :meth:`submit`'s."""

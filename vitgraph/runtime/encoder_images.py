@@ -62,7 +62,7 @@ class ImageInput:
 
     def image_rows(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                    min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
-                   decode: str = "host", max_image_pixels: int = MAX_IMAGE_PIXELS,
+                   decode: str = "auto", max_image_pixels: int = MAX_IMAGE_PIXELS,
                    max_items_per_request: int = MAX_ITEMS_PER_REQUEST) -> tuple[torch.Tensor, torch.Tensor]:
         """What :meth:`encode_images` encodes: ``(uint8 rows, grid_thw)`` of the images, then the
         clips, as :attr:`processor` and :attr:`video_processor` make them (:func:`vitgraph.images.pipeline.image_rows`).
@@ -78,7 +78,7 @@ class ImageInput:
 
     def encode_images(self, images: Sequence | None = None, videos: Sequence[Sequence] | None = None, *,
                       min_pixels: int | None = None, max_pixels: int | None = None, preprocess: str = "auto",
-                      decode: str = "host", max_image_pixels: int = MAX_IMAGE_PIXELS,
+                      decode: str = "auto", max_image_pixels: int = MAX_IMAGE_PIXELS,
                       max_items_per_request: int = MAX_ITEMS_PER_REQUEST) -> list[torch.Tensor]:
         """Images and clips -> one tensor of embeddings per item (images first, then videos, each
         in the order given), encoded in one call.
@@ -90,9 +90,11 @@ class ImageInput:
         image or clip, which transformers would take, is refused with the list to pass. ``preprocess``:
         ``"device"`` (torch on the encoder's device, as transformers' torchvision processors),
         ``"pil"`` (PIL on the host, as ``Qwen2VLImageProcessorPil``), ``"auto"``: device on
-        CUDA, else PIL. ``decode``: ``"host"`` (PIL, in a thread pool) or ``"gpu"`` (JPEGs by
-        nvJPEG, to PIL's very pixels; others, and JPEGs nvJPEG refuses, on the host). ``max_image_pixels``: the most pixels an
-        encoded image may declare (refused from its header, before decoding).
+        CUDA, else PIL. ``decode``: ``"auto"`` (with ``"device"`` on CUDA: sequential JPEGs by
+        nvJPEG, to PIL's very pixels, everything else on the host), ``"host"`` (PIL, in a thread
+        pool) or ``"gpu"`` (as ``"auto"``, an error without the device preprocessing on CUDA).
+        ``max_image_pixels``: the most pixels an encoded image may declare (refused from its header,
+        before decoding).
         ``max_items_per_request``: the most images plus video frames in one call (refused from
         the count, before anything is decoded).
         """
