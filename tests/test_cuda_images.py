@@ -181,19 +181,19 @@ def test_gpu_jpeg_decode_equals_pil():
     and even sizes (4:2:2's filter has no CPU oracle: this is its test). Where nvJPEG refuses a
     file the host decodes it (None): counted, printed, and exactly the progressive ones and the grey
     ones declared 2x2, which nvJPEG decodes otherwise than libjpeg."""
-    from test_jpeg_color import jpeg
+    from test_jpeg_color import extended_sequential, jpeg
     from vitgraph.images.decode import decode_jpeg_on, gpu_jpeg_decoder
 
     if gpu_jpeg_decoder() is None:
         pytest.skip("no libnvjpeg loads here")
     report, host_only = [], []
+    sizes, modes = 7, 5
     for i, (h, w) in enumerate([(480, 640), (720, 1280), (1080, 1920), (37, 53), (2, 2), (5, 3), (17, 40)]):
         for subsampling, mode in ((0, "RGB"), (1, "RGB"), (2, "RGB"), (0, "L"), (2, "L")):
             for save, kind in GPU_JPEGS:
                 blob = jpeg(h, w, seed=i, subsampling=subsampling, mode=mode, **save)
-                if kind == "extended":  # SOF1, the other sequential Huffman frame
-                    sof = blob.index(b"\xff\xc0")
-                    blob = blob[:sof + 1] + b"\xc1" + blob[sof + 2:]
+                if kind == "extended":  # SOF1, the other sequential Huffman frame (tables 2 and 3)
+                    blob = extended_sequential(blob)
                 gpu = decode_jpeg_on(blob, "img", torch.device("cuda"))
                 label = (h, w, (f"L {subsampling}" if mode == "L" else ("4:4:4", "4:2:2", "4:2:0")[subsampling]), kind)
                 if gpu is None:
@@ -219,10 +219,12 @@ def test_gpu_jpeg_decode_equals_pil():
     # the host's: progressive (nvJPEG's are up to 3 levels off) and grey declared 2x2 (garbled)
     assert not apart and all(r[-2] == 0 for r in report)
     assert host_only == [label for label in host_only if label[3] == "progressive" or label[2] == "L 2"]
-    assert len(host_only) == 7 * (4 + len(GPU_JPEGS)) and len(report) == 7 * 4 * (len(GPU_JPEGS) - 1) + 7
+    host_per_size = (modes - 1) * 1 + len(GPU_JPEGS)  # the progressive of each other mode; every grey 2x2
+    assert len(host_only) == sizes * host_per_size
+    assert len(report) == sizes * (modes * len(GPU_JPEGS) - host_per_size) + 7  # and the EXIF turns
 
 
-def test_encode_images_with_gpu_decode(graph_enc):
+def test_encode_images_with_gpu_decode(graph_enc, monkeypatch):
     from vitgraph.images.decode import gpu_jpeg_decoder
 
     if gpu_jpeg_decoder() is None:
@@ -239,12 +241,19 @@ def test_encode_images_with_gpu_decode(graph_enc):
     progressive = io.BytesIO()
     Image.fromarray(photo(200, 260, 5)).save(progressive, "JPEG", quality=92, progressive=True)
     blobs += [chroma.getvalue(), png.getvalue(), progressive.getvalue()]  # the PNG and the progressive: host
-    from vitgraph.images.decode import decode_jpeg_on
+    from vitgraph.images import decode
 
-    assert [decode_jpeg_on(b, "b", torch.device("cuda")) is not None for b in blobs] == [True] * 4 + [False] * 2
+    assert [decode.decode_jpeg_on(b, "b", torch.device("cuda")) is not None for b in blobs] == [True] * 4 + [False] * 2
     host = graph_enc.encode_images(blobs, decode="host")
-    for decode in ("gpu", "auto"):  # "auto", the default, is "gpu" here
-        gpu = graph_enc.encode_images(blobs, decode=decode)
+    nvjpeg, decoded = decode.gpu_jpeg_decoder(), []
+    planes = nvjpeg.planes
+    monkeypatch.setattr(nvjpeg, "planes", lambda *a: decoded.append(planes(*a)) or decoded[-1])
+    for given in ({"decode": "gpu"}, {}):  # the default, "auto", is "gpu" here
+        gpu = graph_enc.encode_images(blobs, **given)
         assert [h.shape for h in host] == [g.shape for g in gpu]
         for i in range(6):
-            assert torch.equal(host[i], gpu[i]), (decode, i)
+            assert torch.equal(host[i], gpu[i]), (given, i)
+        assert len(decoded) == 4 and all(p is not None for p in decoded), given  # the four JPEGs, by nvJPEG
+        decoded.clear()
+    graph_enc.encode_images(blobs, preprocess="pil")
+    assert not decoded  # the host preprocessing decodes on the host

@@ -89,21 +89,59 @@ def test_sampling_leaves_what_libjpeg_does_not_decode_as_ycbcr_to_the_host():
     assert cmyk.mode == "CMYK"  # decode_jpeg_on takes RGB and L modes only
 
 
+def extended_sequential(blob: bytes) -> bytes:
+    """A baseline JPEG rewritten as a real SOF1 frame: its Huffman tables renumbered 2 and 3 (ids
+    baseline frames may not use), the frame marked SOF1. The same pixels to libjpeg."""
+    out, at = bytearray(blob[:2]), 2
+    while True:
+        marker, length = blob[at + 1], int.from_bytes(blob[at + 2:at + 4], "big")
+        segment = bytearray(blob[at:at + 2 + length])
+        if marker == 0xC0:
+            segment[1] = 0xC1
+        elif marker == 0xC4:  # DHT: each table's class/id byte, then 16 counts and the symbols
+            at_table = 4
+            while at_table < len(segment):
+                segment[at_table] += 2
+                at_table += 17 + sum(segment[at_table + 1:at_table + 17])
+        elif marker == 0xDA:  # SOS: each component's DC/AC table ids, then the entropy-coded data
+            for c in range(segment[4]):
+                segment[6 + 2 * c] += 0x22
+            return bytes(out + segment + blob[at + 2 + length:])
+        out += segment
+        at += 2 + length
+
+
+def segment(marker: int, payload: bytes) -> bytes:
+    return bytes([0xFF, marker]) + (len(payload) + 2).to_bytes(2, "big") + payload
+
+
 def test_frame_marker_finds_the_sof_past_every_segment():
     from vitgraph.images.decode import frame_marker
 
-    baseline = jpeg(16, 16, 0, quality=90)
-    exif = Image.open(io.BytesIO(baseline)).getexif()
-    exif[0x0112] = 3
-    with_app1 = io.BytesIO()
-    Image.open(io.BytesIO(baseline)).save(with_app1, "JPEG", exif=exif, icc_profile=b"\0" * 3000)
-    assert frame_marker(baseline) == 0xC0 and frame_marker(with_app1.getvalue()) == 0xC0
-    assert frame_marker(jpeg(16, 16, 0, progressive=True)) == 0xC2
+    baseline, progressive = jpeg(16, 16, 0, quality=90), jpeg(16, 16, 0, progressive=True)
+    assert frame_marker(baseline) == 0xC0 and frame_marker(progressive) == 0xC2
+    decoy = segment(0xFE, b"\xff\xc0\x00\x11" * 4) + segment(0xE2, b"\xff\xc1" * 50)  # SOF-like bytes in payloads
+    assert frame_marker(progressive[:2] + decoy + progressive[2:]) == 0xC2
+    extended = extended_sequential(baseline)
+    assert frame_marker(extended) == 0xC1
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(extended))), np.asarray(Image.open(io.BytesIO(baseline))))
     sof = baseline.index(b"\xff\xc0")
-    for byte in (0xC1, 0xC9, 0xCA):  # extended sequential; arithmetic sequential, progressive
+    for byte in (0xC9, 0xCA):  # arithmetic sequential, progressive
         assert frame_marker(baseline[:sof + 1] + bytes([byte]) + baseline[sof + 2:]) == byte
     assert frame_marker(baseline[:sof]) is None and frame_marker(b"\xff\xd8garbage") is None
-    assert frame_marker(b"\xff\xd8\xff\xff\xff\xd0\xff\xc0\x00\x11") == 0xC0  # fill bytes, RST0 skipped
+    assert frame_marker(b"\xff\xd8\xff\xff\xff\xc0\x00\x11") == 0xC0  # fill bytes skipped
+    # A stray FF 00 (PIL and libjpeg skip it to the next marker) read as a length could land on a
+    # decoy FF C0 past a progressive frame: anything but a known segment ends the walk instead.
+    sof2 = progressive.index(b"\xff\xc2")
+    head, frame = progressive[2:sof2], progressive[sof2:sof2 + 2 + int.from_bytes(progressive[sof2 + 2:sof2 + 4], "big")]
+    lands = 2 + 4 + len(head) + len(frame) + 4 + 8
+    stray = (b"\xff\xd8\xff\x00" + (lands - 4).to_bytes(2, "big") + head + frame
+             + segment(0xFE, b"comment!\xff\xc0\x00\x11" + b"x" * 16) + progressive[sof2 + len(frame):])
+    opened = Image.open(io.BytesIO(stray))
+    assert opened.info.get("progressive") and frame_marker(stray) is None
+    for odd in (b"\xff\xd8", b"\xff\xf5"):  # a second SOI, a JPGn segment: PIL opens them, libjpeg does not
+        assert frame_marker(baseline[:2] + odd + b"\x00\x04ab" + baseline[2:]) is None
+    assert frame_marker(baseline[:2] + b"\xff\xfe\x00\x01" + baseline[2:]) is None  # a length under 2
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
@@ -150,9 +188,7 @@ def test_decode_jpeg_on_gives_pils_pixels_or_leaves_the_file_to_the_host(monkeyp
         return torch.from_numpy(np.array(ImageOps.exif_transpose(Image.open(io.BytesIO(blob))).convert("RGB")))
 
     baseline = jpeg(37, 53, 1)
-    sof = baseline.index(b"\xff\xc0")
-    extended = baseline[:sof + 1] + b"\xc1" + baseline[sof + 2:]  # SOF1: sequential too
-    for blob in (baseline, extended, jpeg(37, 53, 2, subsampling=0), jpeg(20, 9, 3, subsampling=0, mode="L")):
+    for blob in (baseline, extended_sequential(baseline), jpeg(37, 53, 2, subsampling=0), jpeg(20, 9, 3, subsampling=0, mode="L")):
         assert torch.equal(decode.decode_jpeg_on(blob, "img", cpu).permute(1, 2, 0), pil_pixels(blob))
     assert stand_in.shapes == [(20, 9)]
     decode.decode_jpeg_on(jpeg(37, 53, 1), "img", cpu)
@@ -165,6 +201,14 @@ def test_decode_jpeg_on_gives_pils_pixels_or_leaves_the_file_to_the_host(monkeyp
     got = decode.decode_jpeg_on(buffer.getvalue(), "img", cpu)
     assert got.shape == (3, 53, 37) and torch.equal(got.permute(1, 2, 0), pil_pixels(buffer.getvalue()))
 
+    # an EXIF block exif_transpose cannot re-pack (tag 0x152 typed ASCII): the host names the error
+    broken_exif = (b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\x00\x02\x01R\x00\x02\x00\x00\x00\x06\x00\x00\x00&"
+                   b"\x01\x12\x00\x03\x00\x00\x00\x01\x00\x06\x00\x00\x00\x00\x00\x00heQlo\x00")
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(jpeg(16, 16, 0, subsampling=0))).save(buffer, "JPEG", exif=broken_exif, subsampling=0)
+    with pytest.raises(ValueError, match="img: cannot be decoded"):
+        decode.decode_pil(buffer.getvalue(), "img")
+    assert decode.decode_jpeg_on(buffer.getvalue(), "img", cpu) is None
     png = io.BytesIO()
     Image.new("RGB", (8, 8)).save(png, "PNG")
     calls = stand_in.calls

@@ -262,8 +262,8 @@ def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: i
     # A JPEG that does not end in its EOI marker may be cut short: the host says so, or decodes it.
     # nvJPEG decodes progressive ones up to 3 levels from libjpeg: sequential Huffman frames only.
     sequential = blob[-2:] == b"\xff\xd9" and frame_marker(blob) in SEQUENTIAL_FRAMES
-    orientation = image.getexif().get(0x0112, 1) if sequential else None
-    if orientation not in range(1, 9):
+    orientation = _orientation(image) if sequential and not image.info.get("progressive") else None
+    if orientation is None:
         return None
     factors = _sampling(image)
     if factors is None:
@@ -282,6 +282,20 @@ def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: i
     if rgb.is_cuda:  # converted on this thread's stream; the caller reads it on its own: finish here first
         torch.cuda.current_stream(rgb.device).synchronize()
     return rgb
+
+
+def _orientation(image) -> int | None:
+    """The EXIF orientation (1-8) as ``exif_transpose`` reads it; None for another value, or where
+    ``exif_transpose`` could not re-pack the block (the host decode then names the error)."""
+    try:
+        exif = image.getexif()
+        orientation = exif.get(0x0112, 1)
+        if orientation in range(2, 9) and "exif" in image.info:
+            del exif[0x0112]
+            exif.tobytes()
+    except _BROKEN_FILE:
+        return None
+    return orientation if orientation in range(1, 9) else None
 
 
 def _sampling(image) -> list[tuple[int, int]] | None:
@@ -304,20 +318,23 @@ def _sampling(image) -> list[tuple[int, int]] | None:
 
 
 SEQUENTIAL_FRAMES = (0xC0, 0xC1)  # SOF0 baseline, SOF1 extended: sequential, Huffman-coded
+# Segments that may come before the frame header, each with its length: DHT, DAC, DQT, DNL, DRI,
+# APPn, COM. Anything else there (a stray FF 00, a second SOI, JPGn) ends the walk: the host decodes.
+_LENGTHED = frozenset((0xC4, 0xCC, 0xDB, 0xDC, 0xDD, 0xFE, *range(0xE0, 0xF0)))
 
 
 def frame_marker(blob: bytes) -> int | None:
     """The second byte of a JPEG's SOFn marker (0xC0 baseline, 0xC2 progressive, ...), found by
-    walking its segments from SOI; None where the walk finds no frame header before the data ends."""
+    walking its segments from SOI; None where the walk meets anything else before the frame header."""
     at = 2
     while at + 4 <= len(blob) and blob[at] == 0xFF:
-        marker = blob[at + 1]
+        marker, length = blob[at + 1], int.from_bytes(blob[at + 2:at + 4], "big")
         if marker == 0xFF:  # fill byte
             at += 1
-        elif marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # TEM, SOI, RSTn: no length follows
-            at += 2
-        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # not DHT, JPG, DAC
+        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
             return marker
+        elif marker in _LENGTHED and length >= 2:
+            at += 2 + length
         else:
-            at += 2 + int.from_bytes(blob[at + 2:at + 4], "big")
+            return None
     return None

@@ -3,8 +3,9 @@
 Two ways, chosen by ``preprocess``:
 
 * ``"device"``: decode JPEGs on the GPU where nvJPEG decodes them as PIL does (``decode="auto"``,
-  the default, or ``"gpu"``), everything else on the host (a thread pool), then resize and patchify with torch on the encoder's device (:mod:`vitgraph.images.device`),
-  as transformers' torchvision processors do (``Qwen2VLImageProcessor``);
+  the default, or ``"gpu"``), everything else on the host (a thread pool), then resize and
+  patchify with torch on the encoder's device (:mod:`vitgraph.images.device`), as transformers'
+  torchvision processors do (``Qwen2VLImageProcessor``);
 * ``"pil"``: decode, resize (PIL bicubic) and patchify on the host, one image per pool thread,
   as ``Qwen2VLImageProcessorPil`` does.
 
