@@ -219,6 +219,9 @@ def test_decode_jpeg_on_gives_pils_pixels_or_leaves_the_file_to_the_host(monkeyp
                  jpeg(16, 16, 0, mode="L")):  # progressive; grey declared 2x2 (nvJPEG is off on both)
         assert decode.decode_jpeg_on(blob, "img", cpu) is None
     assert stand_in.calls == calls  # refused from the header: the decoder never ran
+    with monkeypatch.context() as patched:  # a PNG is not even opened here: the host opens it once
+        patched.setattr(decode, "open_encoded", lambda *a: pytest.fail("a PNG opened for the GPU"))
+        assert decode.decode_jpeg_on(memoryview(png.getvalue()), "img", cpu) is None
     monkeypatch.setattr(decode, "GPU_DECODE_MAX_PIXELS", 16 * 16 - 1)
     assert decode.decode_jpeg_on(jpeg(16, 16, 0), "img", cpu) is None and stand_in.calls == calls  # too large
     monkeypatch.setattr(decode, "GPU_DECODE_MAX_PIXELS", 16 * 16)

@@ -252,7 +252,7 @@ def decode_jpeg_on(data: Encoded, name: str, device: torch.device, max_pixels: i
     RGB or CMYK, sampled other than fully or by half each way (grey: other than fully), or refused
     by nvJPEG, or where there is no nvJPEG. Turned upright by its EXIF orientation."""
     decoder = gpu_jpeg_decoder()
-    if decoder is None:
+    if decoder is None or bytes(memoryview(data)[:2]) != b"\xff\xd8":  # not a JPEG: the host opens it once
         return None
     image = open_encoded(data, name, max_pixels)
     width, height = image.size
