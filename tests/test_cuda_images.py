@@ -257,3 +257,49 @@ def test_encode_images_with_gpu_decode(graph_enc, monkeypatch):
         decoded.clear()
     graph_enc.encode_images(blobs, preprocess="pil")
     assert not decoded  # the host preprocessing decodes on the host
+
+
+def test_corrupt_jpegs_through_the_gpu_decode_are_refused_or_decoded_and_leave_it_usable(graph_enc):
+    """Bytes flipped in the entropy-coded data (headers and EOI intact, so the gate lets nvJPEG see
+    them), markers dropped in: each is decoded to the right shape or left to the host (None),
+    never a crash; encode_images returns embeddings or a ValueError naming the item, and a good
+    JPEG encodes as before after them all. How many GPU decodes differ from PIL's lenient decode
+    of the same corrupt bytes is printed (libjpeg conceals errors its own way)."""
+    from test_jpeg_color import jpeg
+    from vitgraph.images.decode import decode_jpeg_on, gpu_jpeg_decoder
+
+    if gpu_jpeg_decoder() is None:
+        pytest.skip("no libnvjpeg loads here")
+    good = jpeg(120, 160, seed=1, quality=90)
+    want = graph_enc.encode_images([good])[0]
+    rng = np.random.default_rng(0)
+    decoded = host = apart = refused = 0
+    for i in range(240):
+        blob = bytearray(jpeg(120, 160, seed=i % 8, subsampling=(0, 1, 2)[i % 3], quality=90))
+        start = blob.rindex(b"\xff\xda") + 12  # into the scan's data
+        for at in rng.integers(start, len(blob) - 2, size=int(rng.integers(1, 6))):
+            blob[at] = int(rng.integers(0, 256))
+        if i % 4 == 0:  # a marker in the middle of the data: RST, EOI or SOI
+            at = int(rng.integers(start, len(blob) - 2))
+            blob[at:at + 2] = (b"\xff\xd3", b"\xff\xd9", b"\xff\xd8")[i % 3]
+        blob = bytes(blob)
+        got = decode_jpeg_on(blob, "img", torch.device("cuda"))
+        if got is None:
+            host += 1
+        else:
+            decoded += 1
+            assert got.dtype == torch.uint8 and tuple(got.shape) == (3, 120, 160)
+            try:
+                pil = np.asarray(Image.open(io.BytesIO(blob)).convert("RGB"))
+                apart += int(not np.array_equal(got.permute(1, 2, 0).cpu().numpy(), pil))
+            except OSError:
+                apart += 1
+        try:
+            out = graph_enc.encode_images([good, blob])
+            assert len(out) == 2 and torch.equal(out[0], want)
+        except ValueError as err:
+            assert "images[1]" in str(err)
+            refused += 1
+    print(f"\ncorrupt JPEGs: {decoded} decoded on the GPU ({apart} apart from PIL's), {host} left to the host, "
+          f"{refused} refused by encode_images")
+    assert torch.equal(graph_enc.encode_images([good])[0], want)
