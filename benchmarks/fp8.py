@@ -48,8 +48,12 @@ def errors(reference, encoders: dict, grids, device) -> dict:
 def footprints(encoders: dict) -> dict:
     """Per precision: capture seconds, the graph pool and the weights held on the device (FP8: the
     blocks' e4m3 weights and scales; their float weights are released)."""
-    return {precision: {"capture_s": enc.stats()["capture_seconds"], "pool_mib": enc.stats()["pool_bytes"] / 2**20,
-                        "weight_mib": held_bytes(enc.tower) / 2**20} for precision, enc in encoders.items()}
+    out = {}
+    for precision, enc in encoders.items():
+        stats = enc.stats()
+        out[precision] = {"capture_s": stats["capture_seconds"], "pool_mib": stats["pool_bytes"] / 2**20,
+                          "weight_mib": held_bytes(enc.tower) / 2**20}
+    return out
 
 
 def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iters: int,

@@ -144,7 +144,8 @@ def build(systems: list[str], enc, low: int, high: int) -> dict[str, Staged]:
             if gpu and (device.type != "cuda" or gpu_jpeg_decoder() is None):
                 skip(name, "needs CUDA and libnvjpeg")
                 continue
-            stages = [("decode", lambda b, gpu=device if gpu else None: load_frame(b, "image", gpu)), ("copy", lambda p: upload(p, device)[0]),
+            stages = [("decode", lambda b, on=device if gpu else None: load_frame(b, "image", on)),  # bound now
+                      ("copy", lambda p: upload(p, device)[0]),
                       ("preprocess", lambda p: rows_of([("image", [p], (low, high, False))], enc.processor, device)),
                       ("encode", lambda item: enc.encode(*item))]
         else:

@@ -136,12 +136,13 @@ def image_rows(images: Sequence | None = None, videos: Sequence[Sequence] | None
         rows = torch.from_numpy(np.concatenate([r for r, _ in parts]))
         return rows, torch.tensor([g for _, g in parts], dtype=torch.long)
 
+    gpu = device if decode == "gpu" or (decode == "auto" and device.type == "cuda") else None
+
     def load(item):  # -> the clip's frames as pixels (an image: one frame), and its limits
         name, value, limits = item
         clip = isinstance(value, _Clip)
         frames = value if clip else [value]
         names = [f"{name}[{i}]" for i in range(len(frames))] if clip else [name]
-        gpu = device if decode == "gpu" or (decode == "auto" and device.type == "cuda") else None
         pixels = [load_frame(f, n, gpu, max_image_pixels) for f, n in zip(frames, names)]
         if any(frame_size(p) != frame_size(pixels[0]) for p in pixels):
             raise ValueError(f"all frames of {name} must have the same size")
