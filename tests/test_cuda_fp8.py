@@ -26,8 +26,7 @@ GRIDS = [(1, 32, 32), (1, 20, 28), (2, 16, 16), (1, 8, 12)]
 
 @pytest.fixture(scope="module", params=PRESET_NAMES)
 def setup(request):
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("needs a GPU with FP8 tensor cores (compute capability 8.9 or more)")
+    needs_fp8()
     config = PRESETS[request.param]
     config = dataclasses.replace(config, **one_block_fields(config))
     torch.manual_seed(0)
@@ -61,16 +60,27 @@ def test_a_nan_item_leaves_the_others_rows_bitwise_in_fp8(setup):
     assert_nan_item_keeps_to_its_rows(setup[3]["fp8"], GRIDS, item=1, seed=4)
 
 
-@pytest.mark.parametrize("width", [1280, 1152, 3456])
-def test_the_quantizing_kernels_round_as_torch_does(width):
-    """The kernels that hand FP8 GEMMs their inputs (vitgraph.ops.fp8_kernels) give the e4m3 values
-    and scales of vitgraph.ops.fp8.quantize_rows, bit for bit: attention's output, the norms'
-    and the activations' (with a zero row and a NaN row among them)."""
+def needs_fp8(hopper: bool = False):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a GPU with FP8 tensor cores (compute capability 8.9 or more)")
+    if hopper and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("grouped (1x128) FP8 GEMMs run on Hopper (cuBLAS)")
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["rows", "groups"])
+@pytest.mark.parametrize("width", [1280, 4304])
+def test_the_quantizing_kernels_round_as_torch_does(width, grouped):
+    """The kernels that hand FP8 GEMMs their inputs (vitgraph.ops.fp8_kernels) give the e4m3 values
+    and scales of vitgraph.ops.fp8.quantize_rows (grouped: quantize_groups, a short last group at
+    4304), bit for bit: attention's output, the norms' and the activations' (with a zero row and
+    a NaN row among them), in every launch layout the kernels take."""
+    needs_fp8()
     from vitgraph.ops import kernels
-    from vitgraph.ops.fp8 import quantize_rows
+    from vitgraph.ops.fp8 import quantize_groups, quantize_rows as by_rows
     from vitgraph.ops.fp8_kernels import activation_fp8, add_norm_fp8, quantize_rows_fp8
+    from vitgraph.ops.kernels import LayerNormLaunch
+
+    quantize_rows = quantize_groups if grouped else by_rows
 
     def same(got, expected, what, near=False):  # NaN where NaN (its sign bit may differ), the same bits elsewhere
         nan = expected[0].float().isnan()
@@ -88,16 +98,69 @@ def test_the_quantizing_kernels_round_as_torch_does(width):
         torch.testing.assert_close(got[1], expected[1], rtol=2.0 ** -7, atol=0, equal_nan=True, msg=what)
 
     torch.manual_seed(0)
-    x = torch.randn(1000, width, device="cuda", dtype=torch.bfloat16) * 3
+    x = torch.randn(1001, width, device="cuda", dtype=torch.bfloat16) * 3
     x[5] = 0
     x[7, 3] = float("nan")
-    same(quantize_rows_fp8(x), quantize_rows(x), "rows")
+    x[9, -1] = 1e4  # an outlier in the last (short) group
+    for launch in (LayerNormLaunch(1, 8), LayerNormLaunch(4, 8)):
+        same(quantize_rows_fp8(x, launch, grouped=grouped), quantize_rows(x), f"rows {launch}")
     w, b = torch.randn(width, device="cuda"), torch.randn(width, device="cuda")
     for rms in (False, True):
-        stream = torch.randn(1000, width, device="cuda", dtype=torch.bfloat16)
-        got = add_norm_fp8(stream.clone(), x, w, b, 1e-6, rms=rms)
+        stream = torch.randn(1001, width, device="cuda", dtype=torch.bfloat16)
+        got = add_norm_fp8(stream.clone(), x, w, b, 1e-6, rms=rms, grouped=grouped)
         same(got, quantize_rows(kernels.add_layernorm(stream.clone(), x, w, b, 1e-6, rms=rms)), f"norm rms={rms}",
              near=True)
-    for name in ("quick_gelu", "gelu_pytorch_tanh", "silu"):
-        same(activation_fp8(x, name, False), quantize_rows(kernels.activation_(x.clone(), name)), name)
-    same(activation_fp8(x, "silu", True), quantize_rows(kernels.silu_mul(x)), "silu * up")
+    for name, launch in (("quick_gelu", LayerNormLaunch(1, 8)), ("gelu_pytorch_tanh", LayerNormLaunch(2, 8)),
+                         ("silu", LayerNormLaunch(1, 8))):
+        same(activation_fp8(x, name, False, launch, grouped), quantize_rows(kernels.activation_(x.clone(), name)),
+             f"{name} {launch}")
+    same(activation_fp8(x, "silu", True, grouped=grouped), quantize_rows(kernels.silu_mul(x)), "silu * up")
+
+
+@pytest.mark.parametrize("rows", [1, 200, 4095])
+@pytest.mark.parametrize("out_features, in_features", [(3840, 1280), (1152, 4304), (1280, 3456)])
+def test_a_grouped_gemm_is_the_product_of_its_groups(rows, out_features, in_features):
+    """cuBLAS's 1x128 x 1x128 GEMM (as vitgraph lays out the scales) gives the fp32 product of the
+    rounded operands, each group times its own scale, to bf16's rounding: a scale read from the
+    wrong place would be off by far more (at odd row counts and a short last group too)."""
+    needs_fp8(hopper=True)
+    from vitgraph.ops.fp8 import Fp8Weight, group_scales, linear_fp8, quantize_groups
+
+    torch.manual_seed(rows)
+    columns = 1 + 3 * torch.rand(1, in_features, device="cuda")  # groups of differing ranges
+    x = torch.randn(rows, in_features, device="cuda") * columns
+    linear = torch.nn.Linear(in_features, out_features, device="cuda")
+    linear.fp8 = Fp8Weight(*quantize_groups(linear.weight.detach() * columns))
+    q, scale = quantize_groups(x)
+    got = linear_fp8((q, scale), linear)
+    expected = ((q.float() * group_scales(scale, in_features))
+                @ (linear.fp8.q.float() * group_scales(linear.fp8.scale, in_features)).t() + linear.bias)
+    assert got.dtype == torch.bfloat16 and rel_err(got.float(), expected) < 4e-3
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_a_block_checkpoint_runs_grouped_in_graphs(tmp_path, family):
+    """A block FP8 checkpoint (128 x 128) with precision="fp8": its own e4m3 weights in grouped
+    GEMMs, replay = eager bitwise, at the floor of rounding its activations in groups, a NaN item
+    keeping to its rows."""
+    needs_fp8(hopper=True)
+    from test_fp8_loading import BLOCK, float_state, quantize, write
+
+    ckpt = write(tmp_path / "fp8", family, quantize(float_state(family, "cuda"), (128, 128))[0], BLOCK, size="cuda")
+    enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cuda", dtype=torch.bfloat16, precision="fp8",
+                                               budgets=[1024], max_items=8, progress=False)
+    assert enc.tower.fp8_grouped
+    assert_replays_equal_eager(enc.bank)
+    reference = GraphedVisionEncoder.from_pretrained(ckpt, device="cuda", dtype=torch.float32, fuse=False,
+                                                     progress=False).tower
+    grids = [(1, 16, 16), (2, 8, 12), (1, 4, 4)]
+    pixels = random_pixels(grids, reference.input_width, seed=5).cuda()
+    batch = reference.build_batch(grids).to(torch.device("cuda"))
+    with torch.inference_mode():
+        ref = reference.forward_reference(pixels, batch)
+        with fp8_floor(reference):
+            floor = reference.forward_reference(pixels, batch)
+    got = rel_err(enc.encode(pixels, grids).float(), ref)
+    print(f"\n[{family} block FP8] from fp32: grouped graphs {got:.3e}, floor {rel_err(floor, ref):.3e}")
+    assert got <= 1.1 * rel_err(floor, ref)
+    assert_nan_item_keeps_to_its_rows(enc, grids, item=1, seed=6)

@@ -26,13 +26,14 @@ MODELOPT = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head
 
 
 @functools.lru_cache(maxsize=None)
-def _float_state(family: str) -> dict:
+def _float_state(family: str, size: str = "cpu") -> dict:
     tiny = TINY_FAMILIES[family]
-    return vision_state(hf_tower(tiny.model_type, tiny.cpu, seed=0), PREFIX[family])
+    return vision_state(hf_tower(tiny.model_type, getattr(tiny, size), seed=0), PREFIX[family])
 
 
-def float_state(family: str) -> dict:
-    return dict(_float_state(family))
+def float_state(family: str, size: str = "cpu") -> dict:
+    """A tiny tower's checkpoint tensors; ``size`` "cuda": widths of 288-1280 (several groups of 128)."""
+    return dict(_float_state(family, size))
 
 
 def is_linear(key: str, w: torch.Tensor) -> bool:
@@ -84,11 +85,11 @@ def lm_fp8() -> dict:
             "model.language_model.layers.0.mlp.up_proj.weight_scale_inv": s, "lm_head.weight": w}
 
 
-def write(directory: Path, family: str, tensors: dict, quantization=None, shards: int = 2) -> Path:
+def write(directory: Path, family: str, tensors: dict, quantization=None, shards: int = 2, size: str = "cpu") -> Path:
     """A hub-layout checkpoint: config.json (with ``quantization`` as its quantization_config), and
     two shards with an index (a weight and its scale often in different shards) or one file."""
     directory.mkdir(parents=True)
-    config = {"model_type": TINY_FAMILIES[family].model_type, "vision_config": TINY_FAMILIES[family].cpu}
+    config = {"model_type": TINY_FAMILIES[family].model_type, "vision_config": getattr(TINY_FAMILIES[family], size)}
     if quantization is not None:
         config["quantization_config"] = quantization
     (directory / "config.json").write_text(json.dumps(config))
@@ -249,16 +250,84 @@ def test_checkpoint_scales_hold_only_where_the_weights_are_the_checkpoints(tmp_p
     tensors, _ = quantize(float_state("qwen2_5_vl"), (128, 128), keep=keep)
     ckpt = write(tmp_path / "block", "qwen2_5_vl", tensors, dict(BLOCK, modules_to_not_convert=["lm_head", *keep]))
     tower = load(ckpt).tower
-    assert tower.blocks[0].mlp.gate_up.checkpoint_fp8.block == (128, 128)
+    mixed, whole = tower.blocks[0].mlp.gate_up.checkpoint_fp8, tower.blocks[1].mlp.gate_up.checkpoint_fp8
+    assert mixed.block == whole.block == (128, 128) and mixed.group_scale is None and whole.group_scale is not None
 
 
-def test_fp8_refuses_a_block_checkpoint_by_name(tmp_path):
-    tensors, _ = quantize(float_state("qwen2_vl"), (128, 128))
-    ckpt = write(tmp_path / "fp8", "qwen2_vl", tensors, BLOCK)
-    with pytest.raises(ValueError, match=r"linear 'blocks\.0\.attn\.qkv' is block-scaled.*precision='bf16'"):
-        GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float32, precision="fp8", fuse=True)
-    enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float32)  # the default: dequantized
-    assert enc.stats()["precision"] == "bf16"
+@pytest.mark.parametrize("family, block", [("qwen2_vl", (128, 128)), ("qwen2_vl", (64, 256)),
+                                           ("qwen2_5_vl", (128, 128)), ("qwen3_vl", (128, 128))])
+def test_fp8_runs_a_block_checkpoint_on_its_own_e4m3_values_in_groups(tmp_path, family, block):
+    """A block checkpoint (column blocks of whole 128s) runs its GEMMs grouped: the checkpoint's
+    e4m3 values (as the tower lays its rows out: qkv interleaved, gate_up joined and padded) and
+    each row's scale per 128 input columns, taken back out of the dequantized weight in bf16 as in
+    fp32; activations in groups of 128 columns too; the forward sits at the floor of rounding the
+    activations alone. The default stays the dequantized checkpoint."""
+    from vitgraph.models.fp8_floor import fp8_floor
+    from vitgraph.ops.fp8 import group_scales
+
+    tensors, reference = quantize(float_state(family, "cuda"), block)
+    ckpt = write(tmp_path / "fp8", family, tensors, dict(BLOCK, weight_block_size=list(block)), size="cuda")
+    encs = {dtype: GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=dtype, precision="fp8", fuse=True)
+            for dtype in (torch.float32, torch.bfloat16)}
+    tower, prefix = encs[torch.float32].tower, PREFIX[family]
+    assert tower.fp8_grouped and encs[torch.float32].stats()["precision"] == "fp8"
+    dequantized = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float32).tower
+    assert dequantized.precision == "bf16"  # the default: dequantized
+    float_linears, bf16_linears = dict(dequantized.named_modules()), dict(encs[torch.bfloat16].tower.named_modules())
+    quantized = [(name, m) for name, m in tower.named_modules() if hasattr(m, "fp8")]
+    assert len(quantized) == 4 * len(tower.blocks)
+    groups_seen = set()
+    for name, module in quantized:
+        q, scale = module.fp8
+        assert module.fp8.grouped and scale.shape == (q.shape[0], -(-q.shape[1] // 128)) and scale.stride(0) == 1
+        groups_seen.add(scale.shape[1])
+        spread = group_scales(scale, q.shape[1])
+        assert torch.equal(q.float() * spread, float_linears[name].weight), name  # the checkpoint's values
+        stem = f"{prefix}{name}."
+        if stem + "weight" in tensors:  # the same e4m3 bytes, rows reordered (qkv), zero columns added (down_proj)
+            stored = tensors[stem + "weight"]
+            byte_values = lambda t: t.contiguous().view(torch.uint8).flatten().sort().values
+            assert torch.equal(byte_values(q[:, :stored.shape[1]]), byte_values(stored)), name
+            assert not q[:, stored.shape[1]:].float().any(), name
+            expected = sorted(tensors[stem + "weight_scale_inv"].flatten().tolist())
+            assert sorted(set(scale[:, :-(-stored.shape[1] // 128)].flatten().tolist())) == sorted(set(expected)), name
+        bf16_q, bf16_scale = bf16_linears[name].fp8
+        assert torch.equal(bf16_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(bf16_scale, scale), name
+    assert max(groups_seen) > 2  # several groups per row, and a short last one (288 or 320 wide)
+    float_tower = load(write(tmp_path / "float", family, reference, size="cuda")).tower
+    pixels = random_pixels(GRID, tower.input_width, seed=3)
+    batch = float_tower.build_batch(GRID)
+    with torch.inference_mode():
+        ref = float_tower.forward_reference(pixels, batch)
+        with fp8_floor(dequantized):  # the checkpoint's weights: only the activations rounded, in groups
+            floor = dequantized.forward_reference(pixels, batch)
+        with fp8_floor(float_tower):  # a float checkpoint's floor: rows, per-channel weights
+            rowwise_floor = float_tower.forward_reference(pixels, batch)
+    got = rel_err(encs[torch.float32].encode(pixels, GRID), ref)
+    assert 1e-4 < rel_err(floor, ref) < rel_err(rowwise_floor, ref) and got <= 1.1 * rel_err(floor, ref)
+
+
+def test_a_block_checkpoint_whose_blocks_split_groups_runs_quantized_again(tmp_path):
+    """Column blocks that are no whole 128s (40 wide) cannot be read per group: such a checkpoint's
+    linears are quantized again in groups, and a float linear beside them (not converted) too; the
+    forward sits at the floor of that rounding."""
+    from vitgraph.models.fp8_floor import fp8_floor
+
+    keep = ("visual.blocks.0.mlp.fc2.",)
+    tensors, _ = quantize(float_state("qwen2_vl", "cuda"), (24, 40), keep=keep)
+    ckpt = write(tmp_path / "fp8", "qwen2_vl", tensors,
+                 dict(BLOCK, weight_block_size=[24, 40], modules_to_not_convert=["lm_head", *keep]), size="cuda")
+    enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float32, precision="fp8", fuse=True)
+    linears = [m for b in enc.tower.blocks for m in enc.tower.block_linears(b)]
+    assert enc.tower.fp8_grouped and all(m.fp8.grouped for m in linears)
+    dequantized = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float32).tower
+    pixels = random_pixels(GRID, dequantized.input_width, seed=4)
+    batch = dequantized.build_batch(GRID)
+    with torch.inference_mode():
+        ref = dequantized.forward_reference(pixels, batch)
+        with fp8_floor(dequantized):
+            floor = dequantized.forward_reference(pixels, batch)
+    assert rel_err(enc.encode(pixels, GRID), ref) <= 1.1 * rel_err(floor, ref)
 
 
 # -- modules_to_not_convert: every spelling, a module or a prefix -----------------------------

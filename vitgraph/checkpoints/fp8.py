@@ -39,6 +39,7 @@ import torch
 
 from ..models import VISION_PREFIXES
 from ..models.config_parsing import read_json
+from ..ops.fp8 import GROUP
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names; anything else is refused, not cast
 FP8_DTYPE = "F8_E4M3"  # torch.float8_e4m3fn: the one FP8 kind of both formats
@@ -176,14 +177,16 @@ class QuantizedLinear:
 
 @dataclass(frozen=True)
 class CheckpointScales:
-    """What a tower's linear keeps of an FP8 checkpoint (``linear.checkpoint_fp8``): each output
-    row's weight scale in the tower's row order (per-tensor checkpoints), from which
-    :func:`vitgraph.ops.fp8.quantize_linear_` takes the checkpoint's e4m3 values back out of the
-    dequantized weight, bit for bit (its bf16 rounding, 2^-9 relative, is far within half an
-    e4m3 step, 2^-4); or, for a block-scaled checkpoint, only its block."""
+    """What a tower's linear keeps of an FP8 checkpoint (``linear.checkpoint_fp8``), in the tower's
+    row order, from which :func:`vitgraph.ops.fp8.quantize_linear_` takes the checkpoint's e4m3
+    values back out of the dequantized weight, bit for bit (its bf16 rounding, 2^-9 relative, is
+    far within half an e4m3 step, 2^-4): each output row's scale (per-tensor checkpoints), or each
+    row's scale per 128 input columns (block checkpoints whose column blocks are whole groups of
+    128). A block checkpoint's linear without them is quantized again, in groups."""
 
     row_scale: torch.Tensor | None  # fp32 [out]; None for a block-scaled linear
     block: tuple[int, int] | None
+    group_scale: torch.Tensor | None = None  # fp32 [out, ceil(in / 128)]: a block checkpoint's
 
 
 def attach_checkpoint_scales(tower: torch.nn.Module, empty_tower: torch.nn.Module, state: dict,
@@ -192,32 +195,60 @@ def attach_checkpoint_scales(tower: torch.nn.Module, empty_tower: torch.nn.Modul
     :class:`CheckpointScales`. The tower may reorder, join and pad a checkpoint's rows on load
     (qkv's interleaving, Qwen2.5-VL's padded gate_up); a linear's bias follows its output rows,
     so ``empty_tower`` (on the meta device) loads the scales in the biases' place and lays them
-    out as ``tower`` laid its rows. A linear with no bias, or joined from FP8 and float rows,
-    gets none (``precision="fp8"`` then quantizes it per channel, as a float checkpoint's)."""
+    out as ``tower`` laid its rows, once per group of 128 input columns for a block checkpoint.
+    A linear with no bias, or joined from FP8 and float rows, gets none (``precision="fp8"`` then
+    quantizes it per channel, as a float checkpoint's)."""
+    block = next(iter(quantized.values())).block  # one format per checkpoint
+    grouped = block is not None and block[1] % GROUP == 0  # each 128 columns under one block's scale
+    columns = max(linear.weight.shape[1] for linear in quantized.values())
     # Biases real (a NaN row: not from an FP8 linear), everything else shapes only.
     image = {name: torch.full(t.shape, float("nan")) if name.endswith(".bias") else torch.empty(t.shape, device="meta")
              for name, t in state.items()}
-    for name, linear in quantized.items():
-        bias = name.removesuffix("weight") + "bias"
-        if bias in image:
-            one = linear.scale.reshape(()) if linear.block is None else torch.tensor(1.0)
-            image[bias] = one.float().cpu().expand(linear.weight.shape[0]).clone()
-    empty_tower.load_state_dict(image, strict=True, assign=True)
-    block = next(iter(quantized.values())).block  # one format per checkpoint
-    loaded = dict(empty_tower.named_modules())
+    traced = [_traced_biases(empty_tower, image, quantized, g) for g in range(-(-columns // GROUP) if grouped else 1)]
     for name, module in tower.named_modules():
-        bias = getattr(loaded[name], "bias", None) if isinstance(module, torch.nn.Linear) else None
-        if bias is None or bias.is_meta:
+        bias = traced[0].get(name) if isinstance(module, torch.nn.Linear) else None
+        if bias is None:
             continue
-        bias, float_rows = bias.detach(), bias.isnan()
+        float_rows = bias.isnan()
         padding = bias == 0  # rows padded with zeros: any scale divides them exactly
         if not (~padding & ~float_rows).any():
             continue
-        if block is not None:  # any block-scaled row: precision="fp8" refuses the linear
-            module.checkpoint_fp8 = CheckpointScales(None, block)
+        if block is not None:
+            scales = None
+            if grouped and not float_rows.any():
+                scales = torch.stack([t[name] for t in traced[:-(-module.weight.shape[1] // GROUP)]], 1)
+                scales = torch.where(scales == 0, torch.ones_like(scales), scales).to(module.weight.device)
+            module.checkpoint_fp8 = CheckpointScales(None, block, scales)
         elif not float_rows.any():
             rows = torch.where(padding, torch.ones_like(bias), bias)
             module.checkpoint_fp8 = CheckpointScales(rows.to(module.weight.device), None)
+
+
+def _traced_biases(empty_tower: torch.nn.Module, image: dict, quantized: dict[str, QuantizedLinear],
+                   group: int) -> dict[str, torch.Tensor]:
+    """Each linear's bias in ``empty_tower`` loaded with ``image``, each FP8 linear's bias holding
+    its rows' scales over input columns ``group * 128`` on (per tensor: its one scale; columns past
+    its width: 1): the scales laid out as the tower lays its rows (NaN rows: float ones)."""
+    image = dict(image)
+    for name, linear in quantized.items():
+        bias = name.removesuffix("weight") + "bias"
+        if bias in image:
+            image[bias] = _row_scales(linear, group)
+    empty_tower.load_state_dict(image, strict=True, assign=True)
+    return {name: module.bias.detach() for name, module in empty_tower.named_modules()
+            if isinstance(module, torch.nn.Linear) and module.bias is not None and not module.bias.is_meta}
+
+
+def _row_scales(linear: QuantizedLinear, group: int) -> torch.Tensor:
+    """``linear``'s scale for each output row over input columns ``group * 128`` on."""
+    rows, cols = linear.weight.shape
+    if linear.block is None:
+        return linear.scale.float().reshape(()).cpu().expand(rows).clone()
+    column = group * GROUP
+    if column >= cols:
+        return torch.ones(rows)
+    b0, b1 = linear.block
+    return linear.scale.float().cpu()[:, column // b1].repeat_interleave(b0)[:rows].clone()
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:

@@ -6,6 +6,7 @@ layout takes; and what compiles or runs its kernels ahead of a capture."""
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -305,7 +306,7 @@ class FusedLoop:
             x.addmm_(y.reshape(x.shape[0], -1), linear.weight.t())
             return None
         if fp8.is_quantized(linear):  # attention's output quantized here, the MLP's by its activation
-            y = y if isinstance(y, tuple) else quantize_rows_fp8(y.reshape(x.shape[0], -1))
+            y = y if isinstance(y, tuple) else quantize_rows_fp8(y.reshape(x.shape[0], -1), grouped=self.fp8_grouped)
             return fp8.linear_fp8(y, linear, x.dtype), None
         return linear_split_k(y.reshape(x.shape[0], -1), linear.weight, linear.bias, self.tuning.gemm)
 
@@ -317,7 +318,8 @@ class FusedLoop:
         y, y_bias = (None, None) if product is None else product
         offset = None if offsets is None else offsets[index]
         rms = self.NORM == "rms"
-        add_norm = add_norm_fp8 if gemm_input and self.precision == "fp8" else kernels.add_layernorm
+        fp8_input = gemm_input and self.precision == "fp8"
+        add_norm = functools.partial(add_norm_fp8, grouped=self.fp8_grouped) if fp8_input else kernels.add_layernorm
         return add_norm(x, y, norm.weight, norm.weight if rms else norm.bias, norm.eps, y_bias, offset=offset, rms=rms,
                         tuning=self.tuning.norms)
 
@@ -329,8 +331,8 @@ class FusedLoop:
         if fp8.is_quantized(linear):
             f = fp8.linear_fp8(h, linear, self._stream_dtype)
             if name in kernels.FUSED_ACTIVATIONS and (not self.GATED or name == "silu"):
-                return activation_fp8(f, name, self.GATED)
-            return quantize_rows_fp8(activation_pass(f, name, self.GATED).contiguous())
+                return activation_fp8(f, name, self.GATED, grouped=self.fp8_grouped)
+            return quantize_rows_fp8(activation_pass(f, name, self.GATED).contiguous(), grouped=self.fp8_grouped)
         if self._stand_ins and self._fc1_kernel(h.shape[0]) is not None:
             width = linear.weight.shape[0] // (2 if self.GATED else 1)
             return torch.zeros(h.shape[0], width, device=h.device, dtype=h.dtype)

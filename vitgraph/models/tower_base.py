@@ -133,6 +133,7 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
     MLP = ("fc1", "fc2")
     GATED = False
     precision = "bf16"  # set_precision's
+    fp8_grouped = False  # set_precision's: FP8 activations in groups of 128 columns (a block checkpoint's)
 
     def _init_tower(self, cfg) -> None:
         self.config = cfg
@@ -185,15 +186,17 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
 
     def set_precision(self, precision: str, keep_float: bool = False) -> None:
         """``"fp8"``: the fused forward runs the blocks' four GEMMs in FP8 (:mod:`vitgraph.ops.fp8`:
-        weights quantized per output channel now, or a per-tensor FP8 checkpoint's own; activations
-        per row at each call; a block-scaled checkpoint's linears refused), and their float weights
-        are released unless ``keep_float`` (then ``forward_reference`` and ``"bf16"`` stay open);
-        ``"bf16"``: in the weights' dtype. Call it after the tower has its device and dtype."""
+        a per-tensor FP8 checkpoint's own e4m3 weights, or weights quantized per output channel now,
+        and activations per row; a block FP8 checkpoint's own weights and activations in groups of
+        128 columns), and their float weights are released unless ``keep_float`` (then
+        ``forward_reference`` and ``"bf16"`` stay open); ``"bf16"``: in the weights' dtype. Call it
+        after the tower has its device and dtype."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         ids = {id(linear) for block in self.blocks for linear in self.block_linears(block)}
         named = [(name, m) for name, m in self.named_modules() if id(m) in ids]
         linears = [m for _, m in named]
+        grouped = fp8.grouped(linears)
         if precision == "fp8":
             if not self.fused:
                 raise ValueError("precision='fp8' runs in the fused forward: it needs fuse=True")
@@ -201,14 +204,9 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
             if unaligned:
                 raise ValueError(f"precision='fp8': FP8 GEMMs take widths in multiples of {fp8.ALIGN}; the "
                                  f"{type(self).__name__} has linears (in, out) {unaligned}")
-            blocked = [name for name, m in named if fp8.block_scaled(m)]
-            if blocked:  # per-channel scales would round its weights again (5-7x the floor with outlier channels)
-                raise ValueError(f"precision='fp8' runs rowwise FP8 GEMMs (per-channel weight scales); the "
-                                 f"checkpoint's linear {blocked[0]!r} is block-scaled, which they cannot hold "
-                                 f"exactly: use precision='bf16' (the checkpoint dequantized, exact)")
         for name, linear in named:
-            fp8.quantize_linear_(linear) if precision == "fp8" else fp8.dequantize_linear_(linear, name)
-        self.precision = precision
+            fp8.quantize_linear_(linear, grouped) if precision == "fp8" else fp8.dequantize_linear_(linear, name)
+        self.precision, self.fp8_grouped = precision, grouped and precision == "fp8"
         if precision == "fp8" and not keep_float:  # only once every linear is quantized
             for _, linear in named:
                 fp8.release_float_(linear)

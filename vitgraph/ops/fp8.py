@@ -1,9 +1,16 @@
-"""FP8 GEMMs of a block's four linears (``precision="fp8"``): e4m3 weights with one scale per
-output channel, e4m3 activations with one scale per row, fp32 accumulation, through
-``torch._scaled_mm`` (cuBLAS on Hopper; torch's own kernel on a CPU).
+"""FP8 GEMMs of a block's four linears (``precision="fp8"``), fp32 accumulation, in one of two
+scalings:
 
-Rowwise scaling was the fastest of the scalings measured on an H100 (block-128 ran 4-16% slower
-at these shapes). ``_scaled_mm`` takes dimensions in multiples of 16; the towers' widths are
+* rowwise: e4m3 weights with one scale per output channel, activations with one scale per row,
+  through ``torch._scaled_mm`` (cuBLAS on Hopper; torch's own kernel on a CPU). A float or
+  per-tensor FP8 checkpoint runs so: the fastest scaling measured on an H100 (block-128 ran
+  4-16% slower at these shapes).
+* grouped: a block FP8 checkpoint's own e4m3 weights with one scale per output row and 128 input
+  columns (its 128x128 blocks, read per row: the tower may reorder a checkpoint's rows), and
+  activations with one scale per row and 128 columns, through ``scaled_mm``'s 1x128 x 1x128
+  block scaling (cuBLAS on Hopper; the same products in fp32 on a CPU). No weight is rounded twice.
+
+ ``_scaled_mm`` takes dimensions in multiples of 16; the towers' widths are
 (Qwen2.5-VL's 3420-wide MLP is kept padded to 3456). A row's scale is its absolute maximum over
 448, e4m3's largest value, so a non-finite value spoils its own row only: items stay apart.
 
@@ -14,12 +21,27 @@ the kernel's scale granularity), against which the FP8 forward's error is judged
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 MIN_SCALE = 2.0 ** -126  # an all-zero row's scale: its e4m3 values are zeros whatever it is
 ALIGN = 16  # _scaled_mm's dimensions: multiples of 16
+GROUP = 128  # grouped scaling: one scale per row and 128 columns (the last group of a row may be short)
+
+
+class Fp8Weight(NamedTuple):
+    """A linear's e4m3 weight ``[N, K]`` and its fp32 scales: ``[1, N]`` (one per output channel)
+    or, grouped, ``[N, ceil(K / GROUP)]`` laid out column-major (stride ``(1, N)``, cuBLAS's)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def grouped(self) -> bool:
+        return self.scale.shape[0] == self.q.shape[0] > 1
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,21 +53,53 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf * scale.reciprocal()).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight [N, K]`` -> e4m3 ``[N, K]`` and fp32 ``[1, N]`` scales, one per output channel."""
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, K]`` -> e4m3 ``[T, K]`` and fp32 ``[T, ceil(K / GROUP)]`` scales (column-major, as
+    cuBLAS takes them): :func:`quantize_rows` of each row's every ``GROUP`` columns."""
+    rows, width = x.shape
+    groups = -(-width // GROUP)
+    xf = torch.nn.functional.pad(x.float(), (0, groups * GROUP - width)).view(rows, groups, GROUP)
+    q, scale = quantize_rows(xf.reshape(-1, GROUP))
+    q = q.view(rows, groups * GROUP)[:, :width].contiguous()
+    return q, scale.view(rows, groups).t().contiguous().t()
+
+
+def empty_scales(rows: int, width: int, grouped: bool, device) -> torch.Tensor:
+    """An FP8 kernel's scales for ``[rows, width]``: ``[rows, 1]``, or (``grouped``) ``[rows,
+    ceil(width / GROUP)]`` column-major."""
+    if not grouped:
+        return torch.empty(rows, 1, device=device, dtype=torch.float32)
+    return torch.empty(-(-width // GROUP), rows, device=device, dtype=torch.float32).t()
+
+
+def group_scales(scale: torch.Tensor, width: int) -> torch.Tensor:
+    """Grouped scales ``[T, G]`` spread over their ``width`` columns: ``[T, width]``."""
+    return scale.repeat_interleave(GROUP, 1)[:, :width]
+
+
+def quantize_weight(weight: torch.Tensor, grouped: bool = False) -> Fp8Weight:
+    """``weight [N, K]`` -> e4m3 ``[N, K]`` and fp32 ``[1, N]`` scales, one per output channel
+    (``grouped``: ``[N, ceil(K / GROUP)]``, one per row and ``GROUP`` columns)."""
+    if grouped:
+        return Fp8Weight(*quantize_groups(weight))
     q, scale = quantize_rows(weight)
-    return q.contiguous(), scale.reshape(1, -1).contiguous()
+    return Fp8Weight(q.contiguous(), scale.reshape(1, -1).contiguous())
 
 
-def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded as :func:`quantize_rows` rounds it, back in ``x``'s dtype."""
+def fake_quantize_rows(x: torch.Tensor, grouped: bool = False) -> torch.Tensor:
+    """``x`` rounded as :func:`quantize_rows` (``grouped``: :func:`quantize_groups`) rounds it,
+    back in ``x``'s dtype."""
+    if grouped:
+        q, scale = quantize_groups(x.reshape(-1, x.shape[-1]))
+        return (q.float() * group_scales(scale, x.shape[-1])).to(x.dtype).view(x.shape)
     q, scale = quantize_rows(x)
     return (q.float() * scale).to(x.dtype)
 
 
-def fake_quantize_weight(weight: torch.Tensor) -> torch.Tensor:
-    q, scale = quantize_weight(weight)
-    return (q.float() * scale.reshape(-1, 1)).to(weight.dtype)
+def fake_quantize_weight(weight: torch.Tensor, grouped: bool = False) -> torch.Tensor:
+    q, scale = quantize_weight(weight, grouped)
+    spread = group_scales(scale, weight.shape[1]) if grouped else scale.reshape(-1, 1)
+    return (q.float() * spread).to(weight.dtype)
 
 
 def fits(linear: torch.nn.Linear) -> bool:
@@ -53,18 +107,22 @@ def fits(linear: torch.nn.Linear) -> bool:
     return linear.in_features % ALIGN == 0 and linear.out_features % ALIGN == 0
 
 
-def quantize_linear_(linear: torch.nn.Linear) -> None:
-    """Give ``linear`` its e4m3 weight ``[N, K]`` and per-channel scales ``[1, N]`` (``linear.fp8``): a
-    plain attribute, neither in state dicts nor cast by ``Module.to`` (which would cast e4m3 too).
-    A per-tensor FP8 checkpoint's linear keeps the checkpoint's own e4m3 values and scales
-    (:func:`checkpoint_weight`): no second rounding. The float weight stays until :func:`release_float_`."""
-    if block_scaled(linear):  # set_precision refuses these first, naming the linear
-        raise ValueError("a block-scaled FP8 weight has no exact per-channel form")
+def quantize_linear_(linear: torch.nn.Linear, grouped: bool = False) -> None:
+    """Give ``linear`` its e4m3 weight and scales (``linear.fp8``, an :class:`Fp8Weight`): a plain
+    attribute, neither in state dicts nor cast by ``Module.to`` (which would cast e4m3 too). An FP8
+    checkpoint's linear keeps the checkpoint's own e4m3 values and scales (:func:`checkpoint_weight`:
+    no second rounding); any other is quantized per output channel (``grouped``: per row and
+    ``GROUP`` columns, beside a block checkpoint's linears). The float weight stays until
+    :func:`release_float_`."""
     if released(linear):  # quantized before; its float weight is gone
         return
-    linear.fp8 = checkpoint_weight(linear) or quantize_weight(linear.weight.detach())
+    own = checkpoint_weight(linear)
+    linear.fp8 = own if own is not None and own.grouped == grouped else quantize_weight(linear.weight.detach(), grouped)
 
 
+def grouped(linears) -> bool:
+    """Whether FP8 runs ``linears`` (a tower's) grouped: any is a block FP8 checkpoint's."""
+    return any(block_scaled(linear) for linear in linears)
 def release_float_(linear: torch.nn.Linear) -> None:
     """Drop a quantized ``linear``'s float weight (a meta tensor of its shape and dtype stays): the
     e4m3 copy alone is held, half the weight's bytes in bf16."""
@@ -78,22 +136,25 @@ def released(linear: torch.nn.Module) -> bool:
     return linear.weight.is_meta
 
 
-def checkpoint_weight(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A per-tensor FP8 checkpoint's e4m3 weight and ``[1, N]`` scales, taken back out of
-    ``linear``'s dequantized weight by its ``checkpoint_fp8`` row scales
+def checkpoint_weight(linear: torch.nn.Module) -> Fp8Weight | None:
+    """An FP8 checkpoint's e4m3 weight and scales (per-tensor: ``[1, N]``; block: grouped), taken
+    back out of ``linear``'s dequantized weight by its ``checkpoint_fp8`` scales
     (:class:`vitgraph.checkpoints.fp8.CheckpointScales`); None for another linear, or one whose
     weight is no longer the checkpoint's (changed in place since, or loaded in fp16's narrow range)."""
     stored = getattr(linear, "checkpoint_fp8", None)
-    if stored is None or stored.row_scale is None:
+    if stored is None or (stored.row_scale is None and stored.group_scale is None):
         return None
     weight = linear.weight.detach()
-    scale = stored.row_scale.float().reshape(-1, 1).to(weight.device)
-    q = (weight.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    if not torch.equal((q.float() * scale).to(weight.dtype), weight):
+    if stored.group_scale is not None:
+        scale = stored.group_scale.float().to(weight.device)
+        spread = group_scales(scale, weight.shape[1])
+    else:
+        scale = stored.row_scale.float().reshape(1, -1).to(weight.device)
+        spread = scale.reshape(-1, 1)
+    q = (weight.float() / spread).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    if not torch.equal((q.float() * spread).to(weight.dtype), weight):
         return None
-    return q.contiguous(), scale.reshape(1, -1).contiguous()
-
-
+    return Fp8Weight(q.contiguous(), scale.t().contiguous().t() if stored.group_scale is not None else scale.contiguous())
 def block_scaled(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a linear of a block-scaled FP8 checkpoint."""
     stored = getattr(module, "checkpoint_fp8", None)
@@ -121,14 +182,24 @@ def held_bytes(module: torch.nn.Module) -> int:
 
 def linear_fp8(x, linear: torch.nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T + b`` in FP8, ``linear`` quantized by :func:`quantize_linear_`: ``x`` a ``[T, K]``
-    tensor (its rows quantized here) or the ``(e4m3 [T, K], fp32 [T, 1])`` pair a kernel made
-    (:mod:`vitgraph.ops.fp8_kernels`); one ``_scaled_mm`` (rowwise scales give bf16), then ``dtype``
+    tensor (quantized here, as the weight is scaled) or the ``(e4m3 [T, K], fp32 scales)`` pair a
+    kernel made (:mod:`vitgraph.ops.fp8_kernels`); one GEMM (its bf16 output), then ``dtype``
     (default: ``x``'s, bf16 for a pair)."""
+    weight = linear.fp8
     if isinstance(x, torch.Tensor):
         dtype = dtype or x.dtype
-        x = quantize_rows(x)
+        x = quantize_groups(x) if weight.grouped else quantize_rows(x)
     q, scale = x
-    weight, weight_scale = linear.fp8
     bias = linear.bias.to(torch.bfloat16) if linear.bias is not None else None
-    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, bias=bias, out_dtype=torch.bfloat16)
+    if not weight.grouped:
+        out = torch._scaled_mm(q, weight.q.t(), scale_a=scale, scale_b=weight.scale, bias=bias,
+                               out_dtype=torch.bfloat16)
+    elif q.is_cuda:
+        recipe = torch.nn.functional.ScalingType.BlockWise1x128
+        out = torch.nn.functional.scaled_mm(q, weight.q.t(), scale, recipe, weight.scale, recipe, bias=bias,
+                                            output_dtype=torch.bfloat16)
+    else:  # a CPU: the same products, in fp32
+        width = q.shape[1]
+        out = (q.float() * group_scales(scale, width)) @ (weight.q.float() * group_scales(weight.scale, width)).t()
+        out = (out if bias is None else out + bias.float()).to(torch.bfloat16)
     return out.to(dtype or torch.bfloat16)

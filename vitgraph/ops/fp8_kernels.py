@@ -9,7 +9,9 @@ scale, by the kernel that produces it, so no separate quantize pass reads the ac
 * :func:`quantize_rows_fp8`: attention's output, proj's input (FlashAttention's kernel is not ours).
 
 One program holds whole rows, so a row's maximum needs no second pass. The values are those of
-:func:`vitgraph.ops.fp8.quantize_rows` on the rounded rows. Under Triton's CPU interpreter, whose
+:func:`vitgraph.ops.fp8.quantize_rows` on the rounded rows, or with ``grouped``, of
+:func:`vitgraph.ops.fp8.quantize_groups` (a scale per row and 128 columns, for a block FP8
+checkpoint's grouped GEMMs). Under Triton's CPU interpreter, whose
 cast to e4m3 loses a binade where rounding carries into the exponent (-124.9 becomes -64, not
 -128), the rows are produced by the plain kernels and quantized by torch instead.
 """
@@ -19,7 +21,10 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .fp8 import E4M3, MIN_SCALE, quantize_rows
+from .fp8 import E4M3, GROUP, MIN_SCALE, empty_scales, quantize_groups, quantize_rows
+from .kernels import LayerNormLaunch
+
+ONE_ROW = LayerNormLaunch(1, 8)  # rows and warps per program
 
 if kernels.available():
     import triton
@@ -29,9 +34,10 @@ if kernels.available():
 
     @triton.jit
     def _activation_fp8_kernel(f_ptr, q_ptr, scale_ptr, rows, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
-                               ACT: tl.constexpr, GATED: tl.constexpr, MIN: tl.constexpr):
+                               ACT: tl.constexpr, GATED: tl.constexpr, MIN: tl.constexpr, ROWS: tl.constexpr,
+                               GROUP: tl.constexpr):
         # f [T, WIDTH] (GATED: [T, 2 * WIDTH], each row's gate, then its up) -> e4m3 [T, WIDTH], scales [T, 1].
-        r = tl.program_id(0) + tl.arange(0, 1)[:, None]
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
         c = tl.arange(0, BLOCK_N)[None, :]
         mask = (r < rows) & (c < WIDTH)
         src = r.to(tl.int64) * (2 * WIDTH if GATED else WIDTH) + c
@@ -39,54 +45,62 @@ if kernels.available():
         a = _activate(g.to(tl.float32), ACT)
         if GATED:
             a = a * tl.load(f_ptr + src + WIDTH, mask=mask, other=0.0).to(tl.float32)
-        store_fp8_rows(a.to(g.dtype).to(tl.float32), q_ptr, scale_ptr, r.to(tl.int64) * WIDTH + c, r, mask, rows, MIN)
+        store_fp8_rows(a.to(g.dtype).to(tl.float32), q_ptr, scale_ptr, r.to(tl.int64) * WIDTH + c, r, mask, rows, MIN,
+                       ROWS, BLOCK_N, WIDTH, GROUP)
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, rows, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
-                              MIN: tl.constexpr):
-        r = tl.program_id(0) + tl.arange(0, 1)[:, None]
+                              MIN: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
         c = tl.arange(0, BLOCK_N)[None, :]
         mask = (r < rows) & (c < WIDTH)
         offs = r.to(tl.int64) * WIDTH + c
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        store_fp8_rows(x, q_ptr, scale_ptr, offs, r, mask, rows, MIN)
+        store_fp8_rows(x, q_ptr, scale_ptr, offs, r, mask, rows, MIN, ROWS, BLOCK_N, WIDTH, GROUP)
 
 
-def _outputs(rows: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(rows: int, width: int, grouped: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty(rows, width, device=device, dtype=E4M3),
-            torch.empty(rows, 1, device=device, dtype=torch.float32))
+            empty_scales(rows, width, grouped, device))
 
 
-def add_norm_fp8(x: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`vitgraph.ops.kernels.add_layernorm`'s rows as e4m3 and their fp32 scales ``[T, 1]``."""
+def add_norm_fp8(x: torch.Tensor, *args, grouped: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vitgraph.ops.kernels.add_layernorm`'s rows as e4m3 and their fp32 scales (``[T, 1]``;
+    ``grouped``: ``[T, ceil(N / 128)]``)."""
     if kernels.interpreted():
-        return quantize_rows(kernels.add_layernorm(x, *args, **kwargs))
-    return kernels.add_layernorm(x, *args, **kwargs, quant=True)
+        return (quantize_groups if grouped else quantize_rows)(kernels.add_layernorm(x, *args, **kwargs))
+    return kernels.add_layernorm(x, *args, **kwargs, quant=True, group=GROUP if grouped else 0)
 
 
-def activation_fp8(f: torch.Tensor, name: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def activation_fp8(f: torch.Tensor, name: str, gated: bool, launch: LayerNormLaunch = ONE_ROW,
+                   grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``name`` of ``f [T, W]`` (``gated``: ``name(gate) * up`` of ``f [T, 2W]``, ``name`` silu), rounded
-    to ``f``'s dtype, as e4m3 rows and their fp32 scales ``[T, 1]``; ``f`` contiguous."""
+    to ``f``'s dtype, as e4m3 rows and their fp32 scales (``[T, 1]``; ``grouped``: ``[T,
+    ceil(W / 128)]``); ``f`` contiguous; ``launch``: rows and warps per program."""
     if gated and name != "silu":
         raise ValueError(f"a gated MLP's FP8 activation is silu(gate) * up, got {name!r}")
     if kernels.interpreted():
-        return quantize_rows(kernels.silu_mul(f) if gated else kernels.activation_(f, name))
+        quantize = quantize_groups if grouped else quantize_rows
+        return quantize(kernels.silu_mul(f) if gated else kernels.activation_(f, name))
     rows, width = f.shape[0], f.shape[1] // (2 if gated else 1)
-    q, scale = _outputs(rows, width, f.device)
+    q, scale = _outputs(rows, width, grouped, f.device)
     if rows:
-        _activation_fp8_kernel[(rows,)](f, q, scale, rows, WIDTH=width, BLOCK_N=triton.next_power_of_2(width),
-                                        ACT=kernels.FUSED_ACTIVATIONS[name], GATED=gated, MIN=MIN_SCALE, num_warps=8)
+        _activation_fp8_kernel[(triton.cdiv(rows, launch.rows),)](
+            f, q, scale, rows, WIDTH=width, BLOCK_N=triton.next_power_of_2(width), ACT=kernels.FUSED_ACTIVATIONS[name],
+            GATED=gated, MIN=MIN_SCALE, ROWS=launch.rows, GROUP=GROUP if grouped else 0, num_warps=launch.warps)
     return q, scale
 
 
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`vitgraph.ops.fp8.quantize_rows` of ``x [T, W]`` (contiguous) in one kernel."""
+def quantize_rows_fp8(x: torch.Tensor, launch: LayerNormLaunch = ONE_ROW,
+                      grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vitgraph.ops.fp8.quantize_rows` (``grouped``: ``quantize_groups``) of ``x [T, W]`` in one kernel."""
     if kernels.interpreted():
-        return quantize_rows(x)
+        return (quantize_groups if grouped else quantize_rows)(x)
     x = x.contiguous()  # rows read at a stride of their width
     rows, width = x.shape
-    q, scale = _outputs(rows, width, x.device)
+    q, scale = _outputs(rows, width, grouped, x.device)
     if rows:
-        _quantize_rows_kernel[(rows,)](x, q, scale, rows, WIDTH=width, BLOCK_N=triton.next_power_of_2(width),
-                                       MIN=MIN_SCALE, num_warps=8)
+        _quantize_rows_kernel[(triton.cdiv(rows, launch.rows),)](
+            x, q, scale, rows, WIDTH=width, BLOCK_N=triton.next_power_of_2(width), MIN=MIN_SCALE, ROWS=launch.rows,
+            GROUP=GROUP if grouped else 0, num_warps=launch.warps)
     return q, scale

@@ -1,12 +1,11 @@
 """Triton kernels for the elementwise work of a block (the "fused" forward).
 
 Four launches per block (LayerNorm twice, rotary, the activation) replace the plain forward's
-elementwise ops (two LayerNorms, two residual adds, the rotary's half-dozen ops, a copy
-of v, the activation's few):
+elementwise ops (two LayerNorms, two residual adds, the rotary's half-dozen ops, a copy of v):
 
-* :func:`add_layernorm`: ``x += y`` (in place), then ``LayerNorm(x)``. It joins each
-  residual add to the LayerNorm after it, across the block boundary too (or, where the
-  GEMM before it added into ``x`` itself, normalizes ``x`` plus the biases kept aside);
+* :func:`add_layernorm`: ``x += y`` (in place), then ``LayerNorm(x)``, joining each residual add
+  to the LayerNorm after it (or, where the GEMM before it added into ``x`` itself, normalizing
+  ``x`` plus the biases kept aside); with ``quant``, an FP8 GEMM's input (:mod:`.fp8_kernels`);
 * :func:`rotary_`: fp32 2-D rotary of q and k inside the packed ``qkv`` rows (each rotated pair
   side by side, read as one integer), in place (padding rows optionally zeroed, for kernels
   that read past a segment's end), or into a wider head dim whose extra lane masks padding keys
@@ -15,10 +14,9 @@ of v, the activation's few):
   ``silu(gate) * up``); :func:`add_layernorm` with ``rms=True`` is its RMSNorm form;
 * :func:`prefix_sums`: the fp32 running sums of the biases a residual stream keeps aside.
 
-Arithmetic is fp32 inside; results are rounded once to the tensor dtype, where the plain
-forward rounds after every op. Each kernel handles whole rows in one program and never reads a
-row another program writes, so in-place updates are safe (``prefix_sums`` handles whole columns
-and writes a new tensor). They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+Arithmetic is fp32 inside, rounded once to the tensor dtype. Each kernel handles whole rows in one
+program and never reads a row another program writes, so in-place updates are safe (``prefix_sums``
+handles whole columns, into a new tensor). CUDA tensors, and CPU ones under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -29,6 +27,8 @@ from collections import namedtuple
 from dataclasses import dataclass
 
 import torch
+
+from . import fp8
 
 PAD_KEY_SCORE = -16384.0  # extra-lane value of a padding key: q.k gains -16384, exp() of it is 0
 
@@ -99,20 +99,30 @@ if available():
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
-    def store_fp8_rows(hf, q_ptr, scale_ptr, offs, r, mask, rows, MIN: tl.constexpr):  # vitgraph.ops.fp8_kernels
-        # NaN kept (a NaN row's scale is NaN, as torch's); times 1/448, which rounds alike everywhere;
-        # one IEEE reciprocal per row, then a product per value, as vitgraph.ops.fp8.quantize_rows
-        amax = tl.reduce(tl.abs(hf), 1, _max_nan)[:, None]
-        scale = tl.maximum(amax * (1.0 / 448.0), MIN, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_ptr + offs, (hf * tl.math.div_rn(1.0, scale)).to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + r, scale, mask=r < rows)
+    def store_fp8_rows(hf, q_ptr, scale_ptr, offs, r, mask, rows, MIN: tl.constexpr, ROWS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, N: tl.constexpr, GROUP: tl.constexpr):  # vitgraph.ops.fp8_kernels
+        # NaN kept (its row's scale NaN, as torch's); times 1/448; one IEEE reciprocal per row (GROUP: per
+        # row and GROUP columns), then a product per value: vitgraph.ops.fp8.quantize_rows (quantize_groups)
+        if GROUP == 0:
+            amax = tl.reduce(tl.abs(hf), 1, _max_nan)[:, None]
+            scale = tl.maximum(amax * (1.0 / 448.0), MIN, propagate_nan=tl.PropagateNan.ALL)
+            tl.store(q_ptr + offs, (hf * tl.math.div_rn(1.0, scale)).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(scale_ptr + r, scale, mask=r < rows)
+        else:
+            h3 = tl.reshape(hf, (ROWS, BLOCK_N // GROUP, GROUP))
+            amax = tl.reduce(tl.abs(h3), 2, _max_nan)
+            scale = tl.maximum(amax * (1.0 / 448.0), MIN, propagate_nan=tl.PropagateNan.ALL)
+            tl.store(q_ptr + offs, tl.reshape(h3 * tl.math.div_rn(1.0, scale)[:, :, None], (ROWS, BLOCK_N))
+                     .to(q_ptr.dtype.element_ty), mask=mask)
+            g = tl.arange(0, BLOCK_N // GROUP)[None, :]  # scales [rows, ceil(N / GROUP)], column-major (cuBLAS's)
+            tl.store(scale_ptr + g * rows + r, scale, mask=(r < rows) & (g * GROUP < N))
 
     @triton.jit
     def _add_layernorm_kernel(x_ptr, y_ptr, y_bias_ptr, offset_ptr, h_ptr, w_ptr, b_ptr, rows, eps,
                               N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_Y: tl.constexpr,
                               SPLITS: tl.constexpr, HAS_Y_BIAS: tl.constexpr, HAS_OFFSET: tl.constexpr,
                               LAUNCH_DEPENDENTS: tl.constexpr, RMS: tl.constexpr = False, scale_ptr=None,
-                              QUANT: tl.constexpr = False, MIN_SCALE: tl.constexpr = 0.0):
+                              QUANT: tl.constexpr = False, MIN_SCALE: tl.constexpr = 0.0, GROUP: tl.constexpr = 0):
         if LAUNCH_DEPENDENTS:
             tl.extra.cuda.gdc_launch_dependents()
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -141,7 +151,8 @@ if available():
         else:
             h = layernorm_rows(xf, mask, c, w_ptr, b_ptr, N, eps)
         if QUANT:  # e4m3 rows and their scales for an FP8 GEMM (vitgraph.ops.fp8_kernels)
-            store_fp8_rows(h.to(x.dtype).to(tl.float32), h_ptr, scale_ptr, offs, r, mask, rows, MIN_SCALE)
+            store_fp8_rows(h.to(x.dtype).to(tl.float32), h_ptr, scale_ptr, offs, r, mask, rows, MIN_SCALE, ROWS,
+                           BLOCK_N, N, GROUP)
         else:
             tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
@@ -273,18 +284,18 @@ def layernorm_launch(rows: int, width: int, tuning: NormTuning = DEFAULT_NORMS) 
 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
                   eps: float, y_bias: torch.Tensor | None = None, offset: torch.Tensor | None = None,
-                  launch: LayerNormLaunch | None = None, rms: bool = False,
-                  tuning: NormTuning = DEFAULT_NORMS, quant: bool = False):
+                  launch: LayerNormLaunch | None = None, rms: bool = False, tuning: NormTuning = DEFAULT_NORMS,
+                  quant: bool = False, group: int = 0):
     """``x += y`` in place (when ``y`` is given), then return ``LayerNorm(x)``. ``x``: ``[T, N]``
     contiguous; ``y``: ``[T, N]``, or ``[S, T, N]`` partial products that are summed (in fp32,
     with ``y_bias [N]`` when given) before the add. ``offset``: fp32 ``[N]`` added to every row
     before the LayerNorm and not stored (``LayerNorm(x + offset)``), for a residual stream that
-    keeps its biases aside (``FusedLoop.forward_fused``). ``tuning``: the tower's
-    (:class:`NormTuning`); ``launch``: a layout other than the one it gives. ``quant``: return the
-    normalized rows, rounded to x's dtype, as e4m3 and their fp32 scales ``[T, 1]`` (an FP8 GEMM's input)."""
+    keeps its biases aside (``FusedLoop.forward_fused``). ``tuning``: the tower's (:class:`NormTuning`);
+    ``launch``: a layout other than the one it gives. ``quant``: the normalized rows, rounded to x's
+    dtype, as e4m3 and their fp32 scales ``[T, 1]`` (``group``: per ``group`` columns too, column-major)."""
     rows, n = x.shape
     h = torch.empty_like(x, dtype=torch.float8_e4m3fn if quant else x.dtype)
-    scale = torch.empty(rows, 1, device=x.device, dtype=torch.float32) if quant else None
+    scale = fp8.empty_scales(rows, n, group > 0, x.device) if quant else None
     if rows == 0:
         return (h, scale) if quant else h
     if y is not None and (not y.is_contiguous() or y.shape[-2:] != x.shape or y.dim() not in (2, 3)):
@@ -298,8 +309,9 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
         weight, bias, rows, eps, N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=launch.rows, HAS_Y=y is not None,
         SPLITS=y.shape[0] if y is not None and y.dim() == 3 else 1, HAS_Y_BIAS=y_bias is not None,
         HAS_OFFSET=offset is not None, LAUNCH_DEPENDENTS=_launches_dependents(x, tuning), RMS=rms, scale_ptr=scale,
-        QUANT=quant, MIN_SCALE=2.0 ** -126, num_warps=launch.warps)
+        QUANT=quant, MIN_SCALE=2.0 ** -126, GROUP=group, num_warps=launch.warps)
     return (h, scale) if quant else h
+
 
 
 _PAIR_TYPES = {16: torch.int32, 32: torch.int64}  # a rotated pair of 16- or 32-bit values, read as one integer
