@@ -109,6 +109,13 @@ def test_what_cannot_run_fp8_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
     with pytest.raises(ValueError, match=r"compute capability 8.9 or more .* has \(8, 0\)"):
         check_fp8_device(torch.device("cuda"))
+    for capability in ((8, 9), (10, 0)):  # Ada, Blackwell: no 1x128 scaling in cuBLAS
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        with pytest.raises(ValueError, match=rf"groups of 128 columns, .* Hopper only; .* \({capability[0]}, "):
+            fp8_ops.check_grouped_device(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fp8_ops.check_grouped_device(torch.device("cuda"))
+    fp8_ops.check_grouped_device(torch.device("cpu"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # no fused forward on a CPU then
     monkeypatch.setattr("vitgraph.ops.kernels.interpreted", lambda: False)
     with pytest.raises(ValueError, match="precision='fp8' runs in the fused forward"):

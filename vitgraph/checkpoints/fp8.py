@@ -18,11 +18,12 @@ modules (``*`` and ``?`` wildcards too, as ModelOpt writes them).
 FP8 checkpoints load dequantized on every machine: each quantized linear becomes ``weight *
 scale`` in fp32 on load, then the compute dtype (bf16 or fp32), and the tower is built, captured
 and run exactly as from a float checkpoint: the default, as FP8 GEMMs measured slower than bf16
-on these towers (BENCHMARKS.md). ``precision="fp8"`` (:mod:`vitgraph.ops.fp8`) runs a per-tensor
-checkpoint's blocks on its own e4m3 values and scales (:class:`CheckpointScales`, taken back out of
-the dequantized weights: no second rounding), and refuses a block-scaled one (its rowwise GEMMs
-would round the weights again). Activations are quantized per row as they are made; a static
-``input_scale`` is checked but not used (a row's own scale is at least as close, and free).
+on these towers (BENCHMARKS.md). ``precision="fp8"`` (:mod:`vitgraph.ops.fp8`) runs the blocks on
+the checkpoint's own e4m3 values and scales (:class:`CheckpointScales`, taken back out of the
+dequantized weights: no second rounding): a per-tensor checkpoint's rowwise, a block checkpoint's
+grouped (a scale per row and 128 columns; column blocks that are not whole 128s are quantized
+again in groups). Activations are quantized as they are made; a static ``input_scale`` is checked
+but not used (a row's own scale is at least as close, and free).
 
 Other methods (AWQ, GPTQ, compressed-tensors, ModelOpt's NVFP4, ...) mostly leave the vision
 tower in float: such a checkpoint loads as before, and a quantized vision tensor under one is

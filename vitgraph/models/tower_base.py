@@ -200,6 +200,8 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
         if precision == "fp8":
             if not self.fused:
                 raise ValueError("precision='fp8' runs in the fused forward: it needs fuse=True")
+            if grouped:
+                fp8.check_grouped_device(self.blocks[0].attn.proj.bias.device)
             unaligned = sorted({(lin.in_features, lin.out_features) for lin in linears if not fp8.fits(lin)})
             if unaligned:
                 raise ValueError(f"precision='fp8': FP8 GEMMs take widths in multiples of {fp8.ALIGN}; the "

@@ -120,6 +120,14 @@ def quantize_linear_(linear: torch.nn.Linear, grouped: bool = False) -> None:
     linear.fp8 = own if own is not None and own.grouped == grouped else quantize_weight(linear.weight.detach(), grouped)
 
 
+def check_grouped_device(device: torch.device) -> None:
+    """Grouped GEMMs (1x128 x 1x128 scaling) run on Hopper (cuBLAS) or a CPU (:func:`linear_fp8`)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
+        raise ValueError(f"precision='fp8' runs a block FP8 checkpoint's GEMMs in groups of 128 columns, which "
+                         f"cuBLAS runs on Hopper only; {device} has compute capability "
+                         f"{torch.cuda.get_device_capability(device)}: use precision='bf16' (dequantized)")
+
+
 def grouped(linears) -> bool:
     """Whether FP8 runs ``linears`` (a tower's) grouped: any is a block FP8 checkpoint's."""
     return any(block_scaled(linear) for linear in linears)
