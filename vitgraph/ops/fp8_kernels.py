@@ -59,6 +59,11 @@ if kernels.available():
         store_fp8_rows(x, q_ptr, scale_ptr, offs, r, mask, rows, MIN, ROWS, BLOCK_N, WIDTH, GROUP)
 
 
+def _group(grouped: bool, width: int) -> int:
+    # A row narrower than a group is one group: its block of lanes, whole.
+    return min(GROUP, triton.next_power_of_2(width)) if grouped else 0
+
+
 def _outputs(rows: int, width: int, grouped: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty(rows, width, device=device, dtype=E4M3),
             empty_scales(rows, width, grouped, device))
@@ -87,7 +92,7 @@ def activation_fp8(f: torch.Tensor, name: str, gated: bool, launch: LayerNormLau
     if rows:
         _activation_fp8_kernel[(triton.cdiv(rows, launch.rows),)](
             f, q, scale, rows, WIDTH=width, BLOCK_N=triton.next_power_of_2(width), ACT=kernels.FUSED_ACTIVATIONS[name],
-            GATED=gated, MIN=MIN_SCALE, ROWS=launch.rows, GROUP=GROUP if grouped else 0, num_warps=launch.warps)
+            GATED=gated, MIN=MIN_SCALE, ROWS=launch.rows, GROUP=_group(grouped, width), num_warps=launch.warps)
     return q, scale
 
 
@@ -102,5 +107,5 @@ def quantize_rows_fp8(x: torch.Tensor, launch: LayerNormLaunch = ONE_ROW,
     if rows:
         _quantize_rows_kernel[(triton.cdiv(rows, launch.rows),)](
             x, q, scale, rows, WIDTH=width, BLOCK_N=triton.next_power_of_2(width), MIN=MIN_SCALE, ROWS=launch.rows,
-            GROUP=GROUP if grouped else 0, num_warps=launch.warps)
+            GROUP=_group(grouped, width), num_warps=launch.warps)
     return q, scale
