@@ -72,8 +72,8 @@ def needs_fp8(hopper: bool = False):
 def test_the_quantizing_kernels_round_as_torch_does(width, grouped):
     """The kernels that hand FP8 GEMMs their inputs (vitgraph.ops.fp8_kernels) give the e4m3 values
     and scales of vitgraph.ops.fp8.quantize_rows (grouped: quantize_groups, a short last group at
-    4304, one group narrower than 128 at 96), bit for bit: attention's output, the norms' and the activations' (with a zero row and
-    a NaN row among them), in every launch layout the kernels take."""
+    4304, one group narrower than 128 at 96), bit for bit: attention's output, the norms' and the
+    activations' (with a zero row and a NaN row among them), in more than one launch layout."""
     needs_fp8()
     from vitgraph.ops import kernels
     from vitgraph.ops.fp8 import quantize_groups, quantize_rows as by_rows
