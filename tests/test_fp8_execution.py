@@ -46,6 +46,30 @@ def test_each_row_is_scaled_by_its_own_maximum():
     assert ((dequantized[rows] - x[rows]).abs() <= x[rows].abs().amax(1, keepdim=True) / 16).all()  # 3 mantissa bits
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_each_group_of_128_columns_is_scaled_by_its_own_maximum(rows):
+    """quantize_groups: per row and 128 columns (a short last group at 300 wide), the scales laid
+    out as cuBLAS takes them (stride (1, T), one row too), a NaN spoiling its own group only."""
+    from vitgraph.ops.fp8 import group_scales, quantize_groups
+
+    torch.manual_seed(2)
+    x = torch.randn(rows, 300) * torch.tensor([1e-3] * 128 + [30.0] * 128 + [1.0] * 44)
+    x[0, 130] = float("nan")
+    q, scale = quantize_groups(x)
+    assert q.shape == (rows, 300) and scale.shape == (rows, 3) and scale.stride() == (1, rows)
+    assert scale[0, 1].isnan() and q[0, 128:256].float().isnan().all()
+    assert torch.isfinite(scale[:, [0, 2]]).all() and torch.isfinite(q[:, :128].float()).all()
+    for r in range(rows):
+        for g, cols in enumerate((slice(0, 128), slice(128, 256), slice(256, 300))):
+            if (r, g) != (0, 1):
+                assert torch.equal(scale[r, g], x[r, cols].abs().max() * (1.0 / E4M3_MAX))
+                assert q[r, cols].float().abs().max().item() == E4M3_MAX
+    ok = torch.ones_like(x, dtype=torch.bool)
+    ok[0, 128:256] = False
+    dequantized = q.float() * group_scales(scale, 300)
+    assert ((dequantized - x).abs()[ok] <= (group_scales(scale, 300) * E4M3_MAX / 16)[ok]).all()  # 3 mantissa bits
+
+
 def test_an_fp8_linear_is_the_gemm_of_the_rounded_operands():
     torch.manual_seed(1)
     linear = torch.nn.Linear(64, 48)

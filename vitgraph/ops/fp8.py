@@ -61,7 +61,13 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = torch.nn.functional.pad(x.float(), (0, groups * GROUP - width)).view(rows, groups, GROUP)
     q, scale = quantize_rows(xf.reshape(-1, GROUP))
     q = q.view(rows, groups * GROUP)[:, :width].contiguous()
-    return q, scale.view(rows, groups).t().contiguous().t()
+    return q, column_major(scale.view(rows, groups))
+
+
+def column_major(scale: torch.Tensor) -> torch.Tensor:
+    """``scale [R, G]`` laid out with stride ``(1, R)`` (cuBLAS's, a single row's too)."""
+    out = torch.empty(scale.shape[1], scale.shape[0], device=scale.device, dtype=scale.dtype).t()
+    return out.copy_(scale)
 
 
 def empty_scales(rows: int, width: int, grouped: bool, device) -> torch.Tensor:
@@ -69,7 +75,7 @@ def empty_scales(rows: int, width: int, grouped: bool, device) -> torch.Tensor:
     ceil(width / GROUP)]`` column-major."""
     if not grouped:
         return torch.empty(rows, 1, device=device, dtype=torch.float32)
-    return torch.empty(-(-width // GROUP), rows, device=device, dtype=torch.float32).t()
+    return column_major(torch.empty(rows, -(-width // GROUP), device=device, dtype=torch.float32))
 
 
 def group_scales(scale: torch.Tensor, width: int) -> torch.Tensor:
@@ -162,7 +168,7 @@ def checkpoint_weight(linear: torch.nn.Module) -> Fp8Weight | None:
     q = (weight.float() / spread).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     if not torch.equal((q.float() * spread).to(weight.dtype), weight):
         return None
-    return Fp8Weight(q.contiguous(), scale.t().contiguous().t() if stored.group_scale is not None else scale.contiguous())
+    return Fp8Weight(q.contiguous(), column_major(scale) if stored.group_scale is not None else scale.contiguous())
 def block_scaled(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a linear of a block-scaled FP8 checkpoint."""
     stored = getattr(module, "checkpoint_fp8", None)
