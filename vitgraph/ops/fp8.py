@@ -10,9 +10,9 @@ scalings:
   activations with one scale per row and 128 columns, through ``scaled_mm``'s 1x128 x 1x128
   block scaling (cuBLAS on Hopper; the same products in fp32 on a CPU). No weight is rounded twice.
 
- ``_scaled_mm`` takes dimensions in multiples of 16; the towers' widths are
-(Qwen2.5-VL's 3420-wide MLP is kept padded to 3456). A row's scale is its absolute maximum over
-448, e4m3's largest value, so a non-finite value spoils its own row only: items stay apart.
+FP8 GEMMs take dimensions in multiples of 16, as the towers' widths are (Qwen2.5-VL's 3420-wide
+MLP is kept padded to 3456). A row's (or group's) scale is its absolute maximum over 448, e4m3's
+largest value, so a non-finite value spoils its own row only: items stay apart.
 
 :func:`fake_quantize_rows` and :func:`fake_quantize_weight` give the same rounding in the input's
 dtype: the floor every FP8 kernel shares (the reference with each GEMM's input rounded to e4m3 at
