@@ -30,6 +30,9 @@ E4M3_MAX = 448.0
 MIN_SCALE = 2.0 ** -126  # an all-zero row's scale: its e4m3 values are zeros whatever it is
 ALIGN = 16  # _scaled_mm's dimensions: multiples of 16
 GROUP = 128  # grouped scaling: one scale per row and 128 columns (the last group of a row may be short)
+# Grouped GEMMs take rows in whole 16s: on an H100, cuBLAS's 1x128 scaling refused 1 and 4095 rows
+# (CUBLAS_STATUS_NOT_SUPPORTED) and took 200, 256, 384 and 4096 (benchmarks/HISTORY.md).
+ROW_ALIGN = 16
 
 
 class Fp8Weight(NamedTuple):
@@ -208,12 +211,24 @@ def linear_fp8(x, linear: torch.nn.Linear, dtype: torch.dtype | None = None) -> 
     if not weight.grouped:
         out = torch._scaled_mm(q, weight.q.t(), scale_a=scale, scale_b=weight.scale, bias=bias,
                                out_dtype=torch.bfloat16)
-    elif q.is_cuda:
+    else:
+        out = _grouped_mm(q, scale, weight, bias)
+    return out.to(dtype or torch.bfloat16)
+
+
+def _grouped_mm(q: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The grouped GEMM in bf16: cuBLAS's 1x128 x 1x128 scaling on CUDA, the same products in fp32
+    elsewhere; rows padded to whole ``ROW_ALIGN`` s first."""
+    rows, width = q.shape
+    pad = -rows % ROW_ALIGN
+    if pad:  # zero rows, unit scales: their outputs are the bias, cut off below
+        q = torch.cat([q.view(torch.uint8), q.new_zeros(pad, width).view(torch.uint8)]).view(E4M3)
+        scale = column_major(torch.cat([scale, scale.new_ones(pad, scale.shape[1])]))
+    if q.is_cuda:
         recipe = torch.nn.functional.ScalingType.BlockWise1x128
         out = torch.nn.functional.scaled_mm(q, weight.q.t(), scale, recipe, weight.scale, recipe, bias=bias,
                                             output_dtype=torch.bfloat16)
-    else:  # a CPU: the same products, in fp32
-        width = q.shape[1]
+    else:
         out = (q.float() * group_scales(scale, width)) @ (weight.q.float() * group_scales(weight.scale, width)).t()
         out = (out if bias is None else out + bias.float()).to(torch.bfloat16)
-    return out.to(dtype or torch.bfloat16)
+    return out[:rows]
