@@ -1,14 +1,15 @@
 """FP8 against bf16 graphs, one process per preset: speed and distance from fp32.
 
     python benchmarks/fp8.py --json benchmarks/results/h100-fp8.json      # the three presets, GPU
-    python benchmarks/fp8.py --presets tiny --device cpu --cases 1x256 --rounds 1   # runs anywhere
+    TRITON_INTERPRET=1 python benchmarks/fp8.py --presets tiny --device cpu --cases 1x256 --rounds 1  # a CPU
+    python benchmarks/fp8.py --outliers ...   # a few outlier channels in the GEMMs' inputs
 
 Per preset, two graph encoders of the same random weights, ``precision="bf16"`` and ``"fp8"``,
 timed in strictly alternating blocks after a preheat (``vitgraph.bench.common.alternating_ab``):
 the patch counts of 1024, 4096 and 16384 tokens and the standard cases. Per case, the distance
 from the fp32 reference (the same weights, the plain forward) of the FP8 graph, of the floor (the
 reference with each GEMM's input and weight rounded to e4m3 at FP8's granularity) and of the
-bf16 graph. Writes ``{"gpu": ..., "cases": [{"model", "case", "tokens", "bf16_ms", "fp8_ms",
+bf16 graph. Writes ``{"gpu": ..., "cases": [{"model", "case", "outliers", "tokens", "bf16_ms", "fp8_ms",
 "rel_err_fp8", "rel_err_floor", "rel_err_bf16"}], "footprint": {model: {precision: {"capture_s",
 "pool_mib", "weight_mib"}}}}`` with ``--json``.
 """
@@ -56,12 +57,22 @@ def footprints(encoders: dict) -> dict:
     return out
 
 
+def add_outlier_channels_(tower, channels=(1, 5, 9, 13), factor: float = 30.0) -> None:
+    """A few channels of every block's norms ``factor`` x the rest: outliers in the GEMMs' inputs."""
+    with torch.no_grad():
+        for block in tower.blocks:
+            for norm in (block.norm1, block.norm2):
+                norm.weight[list(channels)] *= factor
+
+
 def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iters: int,
-               preheat: float) -> tuple[list[dict], dict]:
+               preheat: float, outliers: bool = False) -> tuple[list[dict], dict]:
     """The preset's case rows, and its :func:`footprints`."""
     config = PRESETS[preset]
     torch.manual_seed(0)
     reference = build_tower(config, device, torch.float32)
+    if outliers:
+        add_outlier_channels_(reference)
     state = reference.state_dict()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # exact_eager_above=None: the 16384-token frame replays from its bucket's graph too.
@@ -76,7 +87,7 @@ def run_preset(preset: str, cases: dict, device: torch.device, rounds: int, iter
     out = []
     for name, bf16_ms, fp8_ms, _ in rows:
         grids = cases[name]
-        entry = {"model": preset, "case": name, "tokens": sum(t * h * w for t, h, w in grids),
+        entry = {"model": preset, "case": name, "outliers": outliers, "tokens": sum(t * h * w for t, h, w in grids),
                  "bf16_ms": bf16_ms, "fp8_ms": fp8_ms, **errors(reference, encoders, grids, device)}
         print(f"{preset:14} {name:14} {entry['tokens']:6}  bf16 {bf16_ms:8.2f}  fp8 {fp8_ms:8.2f} ms "
               f"({bf16_ms / fp8_ms:.2f}x)  from fp32: fp8 {entry['rel_err_fp8']:.2e}, floor "
@@ -95,6 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--preheat", type=float, default=PREHEAT_SECONDS, help="seconds of calls before each case")
+    parser.add_argument("--outliers", action="store_true",
+                        help="four channels of every norm 30x the rest (outliers in the GEMMs' inputs)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -102,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {"gpu": gpu, "torch": torch.__version__, "cases": [], "footprint": {}}
     for preset in args.presets:
-        rows, result["footprint"][preset] = run_preset(preset, cases, device, args.rounds, args.iters, args.preheat)
+        rows, result["footprint"][preset] = run_preset(preset, cases, device, args.rounds, args.iters, args.preheat,
+                                                       args.outliers)
         result["cases"] += rows
     write_json(result, args.json)
     return result
