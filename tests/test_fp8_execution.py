@@ -164,10 +164,28 @@ def test_what_cannot_run_fp8_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     fp8_ops.check_grouped_device(torch.device("cuda"))
     fp8_ops.check_grouped_device(torch.device("cpu"))
+    monkeypatch.delattr(torch.nn.functional, "scaled_mm")  # a torch before the block scalings
+    with pytest.raises(ValueError, match=r"through torch.nn.functional.scaled_mm, which torch .* does not have"):
+        fp8_ops.check_grouped_device(torch.device("cuda"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # no fused forward on a CPU then
     monkeypatch.setattr("vitgraph.ops.kernels.interpreted", lambda: False)
     with pytest.raises(ValueError, match="precision='fp8' runs in the fused forward"):
         GraphedVisionEncoder.from_config("tiny", device="cpu", precision="fp8")
+
+
+def test_an_fp8_linear_refuses_scales_of_the_other_scaling():
+    """Rowwise scales into a grouped weight (or the reverse) would be read at the wrong places."""
+    from vitgraph.ops.fp8 import Fp8Weight, quantize_groups
+
+    torch.manual_seed(3)
+    x = torch.randn(16, 300)
+    grouped, rowwise = torch.nn.Linear(300, 32), torch.nn.Linear(300, 32)
+    grouped.fp8 = Fp8Weight(*quantize_groups(grouped.weight.detach()))
+    quantize_linear_(rowwise)
+    with pytest.raises(ValueError, match=r"scales \(16, 1\) do not fit a grouped weight \(32, 300\)"):
+        linear_fp8(quantize_rows(x), grouped)
+    with pytest.raises(ValueError, match=r"scales \(16, 3\) do not fit a rowwise weight"):
+        linear_fp8(quantize_groups(x), rowwise)
 
 
 def test_fp8_takes_no_quack_kernel():

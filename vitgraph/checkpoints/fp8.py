@@ -198,7 +198,7 @@ def attach_checkpoint_scales(tower: torch.nn.Module, empty_tower: torch.nn.Modul
     so ``empty_tower`` (on the meta device) loads the scales in the biases' place and lays them
     out as ``tower`` laid its rows, once per group of 128 input columns for a block checkpoint.
     A linear with no bias, or joined from FP8 and float rows, gets none (``precision="fp8"`` then
-    quantizes it per channel, as a float checkpoint's)."""
+    quantizes it again: per channel, or in groups beside a block checkpoint's linears)."""
     block = next(iter(quantized.values())).block  # one format per checkpoint
     grouped = block is not None and block[1] % GROUP == 0  # each 128 columns under one block's scale
     columns = max(linear.weight.shape[1] for linear in quantized.values())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ..ops.fp8 import checkpoint_weight, fake_quantize_rows, fake_quantize_weight, grouped
+from ..ops.fp8 import checkpoint_weight, fake_quantize_rows, fake_quantize_weight, runs_grouped
 
 
 @contextmanager
@@ -18,7 +18,7 @@ def fp8_floor(tower):
     tower.check_float_weights()
     linears = [linear for block in tower.blocks for linear in tower.block_linears(block)]
     saved = [linear.weight.data for linear in linears]
-    groups = grouped(linears)
+    groups = runs_grouped(linears)
     hooks = [linear.register_forward_pre_hook(lambda module, args: (fake_quantize_rows(args[0], groups),) + args[1:])
              for linear in linears]
     try:

@@ -196,7 +196,7 @@ class TowerBase(FusedLoop, RotaryFrequencies, nn.Module):
         ids = {id(linear) for block in self.blocks for linear in self.block_linears(block)}
         named = [(name, m) for name, m in self.named_modules() if id(m) in ids]
         linears = [m for _, m in named]
-        grouped = fp8.grouped(linears)
+        grouped = fp8.runs_grouped(linears)
         if precision == "fp8":
             if not self.fused:
                 raise ValueError("precision='fp8' runs in the fused forward: it needs fuse=True")

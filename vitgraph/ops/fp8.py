@@ -30,9 +30,7 @@ E4M3_MAX = 448.0
 MIN_SCALE = 2.0 ** -126  # an all-zero row's scale: its e4m3 values are zeros whatever it is
 ALIGN = 16  # _scaled_mm's dimensions: multiples of 16
 GROUP = 128  # grouped scaling: one scale per row and 128 columns (the last group of a row may be short)
-# Grouped GEMMs take rows in whole 16s: on an H100, cuBLAS's 1x128 scaling refused 1 and 4095 rows
-# (CUBLAS_STATUS_NOT_SUPPORTED) and took 200, 256, 384 and 4096 (benchmarks/HISTORY.md).
-ROW_ALIGN = 16
+ROW_ALIGN = 16  # grouped GEMMs' rows, padded: an H100's cuBLAS refused 4095 and took 200 (HISTORY 68)
 
 
 class Fp8Weight(NamedTuple):
@@ -131,15 +129,20 @@ def quantize_linear_(linear: torch.nn.Linear, grouped: bool = False) -> None:
 
 def check_grouped_device(device: torch.device) -> None:
     """Grouped GEMMs (1x128 x 1x128 scaling) run on Hopper (cuBLAS) or a CPU (:func:`linear_fp8`)."""
+    if device.type == "cuda" and not hasattr(torch.nn.functional, "scaled_mm"):
+        raise ValueError(f"precision='fp8' runs a block FP8 checkpoint's GEMMs through torch.nn.functional."
+                         f"scaled_mm, which torch {torch.__version__} does not have: use precision='bf16'")
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
         raise ValueError(f"precision='fp8' runs a block FP8 checkpoint's GEMMs in groups of 128 columns, which "
                          f"cuBLAS runs on Hopper only; {device} has compute capability "
                          f"{torch.cuda.get_device_capability(device)}: use precision='bf16' (dequantized)")
 
 
-def grouped(linears) -> bool:
+def runs_grouped(linears) -> bool:
     """Whether FP8 runs ``linears`` (a tower's) grouped: any is a block FP8 checkpoint's."""
     return any(block_scaled(linear) for linear in linears)
+
+
 def release_float_(linear: torch.nn.Linear) -> None:
     """Drop a quantized ``linear``'s float weight (a meta tensor of its shape and dtype stays): the
     e4m3 copy alone is held, half the weight's bytes in bf16."""
@@ -172,6 +175,8 @@ def checkpoint_weight(linear: torch.nn.Module) -> Fp8Weight | None:
     if not torch.equal((q.float() * spread).to(weight.dtype), weight):
         return None
     return Fp8Weight(q.contiguous(), column_major(scale) if stored.group_scale is not None else scale.contiguous())
+
+
 def block_scaled(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a linear of a block-scaled FP8 checkpoint."""
     stored = getattr(module, "checkpoint_fp8", None)
@@ -207,6 +212,9 @@ def linear_fp8(x, linear: torch.nn.Linear, dtype: torch.dtype | None = None) -> 
         dtype = dtype or x.dtype
         x = quantize_groups(x) if weight.grouped else quantize_rows(x)
     q, scale = x
+    if scale.shape[-1] != (-(-q.shape[1] // GROUP) if weight.grouped else 1):  # shapes only: no sync
+        raise ValueError(f"an FP8 input's scales {tuple(scale.shape)} do not fit a "
+                         f"{'grouped' if weight.grouped else 'rowwise'} weight {tuple(weight.q.shape)}")
     bias = linear.bias.to(torch.bfloat16) if linear.bias is not None else None
     if not weight.grouped:
         out = torch._scaled_mm(q, weight.q.t(), scale_a=scale, scale_b=weight.scale, bias=bias,

@@ -309,9 +309,8 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
         weight, bias, rows, eps, N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=launch.rows, HAS_Y=y is not None,
         SPLITS=y.shape[0] if y is not None and y.dim() == 3 else 1, HAS_Y_BIAS=y_bias is not None,
         HAS_OFFSET=offset is not None, LAUNCH_DEPENDENTS=_launches_dependents(x, tuning), RMS=rms, scale_ptr=scale,
-        QUANT=quant, MIN_SCALE=2.0 ** -126, GROUP=min(group, triton.next_power_of_2(n)), num_warps=launch.warps)
+        QUANT=quant, MIN_SCALE=fp8.MIN_SCALE, GROUP=min(group, triton.next_power_of_2(n)), num_warps=launch.warps)
     return (h, scale) if quant else h
-
 
 
 _PAIR_TYPES = {16: torch.int32, 32: torch.int64}  # a rotated pair of 16- or 32-bit values, read as one integer
