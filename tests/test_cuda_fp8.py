@@ -141,14 +141,14 @@ def test_a_grouped_gemm_is_the_product_of_its_groups(rows, out_features, in_feat
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
 def test_a_block_checkpoint_runs_grouped_in_graphs(tmp_path, family):
     """A block FP8 checkpoint (128 x 128) with precision="fp8": its own e4m3 weights in grouped
-    GEMMs, replay = eager bitwise, at the floor of rounding its activations in groups, a NaN item
-    keeping to its rows."""
+    GEMMs, replay = eager bitwise (a 1020-token bucket's rows padded to whole 16s inside its graph),
+    at the floor of rounding its activations in groups, a NaN item keeping to its rows."""
     needs_fp8(hopper=True)
     from test_fp8_loading import BLOCK, float_state, quantize, write
 
     ckpt = write(tmp_path / "fp8", family, quantize(float_state(family, "cuda"), (128, 128))[0], BLOCK, size="cuda")
     enc = GraphedVisionEncoder.from_pretrained(ckpt, device="cuda", dtype=torch.bfloat16, precision="fp8",
-                                               budgets=[1024], max_items=8, progress=False)
+                                               budgets=[1020, 2048], max_items=8, progress=False)
     assert enc.tower.fp8_grouped
     assert_replays_equal_eager(enc.bank)
     reference = GraphedVisionEncoder.from_pretrained(ckpt, device="cuda", dtype=torch.float32, fuse=False,
