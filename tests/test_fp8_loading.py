@@ -254,6 +254,7 @@ def test_checkpoint_scales_hold_only_where_the_weights_are_the_checkpoints(tmp_p
     assert mixed.block == whole.block == (128, 128) and mixed.group_scale is None and whole.group_scale is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, block", [("qwen2_vl", (128, 128)), ("qwen2_vl", (64, 256)),
                                            ("qwen2_5_vl", (128, 128)), ("qwen3_vl", (128, 128))])
 def test_fp8_runs_a_block_checkpoint_on_its_own_e4m3_values_in_groups(tmp_path, family, block):
@@ -307,6 +308,7 @@ def test_fp8_runs_a_block_checkpoint_on_its_own_e4m3_values_in_groups(tmp_path, 
     assert 1e-4 < rel_err(floor, ref) < rel_err(rowwise_floor, ref) and got <= 1.1 * rel_err(floor, ref)
 
 
+@pytest.mark.slow
 def test_a_block_checkpoint_whose_blocks_split_groups_runs_quantized_again(tmp_path):
     """Column blocks that are no whole 128s (40 wide) cannot be read per group: such a checkpoint's
     linears are quantized again in groups, and a float linear beside them (not converted) too; the
