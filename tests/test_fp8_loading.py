@@ -180,6 +180,21 @@ def test_dequantize_crops_the_last_blocks():
     assert torch.equal(dequantize(weight, torch.tensor([0.5]), None), weight.float() * 0.5)
 
 
+@pytest.mark.parametrize("block", [(2 ** 40, 128), (128, 10 ** 12), (2 ** 70, 2 ** 70)])
+def test_a_block_larger_than_its_weight_is_one_block(tmp_path, block):
+    """A declared block far beyond the weight is one block over it: loaded (and run grouped where
+    its columns allow) without expanding its scales to the block's size (2^40 rows would ask for
+    terabytes), and dequantized as a block of the weight's own size is."""
+    tensors, reference = quantize(float_state("qwen2_vl"), block)
+    ckpt = write(tmp_path / "fp8", "qwen2_vl", tensors, dict(BLOCK, weight_block_size=list(block)))
+    enc = load(ckpt)
+    weights = enc.tower.state_dict()
+    assert all(torch.equal(weights[k.removeprefix("visual.")], v) for k, v in reference.items() if "blocks.0" in k)
+    fp8 = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float32, precision="fp8", fuse=True)
+    pixels = random_pixels(GRID, enc.shape.patch_width, seed=3)
+    assert rel_err(fp8.encode(pixels, GRID), enc.encode(pixels, GRID)) < 0.1
+
+
 # -- precision="fp8" on FP8 checkpoints ------------------------------------------------------
 
 @pytest.mark.parametrize("family", list(PREFIX))

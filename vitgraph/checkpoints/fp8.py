@@ -248,8 +248,7 @@ def _row_scales(linear: QuantizedLinear, group: int) -> torch.Tensor:
     column = group * GROUP
     if column >= cols:
         return torch.ones(rows)
-    b0, b1 = linear.block
-    return linear.scale.float().cpu()[:, column // b1].repeat_interleave(b0)[:rows].clone()
+    return linear.scale.float().cpu()[:, column // linear.block[1]][block_of(rows, linear.block[0])]
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
@@ -259,7 +258,14 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     if block is None:
         return w * scale.float().reshape(())
     rows, cols = w.shape
-    return w * scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    rows_at, cols_at = block_of(rows, block[0], w.device), block_of(cols, block[1], w.device)
+    return w * scale.float()[rows_at][:, cols_at]
+
+
+def block_of(size: int, block: int, device=None) -> torch.Tensor:
+    """Each of ``size`` indices' block (of ``block``), by index: no expansion the size of the block,
+    which a config may declare far larger than the weight."""
+    return torch.arange(size, device=device) // min(block, size)
 
 
 @dataclass(frozen=True)
