@@ -242,3 +242,32 @@ def test_the_bench_reads_a_float_twin_of_an_fp8_encoder():
     plain = twin.encode(pixels, grids)
     assert rel_err(runners["hf_eager"](pixels, grids), plain) < 1e-5  # transformers' tower on the float twin
     assert 1e-3 < rel_err(runners["vitgraph_eager"](pixels, grids), plain) < 0.15  # FP8's rounding, bounded
+
+
+@pytest.mark.slow
+def test_the_fp8_bench_writes_a_block_checkpoint_that_runs_grouped(tmp_path):
+    """benchmarks/fp8.py --weights block: the weights written as a hub-layout block FP8 checkpoint
+    load back as they were dequantized (the bf16 encoder equals the fp32 reference), and the FP8
+    encoder runs them grouped, at its floor."""
+    import importlib.util
+    from pathlib import Path
+
+    from vitgraph.checkpoints.loading import build_tower
+
+    spec = importlib.util.spec_from_file_location("fp8_bench", Path(__file__).parents[1] / "benchmarks" / "fp8.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tiny = TINY_FAMILIES["qwen3_vl"]
+    config = family_for(tiny.model_type).config.from_dict({"model_type": tiny.model_type, "vision_config": tiny.cuda})
+    torch.manual_seed(0)
+    state = build_tower(config, torch.device("cpu"), torch.float32).state_dict()
+    encoders, reference = bench.build_encoders(config, state, torch.device("cpu"), torch.float32, tmp_path)
+    assert (tmp_path / "config.json").is_file() and encoders["fp8"].tower.fp8_grouped
+    pixels = random_pixels(GRIDS, reference.input_width, 1)
+    batch = reference.build_batch(GRIDS)
+    with torch.inference_mode():
+        ref = reference.forward_reference(pixels, batch)
+        with fp8_floor(reference):
+            floor = reference.forward_reference(pixels, batch)
+    assert rel_err(encoders["bf16"].encode(pixels, GRIDS), ref) < 1e-5
+    assert rel_err(encoders["fp8"].encode(pixels, GRIDS), ref) <= 1.1 * rel_err(floor, ref)
