@@ -35,7 +35,7 @@ from vitgraph.bench.common import PREHEAT_SECONDS, alternating_ab, rel_err, writ
 from vitgraph.bench.latency import CASES
 from vitgraph.checkpoints.loading import build_tower
 from vitgraph.models import PRESETS, family_of
-from vitgraph.models.fp8_floor import fp8_floor
+from vitgraph.models.fp8_floor import reference_and_floor
 from vitgraph.ops.fp8 import E4M3, E4M3_MAX, held_bytes
 
 TOKENS = {"1024": [(1, 32, 32)], "4096": [(1, 64, 64)], "16384": [(1, 128, 128)]}
@@ -46,11 +46,7 @@ def errors(reference, encoders: dict, grids, device) -> dict:
     gen = torch.Generator().manual_seed(1)
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), reference.input_width, generator=gen).to(device)
     batch = reference.build_batch(grids).to(device)
-    with torch.inference_mode():
-        ref = reference.forward_reference(pixels, batch).double()
-        with fp8_floor(reference):
-            floor = reference.forward_reference(pixels, batch).double()
-
+    ref, floor = (out.double() for out in reference_and_floor(reference, pixels, batch))
     return {"rel_err_fp8": rel_err(encoders["fp8"].encode(pixels, grids).double(), ref),
             "rel_err_floor": rel_err(floor, ref), "rel_err_bf16": rel_err(encoders["bf16"].encode(pixels, grids).double(), ref)}
 

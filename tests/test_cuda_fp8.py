@@ -15,7 +15,7 @@ from helpers import assert_nan_item_keeps_to_its_rows, assert_replays_equal_eage
 from vitgraph import GraphedVisionEncoder
 from vitgraph.checkpoints.loading import build_tower
 from vitgraph.models import PRESETS
-from vitgraph.models.fp8_floor import fp8_floor
+from vitgraph.models.fp8_floor import reference_and_floor
 from vitgraph.models.tower_base import one_block_fields
 
 pytestmark = pytest.mark.cuda
@@ -47,10 +47,7 @@ def test_fp8_graphs_sit_at_the_floor(setup):
     reference.load_state_dict(state)
     pixels = random_pixels(GRIDS, reference.input_width, seed=3).cuda()
     batch = reference.build_batch(GRIDS).to(torch.device("cuda"))
-    with torch.inference_mode():
-        ref = reference.forward_reference(pixels, batch)
-        with fp8_floor(reference):
-            floor = reference.forward_reference(pixels, batch)
+    ref, floor = reference_and_floor(reference, pixels, batch)
     fp8, bf16 = (rel_err(encoders[p].encode(pixels, GRIDS).float(), ref) for p in ("fp8", "bf16"))
     print(f"\n[{name}] from fp32: fp8 graphs {fp8:.3e}, floor {rel_err(floor, ref):.3e}, bf16 graphs {bf16:.3e}")
     assert fp8 <= 1.1 * rel_err(floor, ref)
@@ -156,10 +153,7 @@ def test_a_block_checkpoint_runs_grouped_in_graphs(tmp_path, family):
     grids = [(1, 16, 16), (2, 8, 12), (1, 4, 4)]
     pixels = random_pixels(grids, reference.input_width, seed=5).cuda()
     batch = reference.build_batch(grids).to(torch.device("cuda"))
-    with torch.inference_mode():
-        ref = reference.forward_reference(pixels, batch)
-        with fp8_floor(reference):
-            floor = reference.forward_reference(pixels, batch)
+    ref, floor = reference_and_floor(reference, pixels, batch)
     got = rel_err(enc.encode(pixels, grids).float(), ref)
     print(f"\n[{family} block FP8] from fp32: grouped graphs {got:.3e}, floor {rel_err(floor, ref):.3e}")
     assert got <= 1.1 * rel_err(floor, ref)

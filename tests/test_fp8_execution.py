@@ -13,7 +13,7 @@ from helpers import TINY_FAMILIES, assert_nan_item_keeps_to_its_rows, random_pix
 
 from vitgraph import GraphedVisionEncoder
 from vitgraph.models import family_for
-from vitgraph.models.fp8_floor import fp8_floor
+from vitgraph.models.fp8_floor import fp8_floor, reference_and_floor
 from vitgraph.ops import fp8 as fp8_ops
 from vitgraph.ops.fp8 import E4M3_MAX, MIN_SCALE, fake_quantize_rows, fake_quantize_weight, linear_fp8, \
     quantize_linear_, quantize_rows
@@ -122,10 +122,8 @@ def test_fp8_forward_sits_at_the_floor(family, outliers):
     assert all(fp8_ops.released(linear) for block in fp8.tower.blocks for linear in fp8.tower.block_linears(block))
     pixels = random_pixels(GRIDS, tower.input_width, 1)
     batch = tower.build_batch(GRIDS)
+    reference, floor = reference_and_floor(tower, pixels, batch)
     with torch.inference_mode():
-        reference = tower.forward_reference(pixels, batch)
-        with fp8_floor(tower):
-            floor = tower.forward_reference(pixels, batch)
         assert torch.equal(tower.forward_reference(pixels, batch), reference)  # the floor restores the weights
     got = fp8.encode(pixels, GRIDS)
     errors = rel_err(got, reference), rel_err(floor, reference)
@@ -265,9 +263,6 @@ def test_the_fp8_bench_writes_a_block_checkpoint_that_runs_grouped(tmp_path):
     assert (tmp_path / "config.json").is_file() and encoders["fp8"].tower.fp8_grouped
     pixels = random_pixels(GRIDS, reference.input_width, 1)
     batch = reference.build_batch(GRIDS)
-    with torch.inference_mode():
-        ref = reference.forward_reference(pixels, batch)
-        with fp8_floor(reference):
-            floor = reference.forward_reference(pixels, batch)
+    ref, floor = reference_and_floor(reference, pixels, batch)
     assert rel_err(encoders["bf16"].encode(pixels, GRIDS), ref) < 1e-5
     assert rel_err(encoders["fp8"].encode(pixels, GRIDS), ref) <= 1.1 * rel_err(floor, ref)

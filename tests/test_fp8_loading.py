@@ -328,7 +328,7 @@ def test_a_block_checkpoint_whose_blocks_split_groups_runs_quantized_again(tmp_p
     """Column blocks that are no whole 128s (40 wide) cannot be read per group: such a checkpoint's
     linears are quantized again in groups, and a float linear beside them (not converted) too; the
     forward sits at the floor of that rounding."""
-    from vitgraph.models.fp8_floor import fp8_floor
+    from vitgraph.models.fp8_floor import reference_and_floor
 
     keep = ("visual.blocks.0.mlp.fc2.",)
     tensors, _ = quantize(float_state("qwen2_vl", "cuda"), (24, 40), keep=keep)
@@ -340,10 +340,7 @@ def test_a_block_checkpoint_whose_blocks_split_groups_runs_quantized_again(tmp_p
     dequantized = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", dtype=torch.float32).tower
     pixels = random_pixels(GRID, dequantized.input_width, seed=4)
     batch = dequantized.build_batch(GRID)
-    with torch.inference_mode():
-        ref = dequantized.forward_reference(pixels, batch)
-        with fp8_floor(dequantized):
-            floor = dequantized.forward_reference(pixels, batch)
+    ref, floor = reference_and_floor(dequantized, pixels, batch)
     assert rel_err(enc.encode(pixels, GRID), ref) <= 1.1 * rel_err(floor, ref)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
+
 from ..ops.fp8 import checkpoint_weight, fake_quantize_rows, fake_quantize_weight, runs_grouped
 
 
@@ -32,3 +34,11 @@ def fp8_floor(tower):
             linear.weight.data = weight
         for hook in hooks:
             hook.remove()
+
+
+def reference_and_floor(tower, pixels: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tower``'s reference forward of ``pixels`` and, within :func:`fp8_floor`, its floor."""
+    with torch.inference_mode():
+        reference = tower.forward_reference(pixels, batch)
+        with fp8_floor(tower):
+            return reference, tower.forward_reference(pixels, batch)
