@@ -65,6 +65,17 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, column_major(scale.view(rows, groups))
 
 
+def quantize_input(x: torch.Tensor, grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 GEMM's input ``x [T, K]`` quantized as its weight is scaled: in groups or by rows."""
+    return quantize_groups(x) if grouped else quantize_rows(x)
+
+
+def kernel_group(grouped: bool, width: int) -> int:
+    """The group a quantizing kernel takes for rows ``width`` wide: 0 (rowwise), ``GROUP``, or a row
+    narrower than that whole (its power-of-two block of lanes)."""
+    return min(GROUP, 1 << (width - 1).bit_length()) if grouped else 0
+
+
 def column_major(scale: torch.Tensor) -> torch.Tensor:
     """``scale [R, G]`` laid out with stride ``(1, R)`` (cuBLAS's, a single row's too)."""
     out = torch.empty(scale.shape[1], scale.shape[0], device=scale.device, dtype=scale.dtype).t()
@@ -210,7 +221,7 @@ def linear_fp8(x, linear: torch.nn.Linear, dtype: torch.dtype | None = None) -> 
     weight = linear.fp8
     if isinstance(x, torch.Tensor):
         dtype = dtype or x.dtype
-        x = quantize_groups(x) if weight.grouped else quantize_rows(x)
+        x = quantize_input(x, weight.grouped)
     q, scale = x
     if scale.shape[-1] != (-(-q.shape[1] // GROUP) if weight.grouped else 1):  # shapes only: no sync
         raise ValueError(f"an FP8 input's scales {tuple(scale.shape)} do not fit a "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .fp8 import E4M3, GROUP, MIN_SCALE, empty_scales, quantize_groups, quantize_rows
+from .fp8 import E4M3, MIN_SCALE, empty_scales, kernel_group, quantize_input
 from .kernels import LayerNormLaunch
 
 ONE_ROW = LayerNormLaunch(1, 8)  # rows and warps per program
@@ -59,11 +59,6 @@ if kernels.available():
         store_fp8_rows(x, q_ptr, scale_ptr, offs, r, mask, rows, MIN, ROWS, BLOCK_N, WIDTH, GROUP)
 
 
-def _group(grouped: bool, width: int) -> int:
-    # A row narrower than a group is one group: its block of lanes, whole.
-    return min(GROUP, triton.next_power_of_2(width)) if grouped else 0
-
-
 def _outputs(rows: int, width: int, grouped: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty(rows, width, device=device, dtype=E4M3),
             empty_scales(rows, width, grouped, device))
@@ -73,8 +68,8 @@ def add_norm_fp8(x: torch.Tensor, *args, grouped: bool = False, **kwargs) -> tup
     """:func:`vitgraph.ops.kernels.add_layernorm`'s rows as e4m3 and their fp32 scales (``[T, 1]``;
     ``grouped``: ``[T, ceil(N / 128)]``)."""
     if kernels.interpreted():
-        return (quantize_groups if grouped else quantize_rows)(kernels.add_layernorm(x, *args, **kwargs))
-    return kernels.add_layernorm(x, *args, **kwargs, quant=True, group=GROUP if grouped else 0)
+        return quantize_input(kernels.add_layernorm(x, *args, **kwargs), grouped)
+    return kernels.add_layernorm(x, *args, **kwargs, quant=True, grouped=grouped)
 
 
 def activation_fp8(f: torch.Tensor, name: str, gated: bool, launch: LayerNormLaunch = ONE_ROW,
@@ -85,14 +80,13 @@ def activation_fp8(f: torch.Tensor, name: str, gated: bool, launch: LayerNormLau
     if gated and name != "silu":
         raise ValueError(f"a gated MLP's FP8 activation is silu(gate) * up, got {name!r}")
     if kernels.interpreted():
-        quantize = quantize_groups if grouped else quantize_rows
-        return quantize(kernels.silu_mul(f) if gated else kernels.activation_(f, name))
+        return quantize_input(kernels.silu_mul(f) if gated else kernels.activation_(f, name), grouped)
     rows, width = f.shape[0], f.shape[1] // (2 if gated else 1)
     q, scale = _outputs(rows, width, grouped, f.device)
     if rows:
         _activation_fp8_kernel[(triton.cdiv(rows, launch.rows),)](
             f, q, scale, rows, WIDTH=width, BLOCK_N=triton.next_power_of_2(width), ACT=kernels.FUSED_ACTIVATIONS[name],
-            GATED=gated, MIN=MIN_SCALE, ROWS=launch.rows, GROUP=_group(grouped, width), num_warps=launch.warps)
+            GATED=gated, MIN=MIN_SCALE, ROWS=launch.rows, GROUP=kernel_group(grouped, width), num_warps=launch.warps)
     return q, scale
 
 
@@ -100,12 +94,12 @@ def quantize_rows_fp8(x: torch.Tensor, launch: LayerNormLaunch = ONE_ROW,
                       grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`vitgraph.ops.fp8.quantize_rows` (``grouped``: ``quantize_groups``) of ``x [T, W]`` in one kernel."""
     if kernels.interpreted():
-        return (quantize_groups if grouped else quantize_rows)(x)
+        return quantize_input(x, grouped)
     x = x.contiguous()  # rows read at a stride of their width
     rows, width = x.shape
     q, scale = _outputs(rows, width, grouped, x.device)
     if rows:
         _quantize_rows_kernel[(triton.cdiv(rows, launch.rows),)](
             x, q, scale, rows, WIDTH=width, BLOCK_N=triton.next_power_of_2(width), MIN=MIN_SCALE, ROWS=launch.rows,
-            GROUP=_group(grouped, width), num_warps=launch.warps)
+            GROUP=kernel_group(grouped, width), num_warps=launch.warps)
     return q, scale

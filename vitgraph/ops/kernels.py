@@ -285,17 +285,17 @@ def layernorm_launch(rows: int, width: int, tuning: NormTuning = DEFAULT_NORMS) 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
                   eps: float, y_bias: torch.Tensor | None = None, offset: torch.Tensor | None = None,
                   launch: LayerNormLaunch | None = None, rms: bool = False, tuning: NormTuning = DEFAULT_NORMS,
-                  quant: bool = False, group: int = 0):
+                  quant: bool = False, grouped: bool = False):
     """``x += y`` in place (when ``y`` is given), then return ``LayerNorm(x)``. ``x``: ``[T, N]``
     contiguous; ``y``: ``[T, N]``, or ``[S, T, N]`` partial products that are summed (in fp32,
     with ``y_bias [N]`` when given) before the add. ``offset``: fp32 ``[N]`` added to every row
     before the LayerNorm and not stored (``LayerNorm(x + offset)``), for a residual stream that
     keeps its biases aside (``FusedLoop.forward_fused``). ``tuning``: the tower's (:class:`NormTuning`);
     ``launch``: a layout other than the one it gives. ``quant``: the normalized rows, rounded to x's
-    dtype, as e4m3 and their fp32 scales ``[T, 1]`` (``group``: per ``group`` columns too, column-major)."""
+    dtype, as e4m3 and their fp32 scales ``[T, 1]`` (``grouped``: per 128 columns too, column-major)."""
     rows, n = x.shape
     h = torch.empty_like(x, dtype=torch.float8_e4m3fn if quant else x.dtype)
-    scale = fp8.empty_scales(rows, n, group > 0, x.device) if quant else None
+    scale = fp8.empty_scales(rows, n, grouped, x.device) if quant else None
     if rows == 0:
         return (h, scale) if quant else h
     if y is not None and (not y.is_contiguous() or y.shape[-2:] != x.shape or y.dim() not in (2, 3)):
@@ -309,7 +309,7 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
         weight, bias, rows, eps, N=n, BLOCK_N=triton.next_power_of_2(n), ROWS=launch.rows, HAS_Y=y is not None,
         SPLITS=y.shape[0] if y is not None and y.dim() == 3 else 1, HAS_Y_BIAS=y_bias is not None,
         HAS_OFFSET=offset is not None, LAUNCH_DEPENDENTS=_launches_dependents(x, tuning), RMS=rms, scale_ptr=scale,
-        QUANT=quant, MIN_SCALE=fp8.MIN_SCALE, GROUP=min(group, triton.next_power_of_2(n)), num_warps=launch.warps)
+        QUANT=quant, MIN_SCALE=fp8.MIN_SCALE, GROUP=fp8.kernel_group(grouped, n), num_warps=launch.warps)
     return (h, scale) if quant else h
 
 
