@@ -57,6 +57,25 @@ def test_a_nan_item_leaves_the_others_rows_bitwise_in_fp8(setup):
     assert_nan_item_keeps_to_its_rows(setup[3]["fp8"], GRIDS, item=1, seed=4)
 
 
+@pytest.mark.parametrize("preset", ["qwen2-vl-2b", "qwen2.5-vl-7b"])
+def test_an_fp8_pool_is_no_larger_than_bf16s_at_16384_tokens(preset):
+    """At 16384 tokens the FP8 MLP runs fc1 and its activation 4096 rows at a time, so fc1's bf16
+    output (gate_up's double width for Qwen2.5-VL) and the whole e4m3 activation take no more than
+    bf16's one activation: the graph pool is no larger than bf16's, and replays equal eager."""
+    needs_fp8()
+    config = PRESETS[preset]
+    config = dataclasses.replace(config, **one_block_fields(config))
+    torch.manual_seed(0)
+    state = build_tower(config, torch.device("cpu"), torch.float32).state_dict()
+    encoders = {precision: GraphedVisionEncoder.from_state_dict(
+        state, config, device="cuda", dtype=torch.bfloat16, precision=precision, budgets=[16384], max_items=1,
+        progress=False) for precision in ("fp8", "bf16")}
+    pools = {p: enc.stats()["pool_bytes"] / 2**20 for p, enc in encoders.items()}
+    print(f"\n[{preset}] pool at 16384 tokens: fp8 {pools['fp8']:.0f} MiB, bf16 {pools['bf16']:.0f} MiB")
+    assert pools["fp8"] <= pools["bf16"]
+    assert_replays_equal_eager(encoders["fp8"].bank)
+
+
 def needs_fp8(hopper: bool = False):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a GPU with FP8 tensor cores (compute capability 8.9 or more)")
@@ -112,6 +131,12 @@ def test_the_quantizing_kernels_round_as_torch_does(width, grouped):
         same(activation_fp8(x, name, False, launch, grouped), quantize_rows(kernels.activation_(x.clone(), name)),
              f"{name} {launch}")
     same(activation_fp8(x, "silu", True, grouped=grouped), quantize_rows(kernels.silu_mul(x)), "silu * up")
+    # Into rows 300:700 of a larger pair (the chunked MLP's): its scales' column stride is the pair's.
+    from vitgraph.ops.fp8_kernels import fp8_outputs
+    whole = fp8_outputs(1001, width, grouped, x.device)
+    activation_fp8(x[300:700], "quick_gelu", False, grouped=grouped, out=(whole[0][300:700], whole[1][300:700]))
+    same((whole[0][300:700], whole[1][300:700]), quantize_rows(kernels.activation_(x[300:700].clone(), "quick_gelu")),
+         "into rows of a larger pair")
 
 
 @pytest.mark.parametrize("rows", [1, 200, 4095])

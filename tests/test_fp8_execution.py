@@ -266,3 +266,24 @@ def test_the_fp8_bench_writes_a_block_checkpoint_that_runs_grouped(tmp_path):
     ref, floor = reference_and_floor(reference, pixels, batch)
     assert rel_err(encoders["bf16"].encode(pixels, GRIDS), ref) < 1e-5
     assert rel_err(encoders["fp8"].encode(pixels, GRIDS), ref) <= 1.1 * rel_err(floor, ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_fp8_mlp_of_many_rows_runs_in_chunks_to_the_same_rows(family, monkeypatch):
+    """Past ``FP8_MLP_ROWS`` rows, the MLP's first GEMM and its activation run a chunk of rows at a
+    time (fc1's bf16 output held for one chunk: the pool's bound), into one e4m3 activation: the
+    same output as in one piece, a short last chunk included."""
+    from vitgraph.models import fused_loop
+
+    enc = GraphedVisionEncoder.from_config(config_of(family), device="cpu", precision="fp8", fuse=True,
+                                           progress=False)
+    pixels = random_pixels(GRIDS, enc.tower.input_width, 4)
+    whole = enc.encode(pixels, GRIDS)
+    shapes = []
+    gemm = fp8_ops.linear_fp8
+    monkeypatch.setattr(fp8_ops, "linear_fp8", lambda x, linear, *a: shapes.append(x[0].shape[0]) or gemm(x, linear, *a))
+    monkeypatch.setattr(fused_loop, "FP8_MLP_ROWS", 24)
+    chunked = enc.encode(pixels, GRIDS)
+    tokens = sum(t * h * w for t, h, w in GRIDS)  # 112: four chunks of 24 and one of 16, per block
+    assert shapes.count(24) == 4 * len(enc.tower.blocks) and shapes.count(tokens % 24) == len(enc.tower.blocks)
+    assert torch.equal(chunked, whole)

@@ -15,7 +15,7 @@ import torch.nn as nn
 from ..ops import cudnn_attention, fp8, kernels
 from ..ops.attention import LANE_PAD, attend, dense_masked, fa4_kernel, finite_values_
 from ..ops.backend_names import attention_backend
-from ..ops.fp8_kernels import activation_fp8, add_norm_fp8, quantize_rows_fp8
+from ..ops.fp8_kernels import activation_fp8, add_norm_fp8, fp8_outputs, quantize_rows_fp8
 from ..ops.gemm import (activation_pass, bias_free_stream, fc1_kernel, linear_act, linear_activation, linear_qkv,
                         linear_qkv_rope, linear_split_k, qkv_kernel, qkv_rope_kernel, rope_in_gemm)
 
@@ -35,6 +35,10 @@ class FusedPaths(NamedTuple):
 # Ops whose kernels compile on first use; "attention" is the first attention kind's (see
 # :meth:`FusedLoop.attention_blocks`), "attention_2" the second's.
 JIT_OPS = ("qkv", "qkv_rope", "attention", "attention_2", "fc1")
+# FP8 MLPs of more rows run fc1 and the activation in chunks of this many: fc1's bf16 output for
+# one chunk plus the whole e4m3 activation then take no more than bf16's one activation (gate_up's
+# double width included) in the default largest (16384-token) bucket; buckets up to it run whole.
+FP8_MLP_ROWS = 4096
 
 
 class FusedLoop:
@@ -323,15 +327,28 @@ class FusedLoop:
         return add_norm(x, y, norm.weight, norm.weight if rms else norm.bias, norm.eps, y_bias, offset=offset, rms=rms,
                         tuning=self.tuning.norms)
 
+    def _mlp_in_act_fp8(self, h: tuple, linear: nn.Linear, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8: the first GEMM and the activation's kernel over ``FP8_MLP_ROWS`` rows at a time, so that
+        the GEMM's bf16 output is never held for more rows: FP8 pools stay within bf16's."""
+        rows, grouped = h[0].shape[0], self.fp8_grouped
+        if rows <= FP8_MLP_ROWS:
+            return activation_fp8(fp8.linear_fp8(h, linear, self._stream_dtype), name, self.GATED, grouped=grouped)
+        out = fp8_outputs(rows, linear.fp8.q.shape[0] // (2 if self.GATED else 1), grouped, h[0].device)
+        for start in range(0, rows, FP8_MLP_ROWS):
+            stop = min(start + FP8_MLP_ROWS, rows)
+            f = fp8.linear_fp8(fp8.input_rows(h, start, stop, grouped), linear, self._stream_dtype)
+            activation_fp8(f, name, self.GATED, grouped=grouped, out=(out[0][start:stop], out[1][start:stop]))
+        return out
+
     def _mlp_in_act(self, h, block: nn.Module):
         """The MLP's first GEMM and its activation: one quack GEMM with the activation (or
         ``act(gate) * up``) in its epilogue where it fits, else cuBLAS and a Triton pass; in FP8,
         the activation's kernel hands the last GEMM e4m3 rows."""
         linear, name = self.mlp_linears(block)[0], self.activation
         if fp8.is_quantized(linear):
-            f = fp8.linear_fp8(h, linear, self._stream_dtype)
             if name in kernels.FUSED_ACTIVATIONS and (not self.GATED or name == "silu"):
-                return activation_fp8(f, name, self.GATED, grouped=self.fp8_grouped)
+                return self._mlp_in_act_fp8(h, linear, name)
+            f = fp8.linear_fp8(h, linear, self._stream_dtype)
             return quantize_rows_fp8(activation_pass(f, name, self.GATED).contiguous(), grouped=self.fp8_grouped)
         if self._stand_ins and self._fc1_kernel(h.shape[0]) is not None:
             width = linear.weight.shape[0] // (2 if self.GATED else 1)

@@ -90,6 +90,13 @@ def empty_scales(rows: int, width: int, grouped: bool, device) -> torch.Tensor:
     return column_major(torch.empty(rows, -(-width // GROUP), device=device, dtype=torch.float32))
 
 
+def input_rows(x: tuple[torch.Tensor, torch.Tensor], start: int, stop: int,
+               grouped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``start:stop`` of an FP8 GEMM's input pair (``grouped``: its scales column-major again)."""
+    q, scale = x[0][start:stop], x[1][start:stop]
+    return q, column_major(scale) if grouped else scale
+
+
 def group_scales(scale: torch.Tensor, width: int) -> torch.Tensor:
     """Grouped scales ``[T, G]`` spread over their ``width`` columns: ``[T, width]``."""
     return scale.repeat_interleave(GROUP, 1)[:, :width]

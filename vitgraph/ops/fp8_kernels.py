@@ -33,7 +33,7 @@ if kernels.available():
     from .kernels import _activate, store_fp8_rows
 
     @triton.jit
-    def _activation_fp8_kernel(f_ptr, q_ptr, scale_ptr, rows, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _activation_fp8_kernel(f_ptr, q_ptr, scale_ptr, rows, scale_ld, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
                                ACT: tl.constexpr, GATED: tl.constexpr, MIN: tl.constexpr, ROWS: tl.constexpr,
                                GROUP: tl.constexpr):
         # f [T, WIDTH] (GATED: [T, 2 * WIDTH], each row's gate, then its up) -> e4m3 [T, WIDTH], scales [T, 1].
@@ -45,8 +45,8 @@ if kernels.available():
         a = _activate(g.to(tl.float32), ACT)
         if GATED:
             a = a * tl.load(f_ptr + src + WIDTH, mask=mask, other=0.0).to(tl.float32)
-        store_fp8_rows(a.to(g.dtype).to(tl.float32), q_ptr, scale_ptr, r.to(tl.int64) * WIDTH + c, r, mask, rows, MIN,
-                       ROWS, BLOCK_N, WIDTH, GROUP)
+        store_fp8_rows(a.to(g.dtype).to(tl.float32), q_ptr, scale_ptr, r.to(tl.int64) * WIDTH + c, r, mask, rows,
+                       scale_ld, MIN, ROWS, BLOCK_N, WIDTH, GROUP)
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, rows, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -56,10 +56,11 @@ if kernels.available():
         mask = (r < rows) & (c < WIDTH)
         offs = r.to(tl.int64) * WIDTH + c
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        store_fp8_rows(x, q_ptr, scale_ptr, offs, r, mask, rows, MIN, ROWS, BLOCK_N, WIDTH, GROUP)
+        store_fp8_rows(x, q_ptr, scale_ptr, offs, r, mask, rows, rows, MIN, ROWS, BLOCK_N, WIDTH, GROUP)
 
 
-def _outputs(rows: int, width: int, grouped: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_outputs(rows: int, width: int, grouped: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty e4m3 rows ``[rows, width]`` and their scales, as the kernels here write them."""
     return (torch.empty(rows, width, device=device, dtype=E4M3),
             empty_scales(rows, width, grouped, device))
 
@@ -73,19 +74,24 @@ def add_norm_fp8(x: torch.Tensor, *args, grouped: bool = False, **kwargs) -> tup
 
 
 def activation_fp8(f: torch.Tensor, name: str, gated: bool, launch: LayerNormLaunch = ONE_ROW,
-                   grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   grouped: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``name`` of ``f [T, W]`` (``gated``: ``name(gate) * up`` of ``f [T, 2W]``, ``name`` silu), rounded
     to ``f``'s dtype, as e4m3 rows and their fp32 scales (``[T, 1]``; ``grouped``: ``[T,
-    ceil(W / 128)]``); ``f`` contiguous; ``launch``: rows and warps per program."""
+    ceil(W / 128)]``); ``f`` contiguous; ``launch``: rows and warps per program; ``out``: rows ``T``
+    of :func:`fp8_outputs`' pair to write into (a slice of a larger one's rows)."""
     if gated and name != "silu":
         raise ValueError(f"a gated MLP's FP8 activation is silu(gate) * up, got {name!r}")
-    if kernels.interpreted():
-        return quantize_input(kernels.silu_mul(f) if gated else kernels.activation_(f, name), grouped)
     rows, width = f.shape[0], f.shape[1] // (2 if gated else 1)
-    q, scale = _outputs(rows, width, grouped, f.device)
+    q, scale = out if out is not None else fp8_outputs(rows, width, grouped, f.device)
+    if tuple(q.shape) != (rows, width) or scale.shape[0] != rows:
+        raise ValueError(f"out {tuple(q.shape)}, {tuple(scale.shape)} does not fit {rows} rows {width} wide")
+    if kernels.interpreted():
+        made = quantize_input(kernels.silu_mul(f) if gated else kernels.activation_(f, name), grouped)
+        return q.copy_(made[0]), scale.copy_(made[1])
     if rows:
         _activation_fp8_kernel[(triton.cdiv(rows, launch.rows),)](
-            f, q, scale, rows, WIDTH=width, BLOCK_N=triton.next_power_of_2(width), ACT=kernels.FUSED_ACTIVATIONS[name],
+            f, q, scale, rows, scale.stride(1), WIDTH=width, BLOCK_N=triton.next_power_of_2(width), ACT=kernels.FUSED_ACTIVATIONS[name],
             GATED=gated, MIN=MIN_SCALE, ROWS=launch.rows, GROUP=kernel_group(grouped, width), num_warps=launch.warps)
     return q, scale
 
@@ -97,7 +103,7 @@ def quantize_rows_fp8(x: torch.Tensor, launch: LayerNormLaunch = ONE_ROW,
         return quantize_input(x, grouped)
     x = x.contiguous()  # rows read at a stride of their width
     rows, width = x.shape
-    q, scale = _outputs(rows, width, grouped, x.device)
+    q, scale = fp8_outputs(rows, width, grouped, x.device)
     if rows:
         _quantize_rows_kernel[(triton.cdiv(rows, launch.rows),)](
             x, q, scale, rows, WIDTH=width, BLOCK_N=triton.next_power_of_2(width), MIN=MIN_SCALE, ROWS=launch.rows,

@@ -99,8 +99,8 @@ if available():
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
-    def store_fp8_rows(hf, q_ptr, scale_ptr, offs, r, mask, rows, MIN: tl.constexpr, ROWS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, N: tl.constexpr, GROUP: tl.constexpr):  # vitgraph.ops.fp8_kernels
+    def store_fp8_rows(hf, q_ptr, scale_ptr, offs, r, mask, rows, ld, MIN: tl.constexpr, ROWS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, N: tl.constexpr, GROUP: tl.constexpr):  # ld: the scales' column stride
         # NaN kept (its row's scale NaN, as torch's); times 1/448; one IEEE reciprocal per row (GROUP: per
         # row and GROUP columns), then a product per value: vitgraph.ops.fp8.quantize_rows (quantize_groups)
         if GROUP == 0:
@@ -115,7 +115,7 @@ if available():
             tl.store(q_ptr + offs, tl.reshape(h3 * tl.math.div_rn(1.0, scale)[:, :, None], (ROWS, BLOCK_N))
                      .to(q_ptr.dtype.element_ty), mask=mask)
             g = tl.arange(0, BLOCK_N // GROUP)[None, :]  # scales [rows, ceil(N / GROUP)], column-major (cuBLAS's)
-            tl.store(scale_ptr + g * rows + r, scale, mask=(r < rows) & (g * GROUP < N))
+            tl.store(scale_ptr + g * ld + r, scale, mask=(r < rows) & (g * GROUP < N))
 
     @triton.jit
     def _add_layernorm_kernel(x_ptr, y_ptr, y_bias_ptr, offset_ptr, h_ptr, w_ptr, b_ptr, rows, eps,
@@ -151,7 +151,7 @@ if available():
         else:
             h = layernorm_rows(xf, mask, c, w_ptr, b_ptr, N, eps)
         if QUANT:  # e4m3 rows and their scales for an FP8 GEMM (vitgraph.ops.fp8_kernels)
-            store_fp8_rows(h.to(x.dtype).to(tl.float32), h_ptr, scale_ptr, offs, r, mask, rows, MIN_SCALE, ROWS,
+            store_fp8_rows(h.to(x.dtype).to(tl.float32), h_ptr, scale_ptr, offs, r, mask, rows, rows, MIN_SCALE, ROWS,
                            BLOCK_N, N, GROUP)
         else:
             tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
