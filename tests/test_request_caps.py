@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 import vitgraph.images.decode
+import vitgraph.images.png
 from vitgraph import GraphedVisionEncoder
 from vitgraph.images.decode import MAX_ITEMS_PER_REQUEST
 
@@ -37,14 +38,22 @@ def enc():
 
 @pytest.fixture
 def decodes(monkeypatch):
+    """The images decoded, by PIL or (plain PNGs, the png extra) by libspng."""
     calls = []
-    real = vitgraph.images.decode.decode_pil
+    real, plain = vitgraph.images.decode.decode_pil, vitgraph.images.png.decode_plain
 
     def counting(data, name, *args, **kwargs):
         calls.append(name)
         return real(data, name, *args, **kwargs)
 
+    def counting_plain(data):
+        pixels = plain(data)
+        if pixels is not None:
+            calls.append("libspng")
+        return pixels
+
     monkeypatch.setattr(vitgraph.images.decode, "decode_pil", counting)
+    monkeypatch.setattr(vitgraph.images.png, "decode_plain", counting_plain)
     return calls
 
 

@@ -1,6 +1,8 @@
 """Images in every form a caller holds, to RGB uint8 pixels: PIL images, ``HxWx3`` / ``HxWx4``
 uint8 arrays, ``3xHxW`` / ``4xHxW`` uint8 tensors (on any device; the forms: :mod:`vitgraph.images.pixel_forms`),
 encoded bytes (JPEG, PNG, WebP, ...) and file paths. RGBA is composited onto white (:func:`as_rgb`).
+Plain 8-bit RGB and RGBA PNGs are decoded by libspng where the ``png`` extra is installed
+(:mod:`vitgraph.images.png`: the same pixels, faster).
 
 Encoded images are decoded by PIL on the host, after their header is checked against
 :data:`MAX_IMAGE_PIXELS` (a 30000 x 30000 PNG is refused before a byte of it is decoded) and
@@ -24,6 +26,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ..checkpoints.files import read_regular_file
+from . import png
 from .pixel_forms import check_image_form, frame_count
 from ..runtime.validation import check_int
 
@@ -184,7 +187,8 @@ def to_rgb_pil(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS, convert=None
     :func:`decode_pil`'s."""
     if is_encoded(item):
         data = read_file(item, name) if isinstance(item, (str, os.PathLike)) else item
-        return decode_pil(data, name, max_pixels, convert)
+        pixels = _plain_png(data, name, max_pixels) if convert is None else None
+        return Image.fromarray(opaque(pixels)) if pixels is not None else decode_pil(data, name, max_pixels, convert)
     if isinstance(item, Image.Image):
         if item.width == 0 or item.height == 0:
             raise ValueError(f"{name} is empty ({item.width}x{item.height})")
@@ -229,7 +233,21 @@ def load_pixels(item, name: str, max_pixels: int = MAX_IMAGE_PIXELS, alpha: bool
     ``HxWx2`` LA (:func:`keep_alpha`), for the device to composite."""
     if isinstance(item, (torch.Tensor, np.ndarray)):
         return opaque(as_pixels(item, name))
+    if is_encoded(item):
+        item = read_file(item, name) if isinstance(item, (str, os.PathLike)) else item
+        pixels = _plain_png(item, name, max_pixels)
+        if pixels is not None:
+            return pixels if alpha else opaque(pixels)
     return np.asarray(to_rgb_pil(item, name, max_pixels, keep_alpha if alpha else None))
+
+
+def _plain_png(data: Encoded, name: str, max_pixels: int) -> np.ndarray | None:
+    """A plain PNG's pixels by libspng (:mod:`vitgraph.images.png`), its header checked as PIL's
+    path checks it; None for any other file (PIL decodes it)."""
+    if bytes(memoryview(data)[:8]) != png.SIGNATURE or png.spng_decode() is None:
+        return None
+    open_encoded(data, name, max_pixels)  # the declared size, against the ceiling and the bytes
+    return png.decode_plain(bytes(data))
 
 
 def gpu_jpeg_decoder():
