@@ -139,20 +139,34 @@ def test_the_quantizing_kernels_round_as_torch_does(width, grouped):
          "into rows of a larger pair")
 
 
+@pytest.mark.parametrize("blocks", [False, True], ids=["1x128", "128x128"])
 @pytest.mark.parametrize("rows", [1, 200, 4095])
-@pytest.mark.parametrize("out_features, in_features", [(3840, 1280), (1152, 4304), (1280, 3456)])
-def test_a_grouped_gemm_is_the_product_of_its_groups(rows, out_features, in_features):
+@pytest.mark.parametrize("out_features, in_features", [(3840, 1280), (1152, 4304), (1280, 3456), (4304, 1152)])
+def test_a_grouped_gemm_is_the_product_of_its_groups(rows, out_features, in_features, blocks):
     """cuBLAS's 1x128 x 1x128 GEMM (as vitgraph lays out the scales) gives the fp32 product of the
     rounded operands, each group times its own scale, to bf16's rounding: a scale read from the
-    wrong place would be off by far more (at odd row counts and a short last group too)."""
+    wrong place would be off by far more (at odd row counts and a short last group too). So does
+    1x128 x 128x128 for a weight whose 128-row blocks share their scales (a block checkpoint's),
+    whose layout with_blocks keeps only where it agrees with 1x128 on the device."""
     needs_fp8(hopper=True)
-    from vitgraph.ops.fp8 import Fp8Weight, group_scales, linear_fp8, quantize_groups
+    from vitgraph.ops.fp8 import (E4M3, E4M3_MAX, Fp8Weight, column_major, group_scales, linear_fp8,
+                                  quantize_groups, with_blocks)
 
     torch.manual_seed(rows)
     columns = 1 + 3 * torch.rand(1, in_features, device="cuda")  # groups of differing ranges
     x = torch.randn(rows, in_features, device="cuda") * columns
     linear = torch.nn.Linear(in_features, out_features, device="cuda")
-    linear.fp8 = Fp8Weight(*quantize_groups(linear.weight.detach() * columns))
+    weight = linear.weight.detach() * columns
+    if blocks:  # one scale per 128 x 128 block (the last ones cropped), spread over its rows
+        tiles = torch.nn.functional.pad(weight, (0, -in_features % 128, 0, -out_features % 128))
+        per_block = tiles.unflatten(0, (-1, 128)).unflatten(2, (-1, 128)).abs().amax((1, 3)) / E4M3_MAX
+        spread = per_block.repeat_interleave(128, 0)[:out_features]
+        q = (weight / group_scales(spread, in_features)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        linear.fp8 = with_blocks(Fp8Weight(q, column_major(spread)))
+        assert linear.fp8.blocks is not None, "128x128 scales disagreed with 1x128 on this device"
+    else:
+        linear.fp8 = with_blocks(Fp8Weight(*quantize_groups(weight)))
+        assert linear.fp8.blocks is None  # rows of their own scales
     q, scale = quantize_groups(x)
     got = linear_fp8((q, scale), linear)
     expected = ((q.float() * group_scales(scale, in_features))

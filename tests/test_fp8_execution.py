@@ -287,3 +287,49 @@ def test_an_fp8_mlp_of_many_rows_runs_in_chunks_to_the_same_rows(family, monkeyp
     tokens = sum(t * h * w for t, h, w in GRIDS)  # 112: four chunks of 24 and one of 16, per block
     assert shapes.count(24) == 4 * len(enc.tower.blocks) and shapes.count(tokens % 24) == len(enc.tower.blocks)
     assert torch.equal(chunked, whole)
+
+
+@pytest.mark.parametrize("rows, groups", [(300, 10), (128, 3), (5, 1), (1152, 34)])
+def test_block_scales_are_cublas_128x128_layout_of_the_groups(rows, groups):
+    """Grouped scales whose aligned 128-row blocks share their values, as cuBLAS's 128x128 blocks of
+    the GEMM's second operand: ``[round_up(G, 4), ceil(N / 128)]``, stride ``(1, round_up(G, 4))``,
+    block ``(k, n)`` the scale of rows ``128 n ...`` and group ``k``; back to the groups exactly; and
+    none where a block's rows differ."""
+    from vitgraph.ops.fp8 import Fp8Weight, block_scales, column_major, expand_blocks, with_blocks
+
+    per_block = torch.rand(-(-rows // 128), groups) + 0.5
+    grouped = column_major(per_block.repeat_interleave(128, 0)[:rows])
+    blocks = block_scales(grouped)
+    padded = -(-groups // 4) * 4
+    assert blocks.shape == (padded, per_block.shape[0]) and blocks.stride() == (1, padded)
+    assert blocks.dtype == torch.float32 and torch.equal(blocks[:groups], per_block.t())
+    assert torch.equal(expand_blocks(blocks, rows, groups), grouped)
+    if rows > 1:
+        changed = grouped.clone()
+        changed[rows - 1, groups - 1] *= 2  # the last block's last row differs from its first
+        assert block_scales(changed) is None
+    q = torch.zeros(rows, 128 * groups, dtype=torch.float8_e4m3fn)
+    assert torch.equal(with_blocks(Fp8Weight(q, grouped)).blocks, blocks)  # a CPU has no GEMM to check them
+
+
+
+def test_128x128_scales_are_dropped_where_the_device_gemm_disagrees(monkeypatch):
+    """with_blocks' check on the device (here its GEMM stood in for): blocks whose products differ
+    from 1x128's, or that cuBLAS refuses, are not kept."""
+    from vitgraph.ops import fp8 as ops
+    from vitgraph.ops.fp8 import Fp8Weight, column_major
+
+    weight = Fp8Weight(torch.randn(128, 256).to(torch.float8_e4m3fn), column_major(torch.ones(128, 2)))
+    blocked = weight._replace(blocks=ops.block_scales(weight.scale))
+    real = ops._grouped_mm
+    assert ops._blocks_disagree(weight, blocked) is None
+    monkeypatch.setattr(ops, "_grouped_mm", lambda q, s, w, b: real(q, s, w, b) * (1 if w.blocks is None else 1.5))
+    assert "relative difference 5.0e-01" in ops._blocks_disagree(weight, blocked)
+
+    def refused(q, s, w, b):
+        if w.blocks is not None:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        return real(q, s, w, b)
+
+    monkeypatch.setattr(ops, "_grouped_mm", refused)
+    assert ops._blocks_disagree(weight, blocked) == "CUBLAS_STATUS_NOT_SUPPORTED"

@@ -9,6 +9,10 @@ scalings:
   columns (its 128x128 blocks, read per row: the tower may reorder a checkpoint's rows), and
   activations with one scale per row and 128 columns, through ``scaled_mm``'s 1x128 x 1x128
   block scaling (cuBLAS on Hopper; the same products in fp32 on a CPU). No weight is rounded twice.
+  A weight whose aligned 128-row blocks share their scales (the linears the tower keeps in the
+  checkpoint's row order) runs 1x128 x 128x128 instead, which an H100 ran at rowwise speed
+  (1x128 x 1x128: 1.23-1.75x slower); that layout is checked against 1x128 on each weight's
+  device as it is made (a wrong layout gives no error, only wrong products).
 
 FP8 GEMMs take dimensions in multiples of 16, as the towers' widths are (Qwen2.5-VL's 3420-wide
 MLP is kept padded to 3456). A row's (or group's) scale is its absolute maximum over 448, e4m3's
@@ -21,9 +25,12 @@ the kernel's scale granularity), against which the FP8 forward's error is judged
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -35,10 +42,12 @@ ROW_ALIGN = 16  # grouped GEMMs' rows, padded: an H100's cuBLAS refused 4095 and
 
 class Fp8Weight(NamedTuple):
     """A linear's e4m3 weight ``[N, K]`` and its fp32 scales: ``[1, N]`` (one per output channel)
-    or, grouped, ``[N, ceil(K / GROUP)]`` laid out column-major (stride ``(1, N)``, cuBLAS's)."""
+    or, grouped, ``[N, ceil(K / GROUP)]`` laid out column-major (stride ``(1, N)``, cuBLAS's);
+    ``blocks``: the same grouped scales as 128x128 blocks (:func:`block_scales`), or None."""
 
     q: torch.Tensor
     scale: torch.Tensor
+    blocks: torch.Tensor | None = None
 
     @property
     def grouped(self) -> bool:
@@ -102,6 +111,52 @@ def group_scales(scale: torch.Tensor, width: int) -> torch.Tensor:
     return scale.repeat_interleave(GROUP, 1)[:, :width]
 
 
+def block_scales(scale: torch.Tensor) -> torch.Tensor | None:
+    """Grouped scales ``[N, G]`` as cuBLAS's 128x128 blocks of the GEMM's second operand
+    (``[round_up(G, 4), ceil(N / GROUP)]``, stride ``(1, round_up(G, 4))``: block ``(k, n)`` at
+    ``k + n * round_up(G, 4)``), where every aligned block of ``GROUP`` rows shares its scales;
+    else None."""
+    rows, groups = scale.shape
+    first = scale[::GROUP]  # each row block's first row
+    if not torch.equal(first.repeat_interleave(GROUP, 0)[:rows], scale):
+        return None
+    blocks = torch.ones(first.shape[0], -(-groups // 4) * 4, device=scale.device, dtype=torch.float32)
+    blocks[:, :groups] = first
+    return blocks.t()
+
+
+def expand_blocks(blocks: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
+    """:func:`block_scales`' blocks back to grouped scales ``[rows, groups]``."""
+    return blocks.t()[:, :groups].repeat_interleave(GROUP, 0)[:rows]
+
+
+def with_blocks(weight: Fp8Weight) -> Fp8Weight:
+    """A grouped weight with its :func:`block_scales` where it has them and, on CUDA, where the
+    128x128 GEMM gives the 1x128 one's products on a test input (else as it was, logged)."""
+    blocks = block_scales(weight.scale)
+    if blocks is None or not weight.q.is_cuda:
+        return weight._replace(blocks=blocks)
+    disagreement = _blocks_disagree(weight, weight._replace(blocks=blocks))
+    if disagreement is None:
+        return weight._replace(blocks=blocks)
+    logger.warning("FP8: cuBLAS's 128x128 weight scales did not give the 1x128 products for a %s weight on %s "
+                   "(torch %s: %s); it runs 1x128", tuple(weight.q.shape), weight.q.device, torch.__version__,
+                   disagreement)
+    return weight
+
+
+def _blocks_disagree(plain: Fp8Weight, blocked: Fp8Weight) -> str | None:
+    """None where both GEMMs give the same products (to bf16's rounding) of a random input, else how not."""
+    generator = torch.Generator(device=plain.q.device).manual_seed(0)
+    pair = quantize_groups(torch.randn(32, plain.q.shape[1], device=plain.q.device, generator=generator))
+    try:
+        want, got = (_grouped_mm(*pair, w, None).float() for w in (plain, blocked))
+    except RuntimeError as err:  # a shape cuBLAS takes in 1x128 only
+        return str(err)
+    difference = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    return None if difference < 1e-2 else f"relative difference {difference:.1e}"
+
+
 def quantize_weight(weight: torch.Tensor, grouped: bool = False) -> Fp8Weight:
     """``weight [N, K]`` -> e4m3 ``[N, K]`` and fp32 ``[1, N]`` scales, one per output channel
     (``grouped``: ``[N, ceil(K / GROUP)]``, one per row and ``GROUP`` columns)."""
@@ -122,7 +177,7 @@ def fake_quantize_rows(x: torch.Tensor, grouped: bool = False) -> torch.Tensor:
 
 
 def fake_quantize_weight(weight: torch.Tensor, grouped: bool = False) -> torch.Tensor:
-    q, scale = quantize_weight(weight, grouped)
+    q, scale, _ = quantize_weight(weight, grouped)
     spread = group_scales(scale, weight.shape[1]) if grouped else scale.reshape(-1, 1)
     return (q.float() * spread).to(weight.dtype)
 
@@ -142,7 +197,8 @@ def quantize_linear_(linear: torch.nn.Linear, grouped: bool = False) -> None:
     if released(linear):  # quantized before; its float weight is gone
         return
     own = checkpoint_weight(linear)
-    linear.fp8 = own if own is not None and own.grouped == grouped else quantize_weight(linear.weight.detach(), grouped)
+    weight = own if own is not None and own.grouped == grouped else quantize_weight(linear.weight.detach(), grouped)
+    linear.fp8 = with_blocks(weight) if weight.grouped else weight
 
 
 def check_grouped_device(device: torch.device) -> None:
@@ -216,7 +272,7 @@ def is_quantized(linear: torch.nn.Module) -> bool:
 def held_bytes(module: torch.nn.Module) -> int:
     """The bytes ``module``'s weights hold: its parameters not released, and its linears' e4m3 copies."""
     tensors = [p for p in module.parameters() if not p.is_meta]
-    tensors += [t for m in module.modules() if getattr(m, "fp8", None) is not None for t in m.fp8]
+    tensors += [t for m in module.modules() if getattr(m, "fp8", None) is not None for t in m.fp8 if t is not None]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -251,9 +307,11 @@ def _grouped_mm(q: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, bias: t
         q = torch.cat([q.view(torch.uint8), q.new_zeros(pad, width).view(torch.uint8)]).view(E4M3)
         scale = column_major(torch.cat([scale, scale.new_ones(pad, scale.shape[1])]))
     if q.is_cuda:
-        recipe = torch.nn.functional.ScalingType.BlockWise1x128
-        out = torch.nn.functional.scaled_mm(q, weight.q.t(), scale, recipe, weight.scale, recipe, bias=bias,
-                                            output_dtype=torch.bfloat16)
+        kinds = torch.nn.functional.ScalingType
+        scale_b, recipe_b = ((weight.scale, kinds.BlockWise1x128) if weight.blocks is None
+                             else (weight.blocks, kinds.BlockWise128x128))
+        out = torch.nn.functional.scaled_mm(q, weight.q.t(), scale, kinds.BlockWise1x128, scale_b, recipe_b,
+                                            bias=bias, output_dtype=torch.bfloat16)
     else:
         out = (q.float() * group_scales(scale, width)) @ (weight.q.float() * group_scales(weight.scale, width)).t()
         out = (out if bias is None else out + bias.float()).to(torch.bfloat16)
