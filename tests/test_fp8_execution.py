@@ -268,6 +268,34 @@ def test_the_fp8_bench_writes_a_block_checkpoint_that_runs_grouped(tmp_path):
     assert rel_err(encoders["fp8"].encode(pixels, GRIDS), ref) <= 1.1 * rel_err(floor, ref)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, plain", [("qwen2-vl-2b", ("proj", "fc1", "fc2")),
+                                           ("qwen2.5-vl-7b", ("proj", "down_proj")),
+                                           ("qwen3-vl-8b", ("proj", "linear_fc1", "linear_fc2"))])
+def test_a_block_checkpoints_linears_in_row_order_keep_128x128_scales(tmp_path, preset, plain):
+    """At the released widths (two blocks), a 128x128 block checkpoint's linears whose rows the
+    tower keeps in order (proj and the MLP's, short last blocks included) keep the 128x128 blocks
+    (the faster GEMM); the interleaved qkv and Qwen2.5-VL's joined, padded gate_up read per row."""
+    import importlib.util
+    from pathlib import Path
+
+    from vitgraph.checkpoints.loading import build_tower
+    from vitgraph.models import PRESETS
+    from vitgraph.models.tower_base import one_block_fields
+
+    spec = importlib.util.spec_from_file_location("fp8_bench", Path(__file__).parents[1] / "benchmarks" / "fp8.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    config = dataclasses.replace(PRESETS[preset], **one_block_fields(PRESETS[preset]))
+    torch.manual_seed(0)
+    state = build_tower(config, torch.device("cpu"), torch.float32).state_dict()
+    ckpt = bench.write_block_checkpoint(config, state, tmp_path)
+    tower = GraphedVisionEncoder.from_pretrained(ckpt, device="cpu", precision="fp8", fuse=True, progress=False).tower
+    kept = {name.rsplit(".", 1)[1] for name, m in tower.named_modules() if getattr(m, "fp8", None) is not None
+            and m.fp8.blocks is not None}
+    assert kept == set(plain)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_fp8_mlp_of_many_rows_runs_in_chunks_to_the_same_rows(family, monkeypatch):
     """Past ``FP8_MLP_ROWS`` rows, the MLP's first GEMM and its activation run a chunk of rows at a
