@@ -361,3 +361,11 @@ def test_128x128_scales_are_dropped_where_the_device_gemm_disagrees(monkeypatch)
 
     monkeypatch.setattr(ops, "_grouped_mm", refused)
     assert ops._blocks_disagree(weight, blocked) == "CUBLAS_STATUS_NOT_SUPPORTED"
+
+    def shape_refused(q, s, w, b):  # torch's TORCH_CHECK_VALUE on a scale's shape is a ValueError
+        if w.blocks is not None:
+            raise ValueError("scale_b must have shape ...")
+        return real(q, s, w, b)
+
+    monkeypatch.setattr(ops, "_grouped_mm", shape_refused)
+    assert ops._blocks_disagree(weight, blocked) == "scale_b must have shape ..."
