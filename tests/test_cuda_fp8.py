@@ -134,9 +134,13 @@ def test_the_quantizing_kernels_round_as_torch_does(width, grouped):
     # Into rows 300:700 of a larger pair (the chunked MLP's): its scales' column stride is the pair's.
     from vitgraph.ops.fp8_kernels import fp8_outputs
     whole = fp8_outputs(1001, width, grouped, x.device)
+    whole[0].view(torch.uint8).fill_(0x7F)  # e4m3 NaN: rows outside the slice must keep it
+    whole[1].fill_(float("nan"))
     activation_fp8(x[300:700], "quick_gelu", False, grouped=grouped, out=(whole[0][300:700], whole[1][300:700]))
     same((whole[0][300:700], whole[1][300:700]), quantize_rows(kernels.activation_(x[300:700].clone(), "quick_gelu")),
          "into rows of a larger pair")
+    outside = torch.cat([torch.arange(300), torch.arange(700, 1001)]).cuda()
+    assert whole[0][outside].float().isnan().all() and whole[1][outside].isnan().all(), "rows outside the slice"
 
 
 @pytest.mark.parametrize("blocks", [False, True], ids=["1x128", "128x128"])

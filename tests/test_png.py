@@ -92,8 +92,7 @@ def plain_cases() -> dict[str, bytes]:
     return {"rgba": encoded(rgba), "rgb": encoded(rgb), "rgba interlaced": interlaced(rgba),
             "rgb interlaced": interlaced(rgb), "1x1 rgba": encoded(rgba[:1, :1]),
             "ancillary chunks": with_chunks(encoded(rgba), chunk(b"gAMA", struct.pack(">I", 20000)),
-                                            chunk(b"sRGB", b"\x00"), chunk(b"sBIT", b"\x05" * 4), text),
-            "an icc profile and text after the data": encoded(rgb)[:-12] + text + chunk(b"IEND", b"")}
+                                            chunk(b"sRGB", b"\x00"), chunk(b"sBIT", b"\x05" * 4), text)}
 
 
 @pytest.mark.parametrize("case", list(plain_cases()))
@@ -118,6 +117,8 @@ def other_cases() -> dict[str, bytes]:
     Image.fromarray(rgb).save(frames, format="PNG", save_all=True,
                               append_images=[Image.fromarray(255 - rgb)], duration=100)
     raw_exif = "\nexif\n" + f"{len(exif.tobytes()) + 6:8d}\n" + (b"Exif\x00\x00" + exif.tobytes()).hex()
+    xmp = b'<x:xmpmeta><rdf:Description tiff:Orientation="6"/></x:xmpmeta>'
+    after_data = encoded(rgb)[:-12]  # before IEND
     sixteen = b"".join(b"\x00" + row.astype(">u2").tobytes() for row in rng.integers(0, 65536, (9, 7, 3)))
     return {
         "palette": encoded(np.asarray(Image.fromarray(rgb).convert("P"))),
@@ -130,16 +131,29 @@ def other_cases() -> dict[str, bytes]:
         "exif in a text chunk": with_chunks(encoded(rgb), chunk(b"tEXt", b"Raw profile type exif\x00" +
                                                                 raw_exif.encode())),
         "animated": frames.getvalue(),
+        "xmp orientation": with_chunks(encoded(rgb), chunk(b"iTXt", b"XML:com.adobe.xmp\x00\x00\x00\x00\x00" + xmp)),
+        "exif in a text chunk named exif": with_chunks(encoded(rgb), chunk(b"tEXt", b"exif\x00Exif\x00\x00" +
+                                                                          exif.tobytes())),
+        "text after the data": after_data + chunk(b"tEXt", b"Software\x00vitgraph") + chunk(b"IEND", b""),
+        "a broken gamma after the data": after_data + chunk(b"gAMA", b"\x00\x00") + chunk(b"IEND", b""),
+        "an empty icc profile after the data": after_data + chunk(b"iCCP", b"") + chunk(b"IEND", b""),
     }
 
 
 @pytest.mark.parametrize("case", list(other_cases()))
 def test_other_pngs_are_left_to_pil(case, calls):
+    """What PIL reads beyond the image data (a palette, transparency, EXIF or XMP that turn the
+    image, chunks after the data it checks): PIL decodes it, or refuses it by name, as before."""
     blob = other_cases()[case]
     assert png.plain_channels(blob) is None
+    if case.startswith(("a broken", "an empty")):  # PIL checks chunks after the data: refused by name
+        with pytest.raises(ValueError, match="image"):
+            load_pixels(blob, "image", alpha=False)
+        assert calls == []
+        return
     got = load_pixels(blob, "image", alpha=False)
     assert calls == [] and np.array_equal(got, pil_pixels(blob, alpha=False))
-    if case.startswith("exif"):
+    if "orientation" in case or case.startswith("exif"):
         assert got.shape[:2] == (30, 40)  # turned
 
 

@@ -39,7 +39,8 @@ MAX_IMAGE_PIXELS_CEILING = 2 * Image.MAX_IMAGE_PIXELS  # the most a caller may r
 _PIL_LOCKS = [threading.Lock() for _ in range(64)]
 # Whatever a PIL plugin raises for a broken file.
 _BROKEN_FILE = (OSError, ValueError, SyntaxError, TypeError, EOFError, NotImplementedError, Image.DecompressionBombError,
-                struct.error)  # exif_transpose re-packs a broken EXIF block
+                struct.error,  # exif_transpose re-packs a broken EXIF block
+                IndexError)  # an empty iCCP chunk after the image data
 
 
 def check_image_ceiling(max_image_pixels) -> None:

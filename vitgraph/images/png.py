@@ -2,9 +2,11 @@
 released: PIL's pixels (PNG is lossless) in about two thirds of PIL's time (BENCHMARKS.md).
 
 Only PNGs whose pixels and orientation PIL takes from their image data alone: 8 bits a sample,
-colour type RGB or RGBA, no transparent colour (``tRNS``), no EXIF (an ``eXIf`` chunk, or the
-text chunk PIL reads EXIF from: it may turn the image), not animated (APNG), ending in ``IEND``.
-Every other PNG, and any file libspng refuses, is decoded by PIL, which also names what is wrong.
+colour type RGB or RGBA, no transparent colour (``tRNS``), no EXIF or XMP (an ``eXIf`` chunk, or
+a text chunk PIL reads EXIF or XMP from: either may turn the image), not animated (APNG), nothing
+but image data between the first ``IDAT`` and ``IEND`` (PIL reads and checks chunks there, libspng
+stops at the data's end). Every other PNG, and any file libspng refuses, is decoded by PIL, which
+also names what is wrong.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _CHANNELS = {2: 3, 6: 4}  # IHDR colour type -> samples a pixel: truecolour, truecolour with alpha
 _REFUSED = frozenset((b"tRNS", b"eXIf", b"acTL", b"fcTL", b"fdAT"))  # transparency, EXIF, APNG
 _TEXT = frozenset((b"tEXt", b"zTXt", b"iTXt"))
-_EXIF_TEXT = b"Raw profile type exif\x00"  # PIL's getexif reads EXIF from this text chunk
+# Text keywords PIL reads EXIF or XMP from (either may hold an orientation), compared in lower case.
+_METADATA_KEYWORDS = frozenset((b"exif", b"xmp", b"xml:com.adobe.xmp", b"raw profile type exif",
+                                b"raw profile type app1", b"raw profile type xmp"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,15 +40,22 @@ def plain_channels(blob: bytes) -> int | None:
     its chunks walked by their lengths, nothing decompressed."""
     if blob[:8] != SIGNATURE or len(blob) < 33 or blob[12:16] != b"IHDR" or blob[24] != 8:
         return None
-    channels, at = _CHANNELS.get(blob[25]), 8
+    channels, at, data_seen = _CHANNELS.get(blob[25]), 8, False
     while channels is not None and at + 12 <= len(blob):
         length, kind = int.from_bytes(blob[at:at + 4], "big"), blob[at + 4:at + 8]
-        if kind in _REFUSED or (kind in _TEXT and blob[at + 8:at + 8 + len(_EXIF_TEXT)] == _EXIF_TEXT):
-            return None
         if kind == b"IEND":
             return channels
+        if kind in _REFUSED or (data_seen and kind != b"IDAT") or (kind in _TEXT and _metadata(blob, at, length)):
+            return None
+        data_seen = data_seen or kind == b"IDAT"
         at += 12 + length
     return None
+
+
+def _metadata(blob: bytes, at: int, length: int) -> bool:
+    """Whether the text chunk at ``at`` has a keyword PIL reads EXIF or XMP from."""
+    keyword = blob[at + 8:at + 8 + min(length, 80)].split(b"\x00", 1)[0]
+    return keyword.lower() in _METADATA_KEYWORDS
 
 
 def decode_plain(blob: bytes) -> np.ndarray | None:

@@ -336,8 +336,9 @@ class FusedLoop:
         out = fp8_outputs(rows, linear.fp8.q.shape[0] // (2 if self.GATED else 1), grouped, h[0].device)
         for start in range(0, rows, FP8_MLP_ROWS):
             stop = min(start + FP8_MLP_ROWS, rows)
-            f = fp8.linear_fp8(fp8.input_rows(h, start, stop, grouped), linear, self._stream_dtype)
-            activation_fp8(f, name, self.GATED, grouped=grouped, out=(out[0][start:stop], out[1][start:stop]))
+            # One call: a chunk's bf16 output is dead before the next one is made (a name would hold two).
+            activation_fp8(fp8.linear_fp8(fp8.input_rows(h, start, stop, grouped), linear, self._stream_dtype), name,
+                           self.GATED, grouped=grouped, out=(out[0][start:stop], out[1][start:stop]))
         return out
 
     def _mlp_in_act(self, h, block: nn.Module):

@@ -84,8 +84,10 @@ def activation_fp8(f: torch.Tensor, name: str, gated: bool, launch: LayerNormLau
         raise ValueError(f"a gated MLP's FP8 activation is silu(gate) * up, got {name!r}")
     rows, width = f.shape[0], f.shape[1] // (2 if gated else 1)
     q, scale = out if out is not None else fp8_outputs(rows, width, grouped, f.device)
-    if tuple(q.shape) != (rows, width) or scale.shape[0] != rows:
-        raise ValueError(f"out {tuple(q.shape)}, {tuple(scale.shape)} does not fit {rows} rows {width} wide")
+    if (tuple(q.shape) != (rows, width) or q.stride() != (width, 1) or q.dtype != E4M3 or scale.shape[0] != rows
+            or scale.stride(0) != 1 or scale.dtype != torch.float32):
+        raise ValueError(f"out {tuple(q.shape)}, {tuple(scale.shape)} is not e4m3 rows {width} wide and their "
+                         f"fp32 scales for {rows} rows, laid out as fp8_outputs lays them")
     if kernels.interpreted():
         made = quantize_input(kernels.silu_mul(f) if gated else kernels.activation_(f, name), grouped)
         return q.copy_(made[0]), scale.copy_(made[1])
