@@ -323,7 +323,7 @@ def test_block_scales_are_cublas_128x128_layout_of_the_groups(rows, groups):
     the GEMM's second operand: ``[round_up(G, 4), ceil(N / 128)]``, stride ``(1, round_up(G, 4))``,
     block ``(k, n)`` the scale of rows ``128 n ...`` and group ``k``; back to the groups exactly; and
     none where a block's rows differ."""
-    from vitgraph.ops.fp8 import Fp8Weight, block_scales, column_major, expand_blocks, with_blocks
+    from vitgraph.ops.fp8 import Fp8Weight, block_scales, column_major, with_blocks
 
     per_block = torch.rand(-(-rows // 128), groups) + 0.5
     grouped = column_major(per_block.repeat_interleave(128, 0)[:rows])
@@ -331,7 +331,7 @@ def test_block_scales_are_cublas_128x128_layout_of_the_groups(rows, groups):
     padded = -(-groups // 4) * 4
     assert blocks.shape == (padded, per_block.shape[0]) and blocks.stride() == (1, padded)
     assert blocks.dtype == torch.float32 and torch.equal(blocks[:groups], per_block.t())
-    assert torch.equal(expand_blocks(blocks, rows, groups), grouped)
+    assert torch.equal(blocks.t()[:, :groups].repeat_interleave(128, 0)[:rows], grouped)  # back to the groups
     if rows > 1:
         changed = grouped.clone()
         changed[rows - 1, groups - 1] *= 2  # the last block's last row differs from its first

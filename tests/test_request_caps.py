@@ -46,8 +46,8 @@ def decodes(monkeypatch):
         calls.append(name)
         return real(data, name, *args, **kwargs)
 
-    def counting_plain(data):
-        pixels = plain(data)
+    def counting_plain(data, channels):
+        pixels = plain(data, channels)
         if pixels is not None:
             calls.append("libspng")
         return pixels

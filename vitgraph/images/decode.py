@@ -247,8 +247,12 @@ def _plain_png(data: Encoded, name: str, max_pixels: int) -> np.ndarray | None:
     path checks it; None for any other file (PIL decodes it)."""
     if bytes(memoryview(data)[:8]) != png.SIGNATURE or png.spng_decode() is None:
         return None
+    blob = bytes(data)
+    channels = png.plain_channels(blob)  # before PIL opens it: another PNG is opened once, by PIL's path
+    if channels is None:
+        return None
     open_encoded(data, name, max_pixels)  # the declared size, against the ceiling and the bytes
-    return png.decode_plain(bytes(data))
+    return png.decode_plain(blob, channels)
 
 
 def gpu_jpeg_decoder():

@@ -58,12 +58,12 @@ def _metadata(blob: bytes, at: int, length: int) -> bool:
     return keyword.lower() in _METADATA_KEYWORDS
 
 
-def decode_plain(blob: bytes) -> np.ndarray | None:
-    """A plain PNG's ``HxWx3`` / ``HxWx4`` uint8 pixels by libspng; None for another file, without
-    libspng, or where libspng refuses it (PIL then decodes it, or names what is wrong)."""
+def decode_plain(blob: bytes, channels: int) -> np.ndarray | None:
+    """A plain PNG's ``HxWx<channels>`` uint8 pixels (``channels``: its :func:`plain_channels`) by
+    libspng; None without libspng, or where libspng refuses it (PIL then decodes it, or names
+    what is wrong)."""
     decode = spng_decode()
-    channels = plain_channels(blob) if decode is not None else None
-    if channels is None:
+    if decode is None:
         return None
     try:
         pixels = decode(blob)

@@ -125,11 +125,6 @@ def block_scales(scale: torch.Tensor) -> torch.Tensor | None:
     return blocks.t()
 
 
-def expand_blocks(blocks: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
-    """:func:`block_scales`' blocks back to grouped scales ``[rows, groups]``."""
-    return blocks.t()[:, :groups].repeat_interleave(GROUP, 0)[:rows]
-
-
 def with_blocks(weight: Fp8Weight) -> Fp8Weight:
     """A grouped weight with its :func:`block_scales` where it has them and, on CUDA, where the
     128x128 GEMM gives the 1x128 one's products on a test input (else as it was, logged)."""

@@ -93,7 +93,8 @@ def activation_fp8(f: torch.Tensor, name: str, gated: bool, launch: LayerNormLau
         return q.copy_(made[0]), scale.copy_(made[1])
     if rows:
         _activation_fp8_kernel[(triton.cdiv(rows, launch.rows),)](
-            f, q, scale, rows, scale.stride(1), WIDTH=width, BLOCK_N=triton.next_power_of_2(width), ACT=kernels.FUSED_ACTIVATIONS[name],
+            f, q, scale, rows, scale.stride(1), WIDTH=width, BLOCK_N=triton.next_power_of_2(width),
+            ACT=kernels.FUSED_ACTIVATIONS[name],
             GATED=gated, MIN=MIN_SCALE, ROWS=launch.rows, GROUP=kernel_group(grouped, width), num_warps=launch.warps)
     return q, scale
 
